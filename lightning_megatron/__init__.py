@@ -1,0 +1,18 @@
+"""lightning_megatron: Megatron-Core training (TP/PP/VPP/CP/EP/SP, pipeline schedules, distributed optimizer,
+sharded checkpoints) inside Lightning's ``Trainer``."""
+
+from lightning_megatron.config import ModelConfig, tiny_gpt
+from lightning_megatron.lm import MegatronLMModule
+from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
+from lightning_megatron.strategy import MegatronStrategy, StepStats
+
+__all__ = [
+    "ChunkSpec",
+    "MegatronLMModule",
+    "MegatronLightningModule",
+    "MegatronStrategy",
+    "ModelConfig",
+    "OptimizerSpec",
+    "StepStats",
+    "tiny_gpt",
+]

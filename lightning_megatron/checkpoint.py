@@ -1,0 +1,131 @@
+"""Sharded checkpoints through Megatron's ``dist_checkpointing``, reshardable across layouts.
+
+A checkpoint is a directory. Model chunks, the (distributed) optimizer state and everything Lightning puts into
+its checkpoint dict (loops, callbacks, LR schedule, hyper-parameters) are saved together: tensors as sharded
+tensors keyed by their *global* names (layer numbers include the pipeline/VPP offset), the rest as Megatron's
+common state. Loading at another TP/PP/VPP/DP layout reads the same global tensors with other shards.
+
+The two megatron-core 0.19 workarounds for the torch-native Adam path (no Transformer Engine / apex) live here,
+in :func:`_init_adam_state` and :func:`_keep_step_on_load`; ``tests/test_checkpoint_compat.py`` fails when
+megatron-core changes what they rely on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# Reshardable across TP, PP, VPP and DP: the optimizer state is gathered per parameter on save.
+_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_MODEL_KEY = "model{}"
+_OPTIMIZER_KEY = "optimizer"
+
+
+def chunk_key(index: int) -> str:
+    # Each chunk under its own key: VPP chunks' local parameter names collide.
+    return _MODEL_KEY.format(index)
+
+
+def sharded_state_dict(
+    chunks: Sequence[nn.Module], optimizer: Any | None = None, *, is_loading: bool = False
+) -> dict[str, Any]:
+    """Model chunks' (and optionally the Megatron optimizer's) sharded state dict."""
+    state: dict[str, Any] = {
+        chunk_key(i): chunk.sharded_state_dict(metadata=_METADATA)  # type: ignore[operator]
+        for i, chunk in enumerate(chunks)
+    }
+    if optimizer is not None:
+        if is_loading:
+            _init_adam_state(optimizer)
+        state[_OPTIMIZER_KEY] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_METADATA)
+    return state
+
+
+def save(state: dict[str, Any], path: str | Path) -> None:
+    """Collective: every rank writes its shards of ``state`` (sharded tensors + common objects) to ``path``."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if torch.distributed.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, str(path))
+
+
+def load(
+    chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path
+) -> dict[str, Any]:
+    """Collective: load model (and optimizer) state from ``path`` into ``chunks`` (and ``optimizer``).
+
+    Returns the checkpoint's other (common) entries: Lightning's loops, callbacks, hyper-parameters, ...
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete Megatron sharded checkpoint (no metadata.json); checkpoints written by "
+            "MegatronStrategy are directories"
+        )
+    state = sharded_state_dict(chunks, optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(path))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded.pop(chunk_key(i)))
+    if optimizer is not None:
+        # Copying into fp32 main params that require grad must not be recorded by autograd.
+        with torch.no_grad(), _keep_step_on_load():
+            optimizer.load_state_dict(loaded.pop(_OPTIMIZER_KEY))
+    else:
+        loaded.pop(_OPTIMIZER_KEY, None)
+    return loaded
+
+
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _init_adam_state(optimizer: Any) -> None:
+    """Give a fresh torch Adam the state it has after a step, so ``sharded_state_dict(is_loading=True)`` works.
+
+    megatron-core 0.19's ``DistributedOptimizer.state_dict`` asserts exactly one ``step`` value among the torch
+    optimizer's per-parameter states, which a fresh torch Adam does not have yet.
+    """
+    for megatron_optimizer in _inner_optimizers(optimizer):
+        torch_optimizer = megatron_optimizer.optimizer
+        if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                state = torch_optimizer.state[param]
+                if len(state) == 0:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+@contextlib.contextmanager
+def _keep_step_on_load() -> Iterator[None]:
+    """Let ``fully_reshardable`` loading skip torch Adam's ``step`` tensor.
+
+    megatron-core 0.19's ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every tensor of
+    the torch optimizer state from the checkpoint, ``step`` included, but the checkpoint restores ``step``
+    through the param groups instead and has no per-parameter entry (``KeyError: 'step'``). Megatron already
+    skips entries whose source is not a tensor, so we hand it ``step=None`` for the duration of the load.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        original(self, model_param, {"step": None, **tensors})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original  # type: ignore[method-assign]

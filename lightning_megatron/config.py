@@ -1,0 +1,329 @@
+"""Model description for a Megatron-Core GPT decoder, kept apart from how it is parallelised.
+
+`ModelConfig` is what a user writes (YAML / LightningCLI); the strategy decides TP/PP/VPP/CP/EP/SP
+and dtypes, checks them with `validate_parallel` *before* building anything, and only then calls
+`to_transformer_config(**parallel)`. Field names follow Megatron's `TransformerConfig` so that
+configs read the same as Megatron-LM's; the exception is `norm_epsilon` (Megatron-LM's CLI name,
+`layernorm_epsilon` on `TransformerConfig`).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["ModelConfig", "tiny_gpt"]
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+
+# We build with Megatron's torch-native "local" spec (no Transformer Engine / apex, also on CPU): select
+# the local implementations and turn off every fused path that needs TE or apex kernels. Defaults only:
+# the strategy's `parallel` kwargs may override them.
+_LOCAL_BACKEND_DEFAULTS: dict[str, Any] = {
+    "transformer_impl": "local",
+    "attention_backend": AttnBackend.local,
+    "apply_rope_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "persist_layer_norm": False,
+    "moe_grouped_gemm": False,
+    # Megatron's default "full" means the same as None/[] but warns on every TransformerConfig.
+    "cuda_graph_modules": None,
+}
+
+
+# ModelConfig fields that TransformerConfig has under the same name. vocab_size, seq_length, position
+# embedding, rotary and tied-embedding settings are GPTModel arguments instead (see gpt_model_kwargs).
+_SAME_NAME_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "normalization", "apply_residual_connection_post_layernorm", "hidden_dropout", "attention_dropout",
+    "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "qk_layernorm", "init_method_std",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "num_moe_experts", "moe_router_topk",
+)  # fmt: skip
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _next_multiple(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    # Literal annotations are only enforced by jsonargparse; plain Python construction is not.
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; pick one of {list(choices)}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A GPT decoder (Llama-style defaults: RMSNorm, RoPE, SwiGLU, no bias, untied embeddings)."""
+
+    num_layers: int
+    """Number of transformer layers."""
+    hidden_size: int
+    """Transformer hidden size (model width)."""
+    num_attention_heads: int
+    """Number of query attention heads."""
+    vocab_size: int
+    """Vocabulary size (rows of the embedding / output layer); must divide by the tensor-parallel size."""
+    seq_length: int
+    """Maximum sequence length the model is built for (GPTModel's max_sequence_length)."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None means num_attention_heads (plain MHA)."""
+    kv_channels: int | None = None
+    """Per-head projection size; None means hidden_size // num_attention_heads."""
+    ffn_hidden_size: int | None = None
+    """MLP hidden size; None means 4 * hidden_size."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "RMSNorm"
+    """Normalization layer type."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm/RMSNorm (TransformerConfig.layernorm_epsilon)."""
+    apply_residual_connection_post_layernorm: bool = False
+    """Use the original BERT residual ordering (residual taken after the norm)."""
+    hidden_dropout: float = 0.0
+    """Dropout probability on the transformer hidden state."""
+    attention_dropout: float = 0.0
+    """Dropout probability on the attention probabilities."""
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    """Position embedding: rotary, learned absolute, or none."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates, in (0, 1]."""
+    rotary_base: int = 10000
+    """RoPE base period (theta)."""
+    add_bias_linear: bool = False
+    """Add a bias to every linear layer (QKV, attention output, both MLP layers)."""
+    add_qkv_bias: bool = False
+    """Add a bias to the QKV projection only (e.g. Qwen2)."""
+    gated_linear_unit: bool = True
+    """Gated MLP (GLU); with activation='silu' this is SwiGLU, with 'gelu' GeGLU."""
+    activation: Literal["silu", "gelu"] = "silu"
+    """MLP non-linearity."""
+    qk_layernorm: bool = False
+    """Normalize queries and keys per head before attention."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie the input embedding and the output layer weights."""
+    init_method_std: float = 0.02
+    """Std of the normal initialization of weights (output layers are scaled by depth)."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation recomputation: 'full' layers, 'selective' (core attention only), or None (off)."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With recompute_granularity='full': 'uniform' chunks of layers or the first 'block' layers per stage."""
+    recompute_num_layers: int | None = None
+    """With recompute_granularity='full': layers per chunk ('uniform') or per pipeline stage ('block')."""
+    num_moe_experts: int | None = None
+    """Number of MoE experts per layer; None builds a dense MLP."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (MoE only)."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden size of each expert MLP; None means ffn_hidden_size (MoE only)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+            self._check_positive(name, getattr(self, name))
+        for name in ("num_query_groups", "kv_channels", "ffn_hidden_size", "num_moe_experts", "moe_ffn_hidden_size"):
+            if getattr(self, name) is not None:
+                self._check_positive(name, getattr(self, name))
+        _check_choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
+        _check_choice("activation", self.activation, tuple(_ACTIVATIONS))
+        _check_choice("position_embedding_type", self.position_embedding_type, ("rope", "learned_absolute", "none"))
+        for name in ("norm_epsilon", "init_method_std", "rotary_base"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1); use 0.0 to disable dropout")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1]; 1.0 rotates whole heads")
+
+        heads, groups = self.num_attention_heads, self.effective_num_query_groups
+        if heads % groups != 0:
+            raise ValueError(
+                f"num_attention_heads={heads} must be divisible by num_query_groups={groups}; "
+                f"pick num_query_groups among {_divisors(heads)}"
+            )
+        # Megatron silently floors hidden/heads; a non-integer head dim is almost always a typo.
+        if self.kv_channels is None and self.hidden_size % heads != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={heads} when "
+                f"kv_channels is None; pick num_attention_heads among {_divisors(self.hidden_size)} "
+                "or set kv_channels explicitly"
+            )
+        self._check_recompute()
+        self._check_moe()
+
+    @staticmethod
+    def _check_positive(name: str, value: object) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+
+    def _check_recompute(self) -> None:
+        # Mirrors TransformerConfig.__post_init__, plus rejecting settings Megatron would ignore.
+        gran, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        _check_choice("recompute_granularity", gran, ("full", "selective", None))
+        _check_choice("recompute_method", method, ("uniform", "block", None))
+        if gran != "full":
+            for name, value in (("recompute_method", method), ("recompute_num_layers", n)):
+                if value is not None:
+                    raise ValueError(
+                        f"{name}={value!r} only applies with recompute_granularity='full' "
+                        f"(got recompute_granularity={gran!r}); set {name}=None or use 'full'"
+                    )
+            return
+        if method is None:
+            raise ValueError(
+                "recompute_method=None: recompute_granularity='full' needs recompute_method 'uniform' or 'block'"
+            )
+        if n is None or not 1 <= n <= self.num_layers:
+            raise ValueError(
+                f"recompute_num_layers={n!r}: recompute_granularity='full' needs recompute_num_layers "
+                f"between 1 and num_layers={self.num_layers}"
+            )
+
+    def _check_moe(self) -> None:
+        self._check_positive("moe_router_topk", self.moe_router_topk)
+        experts = self.num_moe_experts
+        if experts is None:
+            if self.moe_ffn_hidden_size is not None:
+                raise ValueError(
+                    f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} needs num_moe_experts; "
+                    "set num_moe_experts or moe_ffn_hidden_size=None"
+                )
+            return
+        if experts < 2:
+            raise ValueError(f"num_moe_experts={experts} must be >= 2 (top-k routing needs k >= 2); or None for dense")
+        if self.moe_router_topk > experts:
+            raise ValueError(
+                f"moe_router_topk={self.moe_router_topk} must be <= num_moe_experts={experts}; "
+                f"pick moe_router_topk among 2..{experts}"
+            )
+        # Megatron rejects top-1 softmax routing unless moe_router_pre_softmax (zero gradient otherwise).
+        if self.moe_router_topk == 1:
+            raise ValueError("moe_router_topk=1 needs Megatron's moe_router_pre_softmax, not exposed here; use >= 2")
+
+    @property
+    def effective_num_query_groups(self) -> int:
+        """KV heads actually built (num_query_groups, defaulting to num_attention_heads)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def effective_kv_channels(self) -> int:
+        """Per-head dimension actually built."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def effective_ffn_hidden_size(self) -> int:
+        """MLP hidden size actually built."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def validate_parallel(
+        self, *, tp: int, pp: int, vpp: int | None, ep: int = 1, sequence_parallel: bool = False, cp: int = 1
+    ) -> None:
+        """Check that this model can be split by the given parallel sizes; raise ValueError otherwise."""
+        for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
+            self._check_positive(name, value)
+        if vpp is not None:
+            self._check_positive("vpp", vpp)
+            if vpp > 1 and pp == 1:
+                raise ValueError(f"vpp={vpp} needs pp > 1 (virtual stages interleave pipeline stages); set vpp=None")
+
+        heads, groups = self.num_attention_heads, self.effective_num_query_groups
+        if heads % tp != 0:
+            raise ValueError(
+                f"num_attention_heads={heads} must be divisible by tp={tp}; pick tp among {_divisors(heads)}"
+            )
+        # Megatron also accepts tp a multiple of num_query_groups (KV heads replicated through an
+        # all-gather); we require whole KV heads per rank so checkpoint conversion stays a plain split.
+        if groups % tp != 0:
+            raise ValueError(
+                f"num_query_groups={groups} (effective) must be divisible by tp={tp}; pick tp among {_divisors(groups)}"
+            )
+        if self.vocab_size % tp != 0:
+            raise ValueError(
+                f"vocab_size={self.vocab_size} must be divisible by tp={tp} (vocab-parallel embedding splits "
+                f"rows evenly); pad vocab_size to {_next_multiple(self.vocab_size, tp)}"
+            )
+
+        stages = pp * (vpp or 1)
+        if self.num_layers % stages != 0:
+            lower = self.num_layers // stages * stages
+            would_work = [n for n in (lower, lower + stages) if n > 0]
+            raise ValueError(
+                f"num_layers={self.num_layers} must be divisible by pp*vpp={pp}*{vpp or 1}={stages} (every "
+                f"model chunk gets the same number of layers); num_layers among {would_work} would work, "
+                f"or pick pp*vpp among {_divisors(self.num_layers)}"
+            )
+        per_chunk = self.num_layers // stages
+        n = self.recompute_num_layers
+        if n is not None and n > per_chunk:
+            raise ValueError(
+                f"recompute_num_layers={n} exceeds the {per_chunk} layers per model chunk with "
+                f"pp={pp}, vpp={vpp}; pick recompute_num_layers among 1..{per_chunk}"
+            )
+
+        experts = self.num_moe_experts
+        if experts is None and ep > 1:
+            raise ValueError(f"ep={ep} needs an MoE model but num_moe_experts=None; set ep=1 or num_moe_experts")
+        if experts is not None and experts % ep != 0:
+            raise ValueError(
+                f"num_moe_experts={experts} must be divisible by ep={ep}; pick ep among {_divisors(experts)}"
+            )
+
+        if sequence_parallel and tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1 (it splits the sequence over the TP group)")
+        # SP splits each CP shard over TP; CP load-balancing cuts the sequence into 2*cp chunks.
+        multiple = math.lcm(tp * cp if sequence_parallel else 1, 2 * cp if cp > 1 else 1)
+        if self.seq_length % multiple != 0:
+            raise ValueError(
+                f"seq_length={self.seq_length} must be divisible by {multiple} (tp={tp}, cp={cp}, "
+                f"sequence_parallel={sequence_parallel}); use seq_length={_next_multiple(self.seq_length, multiple)}"
+            )
+
+    def to_transformer_config(self, **parallel: Any) -> TransformerConfig:
+        """Build Megatron's TransformerConfig; `parallel` (TP/PP/dtypes/...) is passed through unchanged."""
+        model: dict[str, Any] = {name: getattr(self, name) for name in _SAME_NAME_FIELDS}
+        model["layernorm_epsilon"] = self.norm_epsilon
+        model["activation_func"] = _ACTIVATIONS[self.activation]
+        if self.num_moe_experts is not None:
+            # Passed explicitly: Megatron warns when it has to fall back to ffn_hidden_size itself.
+            model["moe_ffn_hidden_size"] = self.moe_ffn_hidden_size or self.effective_ffn_hidden_size
+        clash = sorted(model.keys() & parallel.keys())
+        if clash:
+            raise ValueError(f"{clash} are model fields; set them on ModelConfig, not as parallel settings")
+        return TransformerConfig(**{**_LOCAL_BACKEND_DEFAULTS, **model, **parallel})
+
+    def gpt_model_kwargs(self) -> dict[str, Any]:
+        """Arguments of GPTModel(...) that live outside TransformerConfig."""
+        return {
+            "vocab_size": self.vocab_size,
+            "max_sequence_length": self.seq_length,
+            "position_embedding_type": self.position_embedding_type,
+            "rotary_percent": self.rotary_percent,
+            "rotary_base": self.rotary_base,
+            "share_embeddings_and_output_weights": self.share_embeddings_and_output_weights,
+        }
+
+    def layer_spec(self) -> ModuleSpec:
+        """Megatron's torch-native ('local') GPT layer spec for this model."""
+        return get_gpt_layer_local_spec(
+            num_experts=self.num_moe_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=self.qk_layernorm,
+            normalization=self.normalization,
+        )
+
+
+def tiny_gpt(**overrides: Any) -> ModelConfig:
+    """A ~200k-parameter GPT for tests and CPU smoke runs; keyword arguments override any field."""
+    base: dict[str, Any] = dict(
+        num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256, seq_length=32
+    )
+    return ModelConfig(**{**base, **overrides})

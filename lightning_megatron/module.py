@@ -1,0 +1,139 @@
+"""The base LightningModule contract: what any module made of Megatron-Core parts implements to train under
+:class:`~lightning_megatron.MegatronStrategy`.
+
+A subclass implements three things:
+
+* :meth:`MegatronLightningModule.build_chunk` -- build the model chunk for one pipeline stage / VPP chunk, given a
+  :class:`ChunkSpec` (where the chunk sits and the parallel config fields the strategy decided);
+* :meth:`MegatronLightningModule.forward_step` -- run one micro-batch through one chunk and return
+  ``(output, loss_fn)`` with ``loss_fn(output) -> (loss_sum, num_tokens, logs)``, Megatron's forward-step
+  contract; ``loss_fn`` is called on the last pipeline stage only;
+* :meth:`MegatronLightningModule.configure_optimizers` -- return an :class:`OptimizerSpec` (Megatron's
+  ``OptimizerConfig`` plus the LR schedule).
+
+The strategy owns the step: ``strategy.training_step -> schedule.run -> module.forward_step``. Lightning's
+``training_step``/``validation_step``/``predict_step`` of these modules are therefore never called.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from lightning_megatron.schedule import Batch, LossFn
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import OptimizerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkSpec:
+    """Where one model chunk sits in the pipeline, and the Megatron config fields the strategy decided."""
+
+    pre_process: bool
+    """The chunk holds the input embedding (first pipeline stage, first virtual chunk)."""
+    post_process: bool
+    """The chunk holds the output head and computes the loss (last stage, last virtual chunk)."""
+    vp_stage: int | None
+    """Index of the chunk among this rank's virtual-pipeline chunks; ``None`` without VPP."""
+    parallel: dict[str, Any] = field(default_factory=dict)
+    """``ModelParallelConfig`` fields to pass into the chunk's ``TransformerConfig``/``ModelParallelConfig``:
+    parallel sizes, ``sequence_parallel``, dtypes and ``calculate_per_token_loss``."""
+
+
+@dataclass(kw_only=True)
+class OptimizerSpec:
+    """Megatron's optimizer config plus the LR schedule (Megatron's ``OptimizerParamScheduler``)."""
+
+    config: OptimizerConfig
+    """Megatron's ``OptimizerConfig`` (optimizer, lr, min_lr, weight_decay, betas, clip_grad, ...). The strategy
+    sets its precision fields and ``use_distributed_optimizer``."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up from 0 to ``config.lr`` over this many optimizer steps."""
+    lr_decay_steps: int | None = None
+    """Steps over which the LR decays to ``config.min_lr``; ``None`` means the Trainer's total steps
+    (``trainer.estimated_stepping_batches``)."""
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
+    """Shape of the decay."""
+
+
+class MegatronLightningModule(L.LightningModule):
+    """Base class for LightningModules trained by :class:`~lightning_megatron.MegatronStrategy`.
+
+    After ``configure_model`` the module holds this rank's model chunks in :attr:`chunks` (one per virtual
+    pipeline stage). Logging of ``train_loss``, ``lr``, ``grad_norm`` and ``val_loss`` happens in the batch-end
+    hooks below from what the strategy returns; subclasses overriding them should call ``super()``.
+    """
+
+    chunks: nn.ModuleList
+
+    @abstractmethod
+    def build_chunk(self, spec: ChunkSpec) -> nn.Module:
+        """Build the model chunk for ``spec``. It must expose Megatron's ``config`` attribute (a
+        ``ModelParallelConfig``/``TransformerConfig``), as every Megatron-Core module does."""
+
+    @abstractmethod
+    def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]:
+        """Run one micro-batch through ``model`` (one chunk); return its output and the loss function."""
+
+    @abstractmethod
+    def configure_optimizers(self) -> OptimizerSpec:  # type: ignore[override]
+        """Return the optimizer settings; the strategy builds Megatron's optimizer and LR schedule from them."""
+
+    def forward_predict(self, batch: Batch, model: nn.Module) -> Tensor:
+        """Run one micro-batch through ``model`` for ``trainer.predict``; defaults to ``forward_step``'s output."""
+        return self.forward_step(batch, model)[0]
+
+    def predict_output(self, batch: Batch, output: Tensor) -> Tensor:
+        """Turn the last stage's output of one micro-batch into what ``trainer.predict`` returns (on every rank)."""
+        return output
+
+    def configure_model(self) -> None:
+        """Build this rank's chunks once; the strategy says which stages they are."""
+        if hasattr(self, "chunks"):
+            return
+        from lightning_megatron.strategy import MegatronStrategy
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, MegatronStrategy):
+            raise TypeError(
+                f"{type(self).__name__} must be trained with MegatronStrategy, got strategy={type(strategy).__name__}"
+            )
+        self.chunks = nn.ModuleList(self.build_chunk(spec) for spec in strategy.chunk_specs())
+
+    def _not_called(self, hook: str) -> Any:
+        raise RuntimeError(
+            f"{type(self).__name__}.{hook} is run by MegatronStrategy through Megatron's pipeline schedule; "
+            f"use Trainer(strategy=MegatronStrategy(...)), not {type(self.trainer.strategy).__name__}"
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self._not_called("training_step")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        return self._not_called("validation_step")
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        return self._not_called("predict_step")
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # The strategy's outputs are identical on every rank, so no sync is needed (and none is done).
+        self.log("train_loss", outputs["loss"], prog_bar=True)
+        stats = self.trainer.strategy.last_step  # type: ignore[attr-defined]
+        self.log("lr", stats.lr, prog_bar=True)
+        if stats.grad_norm is not None:
+            self.log("grad_norm", stats.grad_norm)
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Weighting by tokens makes the epoch mean the token-weighted mean over the whole validation set.
+        self.log("val_loss", outputs["loss"], prog_bar=True, batch_size=int(outputs["num_tokens"]))
+
+
+def tokens(mask: Tensor) -> Tensor:
+    """Token count of a loss mask as the integer tensor Megatron's schedule accumulates."""
+    return mask.sum().to(torch.int)

@@ -1,0 +1,424 @@
+"""MegatronStrategy: Megatron-Core's parallelism, schedules, optimizer and checkpoints behind Lightning's hooks."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
+
+from lightning_megatron import checkpoint as ckpt
+from lightning_megatron import cpu, parallel, schedule
+from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last optimizer step reported."""
+
+    lr: float
+    grad_norm: float | None
+    skipped: bool
+
+
+class MegatronStrategy(DDPStrategy):
+    """Train a :class:`~lightning_megatron.MegatronLightningModule` with Megatron-Core.
+
+    Args:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        vpp: virtual-pipeline chunks per pipeline rank (interleaved 1F1B); needs ``pp > 1``.
+        cp: context-parallel size.
+        ep: expert-parallel size (MoE).
+        sequence_parallel: split norm/dropout activations along the sequence across TP ranks; needs ``tp > 1``.
+        micro_batch_size: samples per micro-batch; each DataLoader batch is split into micro-batches of this
+            size and run through Megatron's pipeline schedule as one optimizer step.
+        use_distributed_optimizer: shard optimizer state across data-parallel ranks (ZeRO-1).
+        ddp_config: Megatron's ``DistributedDataParallelConfig`` (grad-reduce/param-gather overlap, bucket size,
+            ...); ``use_distributed_optimizer`` above wins over its field of the same name.
+        seed: base seed of Megatron's model-parallel RNG; ``None`` takes Lightning's ``seed_everything`` seed
+            (``PL_GLOBAL_SEED``) or 1234.
+        timeout: timeout of the process groups' collectives.
+        process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on GPU by default.
+    """
+
+    strategy_name = "megatron"
+
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        vpp: int | None = None,
+        cp: int = 1,
+        ep: int = 1,
+        sequence_parallel: bool = False,
+        micro_batch_size: int = 1,
+        use_distributed_optimizer: bool = True,
+        ddp_config: DistributedDataParallelConfig | None = None,
+        seed: int | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self._sizes = parallel.ParallelSizes(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a positive integer")
+        self.micro_batch_size = micro_batch_size
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self._ddp_config = ddp_config
+        self._seed = seed
+        self._ddp_chunks: list[nn.Module] | None = None
+        self._megatron_optimizer: Any | None = None
+        self._scheduler: Any | None = None
+        self._last_step: StepStats | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def parallel(self) -> parallel.ParallelSizes:
+        """The parallel layout (tp, pp, vpp, cp, ep, sequence_parallel)."""
+        return self._sizes
+
+    @property
+    def megatron_optimizer(self) -> Any:
+        """Megatron's optimizer, built in ``setup`` for fitting."""
+        if self._megatron_optimizer is None:
+            raise RuntimeError("MegatronStrategy.megatron_optimizer is only available after setup for trainer.fit")
+        return self._megatron_optimizer
+
+    @property
+    def last_step(self) -> StepStats:
+        """LR and gradient norm of the last optimizer step."""
+        if self._last_step is None:
+            raise RuntimeError("MegatronStrategy.last_step is only available after the first optimizer step")
+        return self._last_step
+
+    @property
+    def module(self) -> MegatronLightningModule:
+        module = self.lightning_module
+        if not isinstance(module, MegatronLightningModule):
+            raise TypeError(
+                "MegatronStrategy trains a lightning_megatron.MegatronLightningModule (e.g. MegatronLMModule), "
+                f"got {type(module).__name__}"
+            )
+        return module
+
+    def chunk_specs(self) -> list[ChunkSpec]:
+        """One spec per model chunk this rank holds (one per VPP stage)."""
+        config = self.megatron_config_kwargs()
+        stages = parallel.chunk_stages(self._sizes.num_chunks)
+        vpp = self._sizes.vpp
+        return [
+            ChunkSpec(pre_process=first, post_process=last, vp_stage=i if vpp else None, parallel=config)
+            for i, (first, last) in enumerate(stages)
+        ]
+
+    def megatron_config_kwargs(self) -> dict[str, Any]:
+        """``ModelParallelConfig`` fields the strategy decides: sizes, dtypes, token-weighted loss."""
+        return {
+            **self._sizes.megatron_kwargs(),
+            "params_dtype": torch.float32,
+            "pipeline_dtype": torch.float32,
+            # Megatron divides gradients by the global batch's token count (our loss functions return sums).
+            "calculate_per_token_loss": True,
+        }
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Tensor-, pipeline- and context-parallel peers must see the same samples.
+        rank, size = parallel.data_parallel_rank_and_size()
+        return {"num_replicas": size, "rank": rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the model and optimizer must exist to load sharded state into them
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # loaded together with the model in load_checkpoint
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        return True  # micro-batching is the accumulation
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def connect(self, model: L.LightningModule) -> None:
+        super().connect(model)
+        trainer = model.trainer
+        _validate_trainer(trainer)
+        validate = getattr(getattr(model, "config", None), "validate_parallel", None)
+        if callable(validate):
+            s = self._sizes
+            validate(tp=s.tp, pp=s.pp, vpp=s.vpp, ep=s.ep, sequence_parallel=s.sequence_parallel, cp=s.cp)
+
+    @override
+    def setup_environment(self) -> None:
+        self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
+        if self.root_device.type == "cpu":
+            cpu.enable()
+        super().setup_environment()  # default process group
+        parallel.initialize(self._sizes, seed=_seed(self._seed), timeout=self._timeout)
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.module
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._ddp_chunks = _wrap_chunks(list(module.chunks), self._ddp_config, self.use_distributed_optimizer)
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def setup_optimizers(self, trainer: L.Trainer) -> None:
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        spec = self.module.configure_optimizers()
+        if not isinstance(spec, OptimizerSpec):
+            raise TypeError(
+                f"{type(self.module).__name__}.configure_optimizers must return lightning_megatron.OptimizerSpec, "
+                f"got {type(spec).__name__}"
+            )
+        opt_config = replace(spec.config, use_distributed_optimizer=self.use_distributed_optimizer)
+        assert self._ddp_chunks is not None
+        self._megatron_optimizer = get_megatron_optimizer(opt_config, self._ddp_chunks)
+        self._scheduler = _build_scheduler(self._megatron_optimizer, spec, trainer)
+        # What Megatron's schedule calls around the step, read from the first chunk's config.
+        config = self._ddp_chunks[0].config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self._megatron_optimizer.scale_loss
+        self.optimizers = [_LightningOptimizer(self._megatron_optimizer, self._scheduler, self._record_step)]
+        self.lr_scheduler_configs = []
+
+    def _record_step(self, stats: StepStats) -> None:
+        self._last_step = stats
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]
+        assert self._ddp_chunks is not None
+        for chunk in self._ddp_chunks:
+            chunk.zero_grad_buffer()
+        self.megatron_optimizer.zero_grad()
+        records = schedule.run(
+            self.module, self._ddp_chunks, schedule.as_batch(batch), micro_batch_size=self.micro_batch_size,
+            forward_only=False,
+        )  # fmt: skip
+        loss, num_tokens = schedule.reduce_loss(records, self.root_device)
+        return {"loss": loss, "num_tokens": num_tokens}
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        return closure_loss  # Megatron's schedule already ran the backward pass
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:  # type: ignore[override]
+        records = self._forward_only(batch, predict=False)
+        loss, num_tokens = schedule.reduce_loss(records, self.root_device)
+        return {"loss": loss, "num_tokens": num_tokens}
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:  # type: ignore[override]
+        return schedule.gather_predictions(self._forward_only(batch, predict=True), self.root_device)
+
+    def _forward_only(self, batch: Any, *, predict: bool) -> list[dict[str, Any]]:
+        chunks = self._ddp_chunks or list(self.module.chunks)
+        with torch.no_grad():
+            return schedule.run(
+                self.module, chunks, schedule.as_batch(batch), micro_batch_size=self.micro_batch_size,
+                forward_only=True, predict=predict,
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the model is saved sharded in save_checkpoint
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Tensor]:
+        return {}  # the optimizer is saved sharded in save_checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"MegatronStrategy.save_checkpoint takes no storage_options, got {storage_options!r}")
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if self._scheduler is not None:
+            state["megatron_lr_scheduler"] = self._scheduler.state_dict()
+        chunks = self._ddp_chunks or list(self.module.chunks)
+        state.update(ckpt.sharded_state_dict(chunks, self._megatron_optimizer))
+        ckpt.save(state, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        chunks = self._ddp_chunks or list(self.module.chunks)
+        loaded = ckpt.load(chunks, self._megatron_optimizer, checkpoint_path)
+        scheduler_state = loaded.pop("megatron_lr_scheduler", None)
+        if self._scheduler is not None and scheduler_state is not None:
+            self._scheduler.load_state_dict(scheduler_state)
+        loaded.setdefault("state_dict", {})
+        return loaded
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(Path(filepath), ignore_errors=True)
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        self._ddp_chunks = None
+        self._megatron_optimizer = None
+        self._scheduler = None
+        super().teardown()
+        if _distributed_is_initialized():
+            parallel.destroy()
+        cpu.disable()
+
+
+class _LightningOptimizer(torch.optim.Optimizer):
+    """The face Megatron's optimizer shows to Lightning's automatic optimization.
+
+    Lightning's closure order is training_step -> ``zero_grad`` -> backward -> ``step``; our training_step already
+    produced the gradients (Megatron's schedule runs backward), so ``zero_grad`` must not clear them: the strategy
+    zeroes Megatron's grad buffers itself before each schedule run. ``step`` runs Megatron's optimizer (grad
+    clipping and the distributed-optimizer all-gather included) and then the LR schedule.
+    """
+
+    def __init__(self, optimizer: Any, scheduler: Any, on_step: Callable[[StepStats], None]) -> None:
+        # Deliberately not Optimizer.__init__: the parameters and state belong to Megatron's optimizer.
+        self._optimizer = optimizer
+        self._scheduler = scheduler
+        self._on_step = on_step
+        self.defaults: dict[str, Any] = {}
+        self.state: dict[Any, Any] = {}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._optimizer.param_groups
+
+    @override
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # see the class docstring
+
+    @override
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        lr = float(self._optimizer.param_groups[0]["lr"])
+        update_successful, grad_norm, _ = self._optimizer.step()
+        if update_successful:
+            self._scheduler.step(increment=1)
+        self._on_step(StepStats(lr=lr, grad_norm=grad_norm, skipped=not update_successful))
+        return loss
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("the Megatron optimizer's state is saved sharded by MegatronStrategy.save_checkpoint")
+
+
+def _validate_trainer(trainer: L.Trainer) -> None:
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported by MegatronStrategy: "
+            "one DataLoader batch is one optimizer step, split into micro-batches of micro_batch_size. Keep "
+            "accumulate_grad_batches=1 and raise the DataLoader batch size to accumulate more samples per step"
+        )
+    if trainer.gradient_clip_val is not None:
+        raise ValueError(
+            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported by MegatronStrategy: Megatron's "
+            "optimizer clips gradients; set clip_grad in the OptimizerConfig your module's configure_optimizers "
+            "returns (MegatronLMModule(clip_grad=...))"
+        )
+
+
+def _seed(seed: int | None) -> int:
+    import os
+
+    if seed is not None:
+        return seed
+    return int(os.environ.get("PL_GLOBAL_SEED", 1234))
+
+
+def _wrap_chunks(
+    chunks: list[nn.Module], ddp_config: DistributedDataParallelConfig | None, use_distributed_optimizer: bool
+) -> list[nn.Module]:
+    """Wrap each model chunk in Megatron's DDP (contiguous grad buffers, bucketed reduce-scatter/all-reduce)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    base = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    base = replace(base, use_distributed_optimizer=use_distributed_optimizer)
+    wrapped = []
+    for index, chunk in enumerate(chunks):
+        # Only the first chunk gets buckets for overlap; Megatron does the same with VPP.
+        ddp = DistributedDataParallel(chunk.config, base, chunk, disable_bucketing=index > 0)
+        ddp.broadcast_params()  # replicas start identical whatever the per-rank seeds were
+        wrapped.append(ddp)
+    return wrapped
+
+
+def _build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> Any:
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = spec.lr_decay_steps
+    if decay_steps is None:
+        total = trainer.estimated_stepping_batches
+        if total == float("inf") or total < 1:
+            raise ValueError(
+                f"lr_decay_steps=None means 'decay over the whole run', but the Trainer's total steps are {total}; "
+                "set Trainer(max_steps=...) or lr_decay_steps"
+            )
+        decay_steps = int(total)
+    config = spec.config
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if spec.lr_warmup_steps > 0 else config.lr,
+        max_lr=config.lr,
+        min_lr=config.min_lr or 0.0,
+        lr_warmup_steps=spec.lr_warmup_steps,
+        lr_decay_steps=max(decay_steps, spec.lr_warmup_steps + 1),
+        lr_decay_style=spec.lr_decay_style,
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
+    )
+
+
+# Third-party strategies are not discovered by Lightning: register the name at import time.
+if MegatronStrategy.strategy_name not in StrategyRegistry:
+    StrategyRegistry.register(
+        MegatronStrategy.strategy_name, MegatronStrategy, description="Megatron-Core TP/PP/VPP/CP/EP parallelism"
+    )

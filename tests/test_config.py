@@ -1,0 +1,268 @@
+"""ModelConfig: validation, parallel checks and conversion to Megatron's TransformerConfig (CPU, no process groups)."""
+
+import ast
+import dataclasses
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # megatron warns about missing TE/apex on import
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from lightning_megatron import config as config_module
+    from lightning_megatron.config import ModelConfig, tiny_gpt
+
+
+def test_tiny_gpt_defaults_are_llama_style() -> None:
+    cfg = tiny_gpt()
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (4, 64, 4)
+    assert (cfg.ffn_hidden_size, cfg.vocab_size, cfg.seq_length) == (128, 256, 32)
+    assert cfg.normalization == "RMSNorm"
+    assert cfg.position_embedding_type == "rope"
+    assert cfg.activation == "silu"
+    assert cfg.gated_linear_unit
+    assert not cfg.add_bias_linear
+    assert not cfg.share_embeddings_and_output_weights
+    assert tiny_gpt(num_layers=8).num_layers == 8
+
+
+def test_required_fields_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        ModelConfig(2, 8, 2, 16, 8)  # type: ignore[misc]
+
+
+def test_effective_sizes() -> None:
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=32, seq_length=16)
+    assert cfg.effective_num_query_groups == 8
+    assert cfg.effective_kv_channels == 8
+    assert cfg.effective_ffn_hidden_size == 256
+    assert tiny_gpt(num_query_groups=2).effective_num_query_groups == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"num_layers": 0}, r"num_layers=0"),
+        ({"hidden_size": -64}, r"hidden_size=-64"),
+        ({"vocab_size": 0}, r"vocab_size=0"),
+        ({"seq_length": 0}, r"seq_length=0"),
+        ({"num_query_groups": 0}, r"num_query_groups=0"),
+        ({"ffn_hidden_size": 0}, r"ffn_hidden_size=0"),
+        ({"num_layers": 2.0}, r"num_layers=2\.0"),
+        (
+            {"num_attention_heads": 6, "hidden_size": 60, "num_query_groups": 4},
+            r"num_attention_heads=6.*"
+            r"num_query_groups=4.*\[1, 2, 3, 6\]",
+        ),
+        ({"num_attention_heads": 6}, r"hidden_size=64.*num_attention_heads=6"),
+        ({"activation": "relu"}, r"activation='relu'.*silu"),
+        ({"normalization": "BatchNorm"}, r"normalization='BatchNorm'"),
+        ({"position_embedding_type": "alibi"}, r"position_embedding_type='alibi'"),
+        ({"hidden_dropout": 1.0}, r"hidden_dropout=1\.0"),
+        ({"attention_dropout": -0.1}, r"attention_dropout=-0\.1"),
+        ({"rotary_percent": 0.0}, r"rotary_percent=0\.0"),
+        ({"rotary_percent": 1.5}, r"rotary_percent=1\.5"),
+        ({"norm_epsilon": 0.0}, r"norm_epsilon=0\.0"),
+        ({"init_method_std": -1.0}, r"init_method_std=-1\.0"),
+        ({"recompute_granularity": "some"}, r"recompute_granularity='some'"),
+        ({"recompute_granularity": "full"}, r"recompute_method=None.*'uniform' or 'block'"),
+        ({"recompute_granularity": "full", "recompute_method": "uniform"}, r"recompute_num_layers=None.*1 and"),
+        (
+            {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 5},
+            r"recompute_num_layers=5.*num_layers=4",
+        ),
+        ({"recompute_granularity": "full", "recompute_method": "chunk"}, r"recompute_method='chunk'"),
+        ({"recompute_granularity": "selective", "recompute_num_layers": 1}, r"recompute_num_layers=1.*'full'"),
+        ({"recompute_granularity": "selective", "recompute_method": "uniform"}, r"recompute_method='uniform'"),
+        ({"recompute_method": "block"}, r"recompute_method='block'.*recompute_granularity=None"),
+        ({"moe_ffn_hidden_size": 32}, r"moe_ffn_hidden_size=32.*num_moe_experts"),
+        ({"num_moe_experts": 1}, r"num_moe_experts=1"),
+        ({"num_moe_experts": 4, "moe_router_topk": 8}, r"moe_router_topk=8.*num_moe_experts=4"),
+        ({"num_moe_experts": 4, "moe_router_topk": 1}, r"moe_router_topk=1"),
+        ({"moe_router_topk": 0}, r"moe_router_topk=0"),
+    ],
+)
+def test_invalid_model_config(overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tiny_gpt(**overrides)
+
+
+def test_valid_recompute_settings() -> None:
+    tiny_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    tiny_gpt(recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
+    tiny_gpt(recompute_granularity="selective")
+
+
+@pytest.mark.parametrize(
+    ("cfg_overrides", "parallel", "match"),
+    [
+        ({}, {"tp": 0, "pp": 1, "vpp": None}, r"tp=0"),
+        ({}, {"tp": 1, "pp": 1, "vpp": 0}, r"vpp=0"),
+        ({}, {"tp": 1, "pp": 1, "vpp": 2}, r"vpp=2 needs pp > 1"),
+        ({}, {"tp": 8, "pp": 1, "vpp": None}, r"num_attention_heads=4 must be divisible by tp=8.*\[1, 2, 4\]"),
+        ({"num_query_groups": 2}, {"tp": 4, "pp": 1, "vpp": None}, r"num_query_groups=2.*tp=4.*\[1, 2\]"),
+        ({"vocab_size": 250}, {"tp": 4, "pp": 1, "vpp": None}, r"vocab_size=250.*tp=4.*252"),
+        ({"num_layers": 6}, {"tp": 1, "pp": 2, "vpp": 2}, r"num_layers=6.*pp\*vpp=2\*2=4.*\[4, 8\].*\[1, 2, 3, 6\]"),
+        ({"num_layers": 3}, {"tp": 1, "pp": 2, "vpp": None}, r"num_layers=3.*pp\*vpp=2\*1=2.*\[2, 4\]"),
+        (
+            {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 4},
+            {"tp": 1, "pp": 2, "vpp": None},
+            r"recompute_num_layers=4.*1\.\.2",
+        ),
+        ({}, {"tp": 1, "pp": 1, "vpp": None, "ep": 2}, r"ep=2.*num_moe_experts=None"),
+        ({"num_moe_experts": 6}, {"tp": 1, "pp": 1, "vpp": None, "ep": 4}, r"num_moe_experts=6.*ep=4.*\[1, 2, 3, 6\]"),
+        ({}, {"tp": 1, "pp": 1, "vpp": None, "sequence_parallel": True}, r"sequence_parallel=True needs tp > 1"),
+        ({"seq_length": 30}, {"tp": 4, "pp": 1, "vpp": None, "sequence_parallel": True}, r"seq_length=30.*tp=4.*32"),
+        ({"seq_length": 30}, {"tp": 1, "pp": 1, "vpp": None, "cp": 2}, r"seq_length=30.*divisible by 4.*cp=2.*32"),
+        (
+            {"seq_length": 30},
+            {"tp": 4, "pp": 1, "vpp": None, "cp": 3, "sequence_parallel": True},
+            r"seq_length=30.*divisible by 12.*cp=3.*36",
+        ),
+    ],
+)
+def test_invalid_parallel(cfg_overrides: dict, parallel: dict, match: str) -> None:
+    cfg = tiny_gpt(**cfg_overrides)
+    with pytest.raises(ValueError, match=match):
+        cfg.validate_parallel(**parallel)
+
+
+def test_valid_parallel() -> None:
+    tiny_gpt().validate_parallel(tp=4, pp=2, vpp=2, sequence_parallel=True, cp=2)
+    tiny_gpt(num_moe_experts=4).validate_parallel(tp=2, pp=1, vpp=None, ep=4)
+    tiny_gpt(num_query_groups=2).validate_parallel(tp=2, pp=4, vpp=1)
+
+
+def test_to_transformer_config_maps_fields() -> None:
+    cfg = tiny_gpt(num_query_groups=2, norm_epsilon=1e-6, qk_layernorm=True, init_method_std=0.01)
+    tc = cfg.to_transformer_config(tensor_model_parallel_size=1, params_dtype=torch.float32)
+    assert isinstance(tc, TransformerConfig)
+    assert (tc.num_layers, tc.hidden_size, tc.num_attention_heads) == (4, 64, 4)
+    assert tc.num_query_groups == 2
+    assert tc.kv_channels == 16
+    assert tc.ffn_hidden_size == 128
+    assert tc.activation_func is F.silu
+    assert tc.gated_linear_unit is True
+    assert tc.normalization == "RMSNorm"
+    assert tc.layernorm_epsilon == 1e-6
+    assert tc.qk_layernorm is True
+    assert tc.add_bias_linear is False
+    assert tc.add_qkv_bias is False
+    assert tc.hidden_dropout == 0.0
+    assert tc.attention_dropout == 0.0
+    assert tc.init_method_std == 0.01
+    assert tc.num_moe_experts is None
+    assert tc.transformer_impl == "local"
+    for fused in (
+        "apply_rope_fusion",
+        "masked_softmax_fusion",
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "gradient_accumulation_fusion",
+        "persist_layer_norm",
+    ):
+        assert getattr(tc, fused) is False, fused
+
+
+def test_to_transformer_config_defaults_and_gelu() -> None:
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=64,
+        seq_length=16,
+        activation="gelu",
+        normalization="LayerNorm",
+        gated_linear_unit=False,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+    )
+    tc = cfg.to_transformer_config()
+    assert tc.activation_func is F.gelu
+    assert tc.normalization == "LayerNorm"
+    assert tc.num_query_groups == 4
+    assert tc.ffn_hidden_size == 128
+    assert tc.kv_channels == 8
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
+
+
+def test_to_transformer_config_passes_parallel_through() -> None:
+    cfg = tiny_gpt()
+    tc = cfg.to_transformer_config(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        context_parallel_size=2,
+        sequence_parallel=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        bf16=True,
+        calculate_per_token_loss=True,
+    )
+    assert tc.tensor_model_parallel_size == 2
+    assert tc.pipeline_model_parallel_size == 2
+    assert tc.virtual_pipeline_model_parallel_size == 2
+    assert tc.context_parallel_size == 2
+    assert tc.sequence_parallel is True
+    assert tc.params_dtype is torch.bfloat16
+    assert tc.pipeline_dtype is torch.bfloat16
+    assert tc.bf16 is True
+    assert tc.calculate_per_token_loss is True
+
+
+def test_to_transformer_config_moe() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "moe_ffn_hidden_size is not set" fallback warning
+        tc = tiny_gpt(num_moe_experts=4).to_transformer_config(expert_model_parallel_size=2)
+    assert tc.num_moe_experts == 4
+    assert tc.moe_router_topk == 2
+    assert tc.moe_ffn_hidden_size == 128
+    assert tc.expert_model_parallel_size == 2
+    assert tiny_gpt(num_moe_experts=4, moe_ffn_hidden_size=32).to_transformer_config().moe_ffn_hidden_size == 32
+
+
+def test_to_transformer_config_rejects_model_fields_as_parallel() -> None:
+    with pytest.raises(ValueError, match=r"num_layers"):
+        tiny_gpt().to_transformer_config(num_layers=8)
+
+
+def test_gpt_model_kwargs() -> None:
+    kwargs = tiny_gpt(share_embeddings_and_output_weights=True, rotary_base=500000).gpt_model_kwargs()
+    assert kwargs == {
+        "vocab_size": 256,
+        "max_sequence_length": 32,
+        "position_embedding_type": "rope",
+        "rotary_percent": 1.0,
+        "rotary_base": 500000,
+        "share_embeddings_and_output_weights": True,
+    }
+
+
+def test_layer_spec() -> None:
+    spec = tiny_gpt().layer_spec()
+    assert isinstance(spec, ModuleSpec)
+    moe_spec = tiny_gpt(num_moe_experts=4, qk_layernorm=True).layer_spec()
+    assert isinstance(moe_spec, ModuleSpec)
+    assert moe_spec.submodules.mlp is not spec.submodules.mlp
+
+
+def test_every_field_has_a_docstring() -> None:
+    tree = ast.parse(inspect.getsource(config_module))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ModelConfig")
+    documented = set()
+    for stmt, nxt in zip(cls.body, [*cls.body[1:], None], strict=True):
+        if isinstance(stmt, ast.AnnAssign):
+            name = stmt.target.id  # type: ignore[attr-defined]
+            ok = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)
+            assert ok, f"ModelConfig.{name} has no docstring"
+            assert nxt.value.value.strip(), f"ModelConfig.{name} has an empty docstring"  # type: ignore[union-attr]
+            documented.add(name)
+    assert documented == {f.name for f in dataclasses.fields(ModelConfig)}
