@@ -5,8 +5,8 @@ its checkpoint dict (loops, callbacks, LR schedule, hyper-parameters) are saved 
 tensors keyed by their *global* names (layer numbers include the pipeline/VPP offset), the rest as Megatron's
 common state. Loading at another TP/PP/VPP/DP layout reads the same global tensors with other shards.
 
-The two megatron-core 0.19 workarounds for the torch-native Adam path (no Transformer Engine / apex) live here,
-in :func:`_init_adam_state` and :func:`_keep_step_on_load`; ``tests/test_checkpoint_compat.py`` fails when
+The three megatron-core 0.19 workarounds for the torch-native Adam path (no Transformer Engine / apex) live here,
+in :func:`_init_adam_state`, :func:`_keep_step_on_load` and :func:`_untie_adam_steps`; ``tests/test_checkpoint_compat.py`` fails when
 megatron-core changes what they rely on.
 """
 
@@ -80,6 +80,7 @@ def load(
         # Copying into fp32 main params that require grad must not be recorded by autograd.
         with torch.no_grad(), _keep_step_on_load():
             optimizer.load_state_dict(loaded.pop(_OPTIMIZER_KEY))
+        _untie_adam_steps(optimizer)
     else:
         loaded.pop(_OPTIMIZER_KEY, None)
     return loaded
@@ -106,6 +107,19 @@ def _init_adam_state(optimizer: Any) -> None:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(param)
                     state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def _untie_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own Adam ``step`` tensor after loading.
+
+    megatron-core 0.19's ``DistributedOptimizer.load_state_dict`` (torch-native path) assigns *one* ``step``
+    tensor to every parameter's state; torch Adam increments it in place once per parameter, so the bias
+    correction of every step after a resume would be wrong.
+    """
+    for megatron_optimizer in _inner_optimizers(optimizer):
+        for state in megatron_optimizer.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 @contextlib.contextmanager

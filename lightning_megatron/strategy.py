@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import cpu, parallel, schedule
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
+from lightning_megatron.resume import ResumableLoader
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -135,6 +136,10 @@ class MegatronStrategy(DDPStrategy):
             "pipeline_dtype": torch.float32,
             # Megatron divides gradients by the global batch's token count (our loss functions return sums).
             "calculate_per_token_loss": True,
+            # gloo has no grouped p2p: Megatron's batched isend/irecv can pair a forward activation with a
+            # backward gradient when the next and previous stage are the same peer (interleaved schedule, pp=2),
+            # silently corrupting the micro-batches after the warm-up. One op at a time is matched in order.
+            "batch_p2p_comm": self.root_device.type != "cpu",
         }
 
     @property
@@ -143,6 +148,14 @@ class MegatronStrategy(DDPStrategy):
         # Tensor-, pipeline- and context-parallel peers must see the same samples.
         rank, size = parallel.data_parallel_rank_and_size()
         return {"num_replicas": size, "rank": rank}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.module.trainer
+        if not trainer.training:
+            return dataloader
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        return ResumableLoader(dataloader, consumed=lambda: progress.current.ready)
 
     @property
     @override
@@ -270,17 +283,22 @@ class MegatronStrategy(DDPStrategy):
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if self._scheduler is not None:
             state["megatron_lr_scheduler"] = self._scheduler.state_dict()
-        chunks = self._ddp_chunks or list(self.module.chunks)
-        state.update(ckpt.sharded_state_dict(chunks, self._megatron_optimizer))
+        # The unwrapped chunks: the DDP wrappers' state-dict keys carry a "module." prefix.
+        state.update(ckpt.sharded_state_dict(list(self.module.chunks), self._megatron_optimizer))
         ckpt.save(state, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        chunks = self._ddp_chunks or list(self.module.chunks)
-        loaded = ckpt.load(chunks, self._megatron_optimizer, checkpoint_path)
+        loaded = ckpt.load(list(self.module.chunks), self._megatron_optimizer, checkpoint_path)
         scheduler_state = loaded.pop("megatron_lr_scheduler", None)
         if self._scheduler is not None and scheduler_state is not None:
-            self._scheduler.load_state_dict(scheduler_state)
+            try:
+                self._scheduler.load_state_dict(scheduler_state)
+            except AssertionError as error:  # Megatron asserts that the schedule settings match
+                raise ValueError(
+                    f"the LR schedule saved in {checkpoint_path} differs from this run's ({error}); keep lr, min_lr, "
+                    "warmup_steps and decay_steps (or Trainer(max_steps) when decay_steps=None) as they were"
+                ) from error
         loaded.setdefault("state_dict", {})
         return loaded
 
@@ -414,6 +432,9 @@ def _build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) ->
         end_wd=config.weight_decay,
         wd_incr_steps=max(decay_steps, 1),
         wd_incr_style="constant",
+        # A resumed run must continue the saved schedule; a mismatch raises instead of being overridden.
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False,
     )
 
 

@@ -1,0 +1,85 @@
+"""One training/validation run at a given layout, launched by the multi-process tests (and usable by hand).
+
+``python tests/layout_worker.py '{"devices": 2, "tp": 2, "max_steps": 4, "out": "/tmp/r.json", ...}'``
+Lightning's launcher re-runs this command once per extra process; rank 0 writes the JSON result.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron.data import synthetic_tokens
+
+GLOBAL_BATCH = 8
+
+
+class Recorder(L.Callback):
+    def __init__(self) -> None:
+        self.train: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.train[trainer.global_step] = float(outputs["loss"])
+
+
+def main(args: dict) -> None:
+    devices = args.get("devices", 1)
+    tp, pp, vpp = args.get("tp", 1), args.get("pp", 1), args.get("vpp")
+    dp = devices // (tp * pp)
+    accelerator = args.get("accelerator", "cpu")
+    data = synthetic_tokens(64, 32, 256, seed=1)
+    # Learnable structure (each sequence repeats one random half), so a falling loss is visible.
+    data[:, 16:] = data[:, :16]
+    val = synthetic_tokens(16, 32, 256, seed=2)
+    model = MegatronLMModule(tiny_gpt(), lr=args.get("lr", 3e-3), warmup_steps=1, decay_steps=16)
+    recorder = Recorder()
+    callbacks: list = [recorder]
+    if args.get("ckpt_dir"):
+        callbacks.append(
+            ModelCheckpoint(dirpath=args["ckpt_dir"], every_n_train_steps=args.get("ckpt_every", 2), save_top_k=-1)
+        )
+    strategy = MegatronStrategy(tp=tp, pp=pp, vpp=vpp, micro_batch_size=args.get("micro_batch_size", 2))
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_steps=args.get("max_steps", 4),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(args.get("ckpt_dir")),
+        callbacks=callbacks,
+        num_sanity_val_steps=args.get("sanity", 0),
+        limit_val_batches=args.get("limit_val_batches", 0),
+        val_check_interval=args.get("val_check_interval"),
+    )
+    batch = GLOBAL_BATCH // dp
+    train_loader = DataLoader(data, batch_size=batch, drop_last=True)
+    val_loader = DataLoader(val, batch_size=batch, drop_last=True)
+    result: dict = {}
+    if args.get("mode", "fit") == "fit":
+        trainer.fit(model, train_loader, val_loader, ckpt_path=args.get("resume"))
+        result["train"] = recorder.train
+        result["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    elif args["mode"] == "validate":
+        out = trainer.validate(model, val_loader, ckpt_path=args.get("resume"))
+        result["val"] = out[0]["val_loss"]
+    elif args["mode"] == "predict":
+        preds = trainer.predict(model, val_loader, ckpt_path=args.get("resume"))
+        result["logits_sum"] = float(sum(p.double().sum() for p in preds))
+        result["logits_shape"] = list(preds[0].shape)
+        torch.save(torch.cat(preds), args["out"] + f".rank{trainer.global_rank}.pt")
+    result["rank"] = trainer.global_rank
+    out_path = args["out"] if trainer.global_rank == 0 else args["out"] + f".rank{trainer.global_rank}"
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
