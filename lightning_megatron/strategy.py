@@ -151,6 +151,12 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        batch_size = getattr(dataloader, "batch_size", None)
+        if isinstance(batch_size, int) and batch_size % self.micro_batch_size != 0:
+            raise ValueError(
+                f"DataLoader batch_size={batch_size} is not divisible by micro_batch_size={self.micro_batch_size}: "
+                "each batch is split into micro-batches; use a batch size that is a multiple of micro_batch_size"
+            )
         trainer = self.module.trainer
         if not trainer.training:
             return dataloader
@@ -175,6 +181,11 @@ class MegatronStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def connect(self, model: L.LightningModule) -> None:
+        if not isinstance(model, MegatronLightningModule):
+            raise TypeError(
+                "MegatronStrategy trains a lightning_megatron.MegatronLightningModule (e.g. MegatronLMModule), "
+                f"got {type(model).__name__}"
+            )
         super().connect(model)
         trainer = model.trainer
         _validate_trainer(trainer)
@@ -182,6 +193,13 @@ class MegatronStrategy(DDPStrategy):
         if callable(validate):
             s = self._sizes
             validate(tp=s.tp, pp=s.pp, vpp=s.vpp, ep=s.ep, sequence_parallel=s.sequence_parallel, cp=s.cp)
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Lightning configures the launcher when the Trainer is built, before any process is started: the
+        # earliest point where the world size is known.
+        self._sizes.data_parallel_size(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:

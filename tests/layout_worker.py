@@ -24,8 +24,14 @@ class Recorder(L.Callback):
     def __init__(self) -> None:
         self.train: dict[int, float] = {}
 
+        self.val: dict[int, float] = {}
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.train[trainer.global_step] = float(outputs["loss"])
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        key = -1 if trainer.sanity_checking else trainer.global_step
+        self.val[key] = float(trainer.callback_metrics["val_loss"])
 
 
 def main(args: dict) -> None:
@@ -58,6 +64,7 @@ def main(args: dict) -> None:
         num_sanity_val_steps=args.get("sanity", 0),
         limit_val_batches=args.get("limit_val_batches", 0),
         val_check_interval=args.get("val_check_interval"),
+        check_val_every_n_epoch=None if args.get("val_check_interval") else 1,
     )
     batch = GLOBAL_BATCH // dp
     train_loader = DataLoader(data, batch_size=batch, drop_last=True)
@@ -66,15 +73,14 @@ def main(args: dict) -> None:
     if args.get("mode", "fit") == "fit":
         trainer.fit(model, train_loader, val_loader, ckpt_path=args.get("resume"))
         result["train"] = recorder.train
+        result["val"] = recorder.val
         result["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     elif args["mode"] == "validate":
         out = trainer.validate(model, val_loader, ckpt_path=args.get("resume"))
         result["val"] = out[0]["val_loss"]
     elif args["mode"] == "predict":
         preds = trainer.predict(model, val_loader, ckpt_path=args.get("resume"))
-        result["logits_sum"] = float(sum(p.double().sum() for p in preds))
-        result["logits_shape"] = list(preds[0].shape)
-        torch.save(torch.cat(preds), args["out"] + f".rank{trainer.global_rank}.pt")
+        torch.save(torch.cat(preds), f"{args['pred_out']}.rank{trainer.global_rank}.pt")
     result["rank"] = trainer.global_rank
     out_path = args["out"] if trainer.global_rank == 0 else args["out"] + f".rank{trainer.global_rank}"
     with open(out_path, "w") as f:

@@ -1,0 +1,90 @@
+"""Single-process runs inside the test process: learning, teardown, a second Trainer, CPU mode scoping."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronLMModule, MegatronStrategy, cpu, tiny_gpt
+from lightning_megatron.data import synthetic_tokens
+
+
+def _data(n: int = 64) -> torch.Tensor:
+    data = synthetic_tokens(n, 32, 256, seed=3)
+    data[:, 16:] = data[:, :16]  # the second half repeats the first: learnable
+    return data
+
+
+def _trainer(max_steps: int, **kwargs: object) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), max_steps=max_steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+
+
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.values.append(float(outputs["loss"]))
+
+
+def test_loss_falls_and_weights_change() -> None:
+    model = MegatronLMModule(tiny_gpt(), lr=3e-3, decay_steps=40)
+    losses = Losses()
+    trainer = _trainer(40, callbacks=[losses])
+    batch = _data(8)
+    loader = DataLoader(batch.repeat(40, 1), batch_size=8)  # the same batch every step
+    trainer.fit(model, loader)
+    assert losses.values[-1] < losses.values[0] - 1.0, losses.values  # memorises the repeated batch
+    # Everything trainer.fit leaves behind is consistent with what Lightning logged.
+    assert trainer.callback_metrics["train_loss"] == torch.tensor(losses.values[-1])
+    assert trainer.callback_metrics["lr"] > 0 and trainer.callback_metrics["grad_norm"] > 0
+
+
+def test_second_trainer_and_evaluation_after_fit() -> None:
+    model = MegatronLMModule(tiny_gpt(), lr=1e-3)
+    data = _data(32)
+    _trainer(2).fit(model, DataLoader(data, batch_size=8))
+    assert not cpu.is_enabled()  # CPU mode is scoped to the run
+    weights = [p.detach().clone() for p in model.parameters()]
+    assert weights
+
+    # validate and predict with the same module in fresh Trainers (parallel state rebuilt, no re-init).
+    val = L.Trainer(accelerator="cpu", devices=1, strategy="megatron", logger=False, enable_progress_bar=False)
+    out = val.validate(model, DataLoader(data[:8], batch_size=4))
+    assert 4.0 < out[0]["val_loss"] < 6.0
+    preds = _trainer(1).predict(model, DataLoader(data[:8], batch_size=4))
+    assert [p.shape for p in preds] == [torch.Size([4, 32, 256])] * 2
+    for before_w, after_w in zip(weights, model.parameters(), strict=True):
+        torch.testing.assert_close(before_w, after_w.detach(), rtol=0, atol=0)
+
+    # A second fit on a new module in the same process.
+    other = MegatronLMModule(tiny_gpt(num_layers=2), lr=1e-3)
+    _trainer(2).fit(other, DataLoader(data, batch_size=8))
+    assert len(list(other.chunks)) == 1
+
+
+def test_cpu_mode_is_reversible() -> None:
+    original = torch.cuda.current_device
+    with cpu.cpu_mode():
+        assert torch.cuda.current_device() == 0
+        t = torch.empty(2, device="cuda")
+        assert t.device.type == "cpu"
+        assert t.cuda() is t
+        assert t.type() == "torch.cuda.FloatTensor"
+        assert torch.ones(1).to(torch.cuda.current_device()).device.type == "cpu"
+        state = torch.cuda.get_rng_state()
+        a = torch.rand(3)
+        torch.cuda.set_rng_state(state)
+        assert torch.equal(a, torch.rand(3))  # the "CUDA" RNG is the CPU generator
+    assert torch.cuda.current_device is original
+    assert not cpu.is_enabled()
+    assert torch.empty(1).type() == "torch.FloatTensor"
+
+
+def test_registry_name() -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="megatron", logger=False)
+    assert isinstance(trainer.strategy, MegatronStrategy)
