@@ -5,9 +5,9 @@ its checkpoint dict (loops, callbacks, LR schedule, hyper-parameters) are saved 
 tensors keyed by their *global* names (layer numbers include the pipeline/VPP offset), the rest as Megatron's
 common state. Loading at another TP/PP/VPP/DP layout reads the same global tensors with other shards.
 
-The three megatron-core 0.19 workarounds for the torch-native Adam path (no Transformer Engine / apex) live here,
-in :func:`_init_adam_state`, :func:`_keep_step_on_load` and :func:`_untie_adam_steps`; ``tests/test_checkpoint_compat.py`` fails when
-megatron-core changes what they rely on.
+The three megatron-core 0.19 workarounds for the torch-native Adam path (no Transformer Engine / apex) live
+here: :func:`_init_adam_state`, :func:`_keep_step_on_load` and :func:`_untie_adam_steps`. The layout tests fail
+when any of them stops being right (cross-layout resume must be exact).
 """
 
 from __future__ import annotations
@@ -57,9 +57,7 @@ def save(state: dict[str, Any], path: str | Path) -> None:
     dist_checkpointing.save(state, str(path))
 
 
-def load(
-    chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path
-) -> dict[str, Any]:
+def load(chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path) -> dict[str, Any]:
     """Collective: load model (and optimizer) state from ``path`` into ``chunks`` (and ``optimizer``).
 
     Returns the checkpoint's other (common) entries: Lightning's loops, callbacks, hyper-parameters, ...

@@ -43,7 +43,7 @@ class ChunkSpec:
     """Index of the chunk among this rank's virtual-pipeline chunks; ``None`` without VPP."""
     parallel: dict[str, Any] = field(default_factory=dict)
     """``ModelParallelConfig`` fields to pass into the chunk's ``TransformerConfig``/``ModelParallelConfig``:
-    parallel sizes, ``sequence_parallel``, dtypes and ``calculate_per_token_loss``."""
+    parallel sizes, ``sequence_parallel``, dtypes and p2p settings."""
 
 
 @dataclass(kw_only=True)
@@ -74,8 +74,13 @@ class MegatronLightningModule(L.LightningModule):
 
     @abstractmethod
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
-        """Build the model chunk for ``spec``. It must expose Megatron's ``config`` attribute (a
-        ``ModelParallelConfig``/``TransformerConfig``), as every Megatron-Core module does."""
+        """Build the model chunk for ``spec``.
+
+        Megatron's schedules need three things from every chunk: ``config`` (a ``TransformerConfig`` built with
+        ``**spec.parallel``; the schedules read fields beyond ``ModelParallelConfig``), ``model_type``
+        (``ModelType.encoder_or_decoder``) and ``set_input_tensor(tensor)`` (takes the previous pipeline stage's
+        output; a no-op for single-stage models). Megatron-Core's models have all three.
+        """
 
     @abstractmethod
     def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]:

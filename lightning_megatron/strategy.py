@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, override
 
 import lightning as L
 import torch
@@ -17,7 +17,6 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
-from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import cpu, parallel, schedule
@@ -134,8 +133,6 @@ class MegatronStrategy(DDPStrategy):
             **self._sizes.megatron_kwargs(),
             "params_dtype": torch.float32,
             "pipeline_dtype": torch.float32,
-            # Megatron divides gradients by the global batch's token count (our loss functions return sums).
-            "calculate_per_token_loss": True,
             # gloo has no grouped p2p: Megatron's batched isend/irecv can pair a forward activation with a
             # backward gradient when the next and previous stage are the same peer (interleaved schedule, pp=2),
             # silently corrupting the micro-batches after the warm-up. One op at a time is matched in order.
@@ -219,6 +216,11 @@ class MegatronStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         module = self.module
         self.model_to_device()
+        for chunk in module.chunks:
+            # Loss functions return sums; Megatron then divides gradients by the global batch's token count.
+            # Set here (not through ChunkSpec) because it is a TransformerConfig field that the schedule and DDP
+            # read from any chunk config, a bare ModelParallelConfig included.
+            chunk.config.calculate_per_token_loss = True
         if trainer.state.fn == TrainerFn.FITTING:
             self._ddp_chunks = _wrap_chunks(list(module.chunks), self._ddp_config, self.use_distributed_optimizer)
             self.setup_optimizers(trainer)

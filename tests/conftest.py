@@ -11,14 +11,21 @@ import pytest
 WORKER = Path(__file__).parent / "layout_worker.py"
 
 
-def run_worker(args: dict, tmp_path: Path, timeout: float = 600) -> dict:
-    """Run ``tests/layout_worker.py`` (Lightning launches the extra processes); return rank 0's result."""
+def run_worker(args: dict, tmp_path: Path, timeout: float = 600, torchrun: bool = False) -> dict:
+    """Run ``tests/layout_worker.py``; return rank 0's result.
+
+    By default Lightning's own launcher starts the extra processes; with ``torchrun=True`` torchrun starts them all
+    and Lightning joins them (its TorchElastic cluster environment).
+    """
     out = tmp_path / f"result-{os.urandom(4).hex()}.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
     if args.get("accelerator", "cpu") == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    launcher = [sys.executable]
+    if torchrun:
+        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(args["devices"]), "--master-port", "29531"]
     proc = subprocess.run(
-        [sys.executable, str(WORKER), json.dumps({**args, "out": str(out)})],
+        [*launcher, str(WORKER), json.dumps({**args, "out": str(out)})],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -26,7 +33,9 @@ def run_worker(args: dict, tmp_path: Path, timeout: float = 600) -> dict:
         timeout=timeout,
     )
     if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"worker failed ({proc.returncode}) for {args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"worker failed ({proc.returncode}) for {args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return json.loads(out.read_text())
 
 

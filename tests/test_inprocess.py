@@ -41,7 +41,8 @@ def test_loss_falls_and_weights_change() -> None:
     assert losses.values[-1] < losses.values[0] - 1.0, losses.values  # memorises the repeated batch
     # Everything trainer.fit leaves behind is consistent with what Lightning logged.
     assert trainer.callback_metrics["train_loss"] == torch.tensor(losses.values[-1])
-    assert trainer.callback_metrics["lr"] > 0 and trainer.callback_metrics["grad_norm"] > 0
+    assert trainer.callback_metrics["lr"] > 0
+    assert trainer.callback_metrics["grad_norm"] > 0
 
 
 def test_second_trainer_and_evaluation_after_fit() -> None:

@@ -77,6 +77,15 @@ def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_p
 
 
 @pytest.mark.multiprocess
+def test_torchrun_launch(reference: dict, tmp_path: Path) -> None:
+    """The same script under torchrun (processes started outside Lightning) continues the same curve."""
+    resumed = run_worker(
+        {**LAYOUTS["tp2"], "max_steps": MAX_STEPS, "resume": reference["ckpt"]}, tmp_path, torchrun=True
+    )
+    _assert_close(resumed["train"], {k: v for k, v in reference["full"]["train"].items() if int(k) > CKPT_STEP}, "loss")
+
+
+@pytest.mark.multiprocess
 def test_sanity_validation_runs_with_pipeline_parallelism(tmp_path: Path) -> None:
     # Lightning's sanity check stays on (it is not silently disabled) and runs the forward-only schedule.
     result = run_worker({**LAYOUTS["pp2_vpp2"], "max_steps": 2, **VAL}, tmp_path)
@@ -88,12 +97,18 @@ def test_sanity_validation_runs_with_pipeline_parallelism(tmp_path: Path) -> Non
 @pytest.mark.parametrize("name", ["tp2", "pp2"])
 def test_validate_and_predict_parity(name: str, reference: dict, tmp_path: Path) -> None:
     one = run_worker({"devices": 1, "mode": "validate", "limit_val_batches": 2, "resume": reference["ckpt"]}, tmp_path)
-    many = run_worker({**LAYOUTS[name], "mode": "validate", "limit_val_batches": 2, "resume": reference["ckpt"]}, tmp_path)
+    many = run_worker(
+        {**LAYOUTS[name], "mode": "validate", "limit_val_batches": 2, "resume": reference["ckpt"]}, tmp_path
+    )
     assert many["val"] == pytest.approx(one["val"], rel=REL)
 
-    run_worker({"devices": 1, "mode": "predict", "resume": reference["ckpt"], "pred_out": str(tmp_path / "one")}, tmp_path)
+    run_worker(
+        {"devices": 1, "mode": "predict", "resume": reference["ckpt"], "pred_out": str(tmp_path / "one")}, tmp_path
+    )
     one_logits = torch.load(tmp_path / "one.rank0.pt")
-    run_worker({**LAYOUTS[name], "mode": "predict", "resume": reference["ckpt"], "pred_out": str(tmp_path / "many")}, tmp_path)
+    run_worker(
+        {**LAYOUTS[name], "mode": "predict", "resume": reference["ckpt"], "pred_out": str(tmp_path / "many")}, tmp_path
+    )
     for rank in range(LAYOUTS[name]["devices"]):
         logits = torch.load(tmp_path / f"many.rank{rank}.pt")
         assert logits.shape == one_logits.shape == (16, 32, 256)  # full vocabulary on every rank

@@ -1,0 +1,35 @@
+"""The shipped examples run and learn: the TP=2 MLP (base-class contract) and the main LM job."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def _run(args: list[str], cwd: Path) -> str:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_tp_mlp_trains_at_tp2(tmp_path: Path) -> None:
+    out = _run([str(EXAMPLES / "tp_mlp.py"), "--devices", "2", "--tp", "2", "--max-steps", "30"], tmp_path)
+    first, last = map(float, re.search(r"mse: first ([\d.]+) -> last ([\d.]+)", out).groups())
+    assert last < first / 5, out
+
+
+@pytest.mark.multiprocess
+def test_main_job_loss_falls(tmp_path: Path) -> None:
+    out = _run([str(EXAMPLES / "train_lm.py"), "--max-steps", "30", "--devices", "2", "--tp", "2"], tmp_path)
+    losses = [float(x) for x in re.findall(r"train_loss ([\d.]+)", out)]
+    assert len(losses) == 3, out
+    assert losses[-1] < losses[0] - 0.5, out
