@@ -133,10 +133,11 @@ class MegatronStrategy(DDPStrategy):
             **self._sizes.megatron_kwargs(),
             "params_dtype": torch.float32,
             "pipeline_dtype": torch.float32,
-            # gloo has no grouped p2p: Megatron's batched isend/irecv can pair a forward activation with a
-            # backward gradient when the next and previous stage are the same peer (interleaved schedule, pp=2),
-            # silently corrupting the micro-batches after the warm-up. One op at a time is matched in order.
-            "batch_p2p_comm": self.root_device.type != "cpu",
+            # With pp=2 the next and the previous stage are the same peer. The interleaved schedule's batched
+            # send/recv then posts [send_prev, recv_prev, send_next, recv_next] on both ranks, so an activation
+            # is received as a gradient and vice versa (same shape: no error, silently wrong losses after the
+            # warm-up; seen on gloo and NCCL). Unbatched p2p orders the ops so they match.
+            "batch_p2p_comm": not (self._sizes.pp == 2 and self._sizes.vpp is not None),
         }
 
     @property

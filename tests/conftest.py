@@ -11,6 +11,15 @@ import pytest
 WORKER = Path(__file__).parent / "layout_worker.py"
 
 
+# What an in-process Trainer leaves in os.environ; a child inheriting MASTER_PORT would bind a port we hold.
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
 def run_worker(args: dict, tmp_path: Path, timeout: float = 600, torchrun: bool = False) -> dict:
     """Run ``tests/layout_worker.py``; return rank 0's result.
 
@@ -18,8 +27,8 @@ def run_worker(args: dict, tmp_path: Path, timeout: float = 600, torchrun: bool 
     and Lightning joins them (its TorchElastic cluster environment).
     """
     out = tmp_path / f"result-{os.urandom(4).hex()}.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
-    if args.get("accelerator", "cpu") == "cpu":
+    env = child_env()
+    if args.get("accelerator", "cpu") == "cpu":  # CPU runs must not touch a GPU that happens to be there
         env["CUDA_VISIBLE_DEVICES"] = ""
     launcher = [sys.executable]
     if torchrun:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -10,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import child_env
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def _run(args: list[str], cwd: Path) -> str:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    env = child_env(CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout
