@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from lightning_megatron.layers import TorchNorm, with_torch_norms
 
 __all__ = ["ModelConfig", "tiny_gpt"]
 
@@ -286,6 +289,12 @@ class ModelConfig:
                 f"seq_length={self.seq_length} must be divisible by {multiple} (tp={tp}, cp={cp}, "
                 f"sequence_parallel={sequence_parallel}); use seq_length={_next_multiple(self.seq_length, multiple)}"
             )
+        if cp > 1:
+            raise ValueError(
+                f"cp={cp}: context parallelism needs an attention that splits the sequence across ranks, and "
+                "Megatron's torch-native attention (the local spec this model uses without Transformer Engine) "
+                "asserts cp == 1; use cp=1"
+            )
 
     def to_transformer_config(self, **parallel: Any) -> TransformerConfig:
         """Build Megatron's TransformerConfig; `parallel` (TP/PP/dtypes/...) is passed through unchanged."""
@@ -312,13 +321,21 @@ class ModelConfig:
         }
 
     def layer_spec(self) -> ModuleSpec:
-        """Megatron's torch-native ('local') GPT layer spec for this model."""
-        return get_gpt_layer_local_spec(
+        """Megatron's torch-native ('local') GPT layer spec for this model, with norms that support SP."""
+        spec = get_gpt_layer_local_spec(
             num_experts=self.num_moe_experts,
             moe_grouped_gemm=False,
             qk_layernorm=self.qk_layernorm,
             normalization=self.normalization,
         )
+        return with_torch_norms(spec)
+
+    def block_spec(self, config: TransformerConfig, vp_stage: int | None) -> TransformerBlockSubmodules:
+        """The decoder layers of one pipeline stage / VPP chunk, and a final norm that supports SP."""
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+        return TransformerBlockSubmodules(layer_specs=[self.layer_spec()] * num_layers, layer_norm=TorchNorm)
 
 
 def tiny_gpt(**overrides: Any) -> ModelConfig:

@@ -7,8 +7,10 @@ needs a GPU to be *correct*; it only needs to run. This module makes it run with
 
 * a ``TorchFunctionMode`` rewrites every CUDA device argument to CPU, makes ``.cuda()`` and ``pin_memory()``
   identities, and reports CUDA type names from ``Tensor.type()``;
-* a handful of ``torch.cuda`` functions are swapped for CPU stand-ins (device index 0, no-op streams, events
-  and synchronisation, the RNG routed to the CPU generator).
+* a handful of ``torch.cuda`` functions are swapped for CPU stand-ins: ``current_device()`` returns the CPU
+  device (autograd runs backward functions without the mode, and they too call
+  ``torch.empty(..., device=torch.cuda.current_device())``), streams, events and synchronisation are no-ops,
+  and the CUDA RNG is the CPU generator.
 
 The layer is process-wide and reversible: :func:`enable` installs it, :func:`disable` restores every original.
 :class:`~lightning_megatron.MegatronStrategy` installs it only for ``accelerator="cpu"`` and removes it at
@@ -105,6 +107,12 @@ def _zero(*args: Any, **kwargs: Any) -> int:
     return 0
 
 
+def _current_device() -> torch.device:
+    # A CPU device rather than the index 0: ``device=torch.cuda.current_device()`` also runs inside autograd
+    # backward functions, where the engine does not apply the TorchFunctionMode (its stack is empty there).
+    return _CPU
+
+
 def _nullcontext(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
@@ -124,11 +132,12 @@ def _manual_seed(seed: int) -> None:
 
 def _patches() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, CPU stand-in) for every CUDA entry point Megatron-Core 0.19 reaches in training."""
+
     from megatron.core.tensor_parallel import random as mcore_random
 
     cuda = torch.cuda
     return [
-        (cuda, "current_device", _zero),
+        (cuda, "current_device", _current_device),
         (cuda, "set_device", _noop),
         (cuda, "synchronize", _noop),
         (cuda, "empty_cache", _noop),

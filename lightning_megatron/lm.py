@@ -90,9 +90,10 @@ class MegatronLMModule(MegatronLightningModule):
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
         from megatron.core.models.gpt import GPTModel
 
+        config = self.config.to_transformer_config(**spec.parallel)
         return GPTModel(
-            config=self.config.to_transformer_config(**spec.parallel),
-            transformer_layer_spec=self.config.layer_spec(),
+            config=config,
+            transformer_layer_spec=self.config.block_spec(config, spec.vp_stage),
             pre_process=spec.pre_process,
             post_process=spec.post_process,
             vp_stage=spec.vp_stage,

@@ -135,7 +135,12 @@ def test_invalid_parallel(cfg_overrides: dict, parallel: dict, match: str) -> No
 
 
 def test_valid_parallel() -> None:
-    tiny_gpt().validate_parallel(tp=4, pp=2, vpp=2, sequence_parallel=True, cp=2)
+    tiny_gpt().validate_parallel(tp=4, pp=2, vpp=2, sequence_parallel=True)
+
+
+def test_context_parallel_needs_an_attention_that_splits_sequences() -> None:
+    with pytest.raises(ValueError, match=r"cp=2: context parallelism"):
+        tiny_gpt().validate_parallel(tp=1, pp=1, vpp=None, cp=2)
     tiny_gpt(num_moe_experts=4).validate_parallel(tp=2, pp=1, vpp=None, ep=4)
     tiny_gpt(num_query_groups=2).validate_parallel(tp=2, pp=4, vpp=1)
 

@@ -26,6 +26,7 @@ LAYOUTS = {
     "pp2": {"devices": 2, "pp": 2},
     "pp2_vpp2": {"devices": 2, "pp": 2, "vpp": 2},
     "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2},
+    "tp2_sp": {"devices": 2, "tp": 2, "sp": True},
 }
 
 
