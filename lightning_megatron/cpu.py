@@ -7,10 +7,10 @@ needs a GPU to be *correct*; it only needs to run. This module makes it run with
 
 * a ``TorchFunctionMode`` rewrites every CUDA device argument to CPU, makes ``.cuda()`` and ``pin_memory()``
   identities, and reports CUDA type names from ``Tensor.type()``;
+* custom autograd Functions run their backward under the mode as well (the autograd engine does not carry
+  torch function modes into backward, where Megatron allocates buffers and re-runs forward code for recompute);
 * a handful of ``torch.cuda`` functions are swapped for CPU stand-ins: ``current_device()`` returns the CPU
-  device (autograd runs backward functions without the mode, and they too call
-  ``torch.empty(..., device=torch.cuda.current_device())``), streams, events and synchronisation are no-ops,
-  and the CUDA RNG is the CPU generator.
+  device, streams, events and synchronisation are no-ops, and the CUDA RNG is the CPU generator.
 
 The layer is process-wide and reversible: :func:`enable` installs it, :func:`disable` restores every original.
 :class:`~lightning_megatron.MegatronStrategy` installs it only for ``accelerator="cpu"`` and removes it at
@@ -130,12 +130,27 @@ def _manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
 
 
+def _backward_in_mode(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Run custom autograd Functions' backward under the mode too: the autograd engine does not carry torch
+    function modes into backward, and Megatron's backward functions allocate CUDA buffers and re-run forward code
+    (activation recompute builds ``device="cuda"`` causal masks)."""
+
+    def apply(self: Any, *args: Any) -> Any:
+        if torch._C._len_torch_function_stack() > 0:
+            return original(self, *args)
+        with _CudaToCpuMode():
+            return original(self, *args)
+
+    return apply
+
+
 def _patches() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, CPU stand-in) for every CUDA entry point Megatron-Core 0.19 reaches in training."""
 
     from megatron.core.tensor_parallel import random as mcore_random
 
     cuda = torch.cuda
+    backward_cls = torch.autograd.function.BackwardCFunction
     return [
         (cuda, "current_device", _current_device),
         (cuda, "set_device", _noop),
@@ -157,6 +172,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (cuda.random, "get_rng_state", _get_rng_state),
         (cuda.random, "set_rng_state", _set_rng_state),
         (mcore_random, "_set_cuda_rng_state", _set_rng_state),
+        (backward_cls, "apply", _backward_in_mode(backward_cls.apply)),
     ]
 
 

@@ -43,7 +43,8 @@ def main(args: dict) -> None:
     # Learnable structure (each sequence repeats one random half), so a falling loss is visible.
     data[:, 16:] = data[:, :16]
     val = synthetic_tokens(16, 32, 256, seed=2)
-    model = MegatronLMModule(tiny_gpt(), lr=args.get("lr", 3e-3), warmup_steps=1, decay_steps=16)
+    config = tiny_gpt(**args.get("model", {}))
+    model = MegatronLMModule(config, lr=args.get("lr", 3e-3), warmup_steps=1, decay_steps=16)
     recorder = Recorder()
     callbacks: list = [recorder]
     if args.get("ckpt_dir"):

@@ -83,6 +83,26 @@ def test_cpu_mode_is_reversible() -> None:
         assert torch.equal(a, torch.rand(3))  # the "CUDA" RNG is the CPU generator
     assert torch.cuda.current_device is original
     assert not cpu.is_enabled()
+
+
+class _CudaInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        # What Megatron's backward functions do (buffers, recompute): CUDA placement outside forward.
+        return grad * 2 + torch.zeros(grad.shape, device="cuda")
+
+
+def test_cpu_mode_reaches_custom_backward() -> None:
+    original = torch.autograd.function.BackwardCFunction.apply
+    with cpu.cpu_mode():
+        x = torch.ones(3, requires_grad=True)
+        _CudaInBackward.apply(x).sum().backward()
+        assert torch.equal(x.grad, torch.full((3,), 2.0))
+    assert torch.autograd.function.BackwardCFunction.apply is original
     assert torch.empty(1).type() == "torch.FloatTensor"
 
 

@@ -78,6 +78,20 @@ def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_p
 
 
 @pytest.mark.multiprocess
+def test_tied_embeddings_across_pipeline_stages(tmp_path: Path) -> None:
+    """Tied input/output embeddings live on the first and the last stage at PP=2 and must stay one tensor."""
+    tied = {"model": {"share_embeddings_and_output_weights": True}}
+    ckpt_dir = tmp_path / "ckpt"
+    run_worker(
+        {**tied, "devices": 1, "max_steps": CKPT_STEP, "ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}, tmp_path
+    )
+    full = run_worker({**tied, "devices": 1, "max_steps": MAX_STEPS}, tmp_path)
+    ckpt = str(ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt")
+    resumed = run_worker({**tied, **LAYOUTS["pp2"], "max_steps": MAX_STEPS, "resume": ckpt}, tmp_path)
+    _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "tied train_loss")
+
+
+@pytest.mark.multiprocess
 def test_torchrun_launch(reference: dict, tmp_path: Path) -> None:
     """The same script under torchrun (processes started outside Lightning) continues the same curve."""
     resumed = run_worker(
