@@ -5,12 +5,14 @@ from lightning_megatron.config import ModelConfig, tiny_gpt
 from lightning_megatron.lm import MegatronLMModule
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
 from lightning_megatron.strategy import MegatronStrategy, StepStats
+from lightning_megatron.value import MegatronValueModule
 
 __all__ = [
     "ChunkSpec",
     "MegatronLMModule",
     "MegatronLightningModule",
     "MegatronStrategy",
+    "MegatronValueModule",
     "ModelConfig",
     "OptimizerSpec",
     "StepStats",

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.data import synthetic_tokens
+from lightning_megatron.value import MegatronValueModule
 
 GLOBAL_BATCH = 8
 
@@ -34,6 +35,10 @@ class Recorder(L.Callback):
         self.val[key] = float(trainer.callback_metrics["val_loss"])
 
 
+def value_items(tokens: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": t, "returns": (t % 7).float() / 7, "loss_mask": (t % 5 != 0).long()} for t in tokens]
+
+
 def main(args: dict) -> None:
     devices = args.get("devices", 1)
     tp, pp, vpp = args.get("tp", 1), args.get("pp", 1), args.get("vpp")
@@ -44,7 +49,10 @@ def main(args: dict) -> None:
     data[:, 16:] = data[:, :16]
     val = synthetic_tokens(16, 32, 256, seed=2)
     config = tiny_gpt(**args.get("model", {}))
-    model = MegatronLMModule(config, lr=args.get("lr", 3e-3), warmup_steps=1, decay_steps=16)
+    module_cls = MegatronValueModule if args.get("module") == "value" else MegatronLMModule
+    model = module_cls(config, lr=args.get("lr", 3e-3), warmup_steps=1, decay_steps=16)
+    if args.get("module") == "value":  # per-token value targets derived from the tokens
+        data, val = value_items(data), value_items(val)
     recorder = Recorder()
     callbacks: list = [recorder]
     if args.get("ckpt_dir"):
