@@ -20,6 +20,7 @@ teardown. It is written against megatron-core 0.19 (see ``SUPPORTED_MEGATRON``);
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -151,7 +152,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
 
     cuda = torch.cuda
     backward_cls = torch.autograd.function.BackwardCFunction
-    return [
+    patches = [
         (cuda, "current_device", _current_device),
         (cuda, "set_device", _noop),
         (cuda, "synchronize", _noop),
@@ -174,6 +175,20 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (mcore_random, "_set_cuda_rng_state", _set_rng_state),
         (backward_cls, "apply", _backward_in_mode(backward_cls.apply)),
     ]
+    # One distinct object per patched name: torch.compile (used by Megatron's MoE code) keeps a table of torch
+    # functions and rejects one object registered under two names with different trace rules.
+    return [(owner, name, _distinct(replacement, name)) for owner, name, replacement in patches]
+
+
+def _distinct(replacement: Any, name: str) -> Any:
+    if isinstance(replacement, type):
+        return type(f"_Cpu{name}", (replacement,), {})
+
+    @functools.wraps(replacement)
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        return replacement(*args, **kwargs)
+
+    return stand_in
 
 
 class _DropCpuRngWarning(logging.Filter):

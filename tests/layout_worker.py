@@ -60,7 +60,12 @@ def main(args: dict) -> None:
             ModelCheckpoint(dirpath=args["ckpt_dir"], every_n_train_steps=args.get("ckpt_every", 2), save_top_k=-1)
         )
     strategy = MegatronStrategy(
-        tp=tp, pp=pp, vpp=vpp, sequence_parallel=args.get("sp", False), micro_batch_size=args.get("micro_batch_size", 2)
+        tp=tp,
+        pp=pp,
+        vpp=vpp,
+        ep=args.get("ep", 1),
+        sequence_parallel=args.get("sp", False),
+        micro_batch_size=args.get("micro_batch_size", 2),
     )
     trainer = L.Trainer(
         accelerator=accelerator,
