@@ -13,6 +13,7 @@ when any of them stops being right (cross-layout resume must be exact).
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,14 +48,35 @@ def sharded_state_dict(
 
 
 def save(state: dict[str, Any], path: str | Path) -> None:
-    """Collective: every rank writes its shards of ``state`` (sharded tensors + common objects) to ``path``."""
+    """Collective: every rank writes its shards of ``state`` (sharded tensors + common objects) to ``path``.
+
+    Crash-safe: the shards go to ``<path>.partial``, which becomes ``path`` (by rename, replacing an older
+    checkpoint of the same name such as ``last.ckpt``) only after every rank finished writing. A run killed
+    mid-save leaves the previous checkpoint intact and a ``.partial`` directory that nothing loads.
+    """
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if torch.distributed.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
+        partial.mkdir(parents=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(state, str(path))
+    dist_checkpointing.save(state, str(partial))
+    torch.distributed.barrier()  # every rank's shards are on disk
+    if rank == 0:
+        _replace(partial, path)
+    torch.distributed.barrier()
+
+
+def _replace(new: Path, path: Path) -> None:
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    new.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load(chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path) -> dict[str, Any]:

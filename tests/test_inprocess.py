@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -17,9 +18,10 @@ def _data(n: int = 64) -> torch.Tensor:
 
 
 def _trainer(max_steps: int, **kwargs: object) -> L.Trainer:
+    defaults: dict = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
     return L.Trainer(
         accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), max_steps=max_steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        enable_model_summary=False, **{**defaults, **kwargs},
     )  # fmt: skip
 
 
@@ -109,3 +111,25 @@ def test_cpu_mode_reaches_custom_backward() -> None:
 def test_registry_name() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="megatron", logger=False)
     assert isinstance(trainer.strategy, MegatronStrategy)
+
+
+def test_checkpoint_overwrite_is_atomic_and_resumes_from_last(tmp_path) -> None:  # noqa: ANN001
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = DataLoader(_data(32), batch_size=8)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1, save_top_k=1, monitor="train_loss")
+    _trainer(3, callbacks=[ckpt], enable_checkpointing=True).fit(MegatronLMModule(tiny_gpt(), decay_steps=8), data)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "last.ckpt" in names  # rewritten every step through a .partial directory and a rename
+    assert not [n for n in names if n.endswith((".partial", ".old"))], names
+    assert (tmp_path / "last.ckpt" / "metadata.json").is_file()
+
+    resumed = Losses()
+    trainer = _trainer(4, callbacks=[resumed])
+    trainer.fit(MegatronLMModule(tiny_gpt(), decay_steps=8), data, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert trainer.global_step == 4
+    assert len(resumed.values) == 1  # only the step after the checkpoint ran
+
+    # The LR schedule is part of the checkpoint: resuming with another one is an error, not a silent switch.
+    with pytest.raises(ValueError, match=r"LR schedule saved in .*last.ckpt differs"):
+        _trainer(5).fit(MegatronLMModule(tiny_gpt(), decay_steps=9), data, ckpt_path=str(tmp_path / "last.ckpt"))
