@@ -20,6 +20,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import cpu, parallel, schedule
+from lightning_megatron import offload as offload_state
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
 from lightning_megatron.resume import ResumableLoader
 
@@ -86,6 +87,7 @@ class MegatronStrategy(DDPStrategy):
         self._megatron_optimizer: Any | None = None
         self._scheduler: Any | None = None
         self._last_step: StepStats | None = None
+        self._offloaded: offload_state.Offloaded | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -287,6 +289,28 @@ class MegatronStrategy(DDPStrategy):
                 self.module, chunks, schedule.as_batch(batch), micro_batch_size=self.micro_batch_size,
                 forward_only=True, predict=predict,
             )  # fmt: skip
+
+    # ------------------------------------------------------------------ offload (GPU shared with inference)
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
+        """Release the accelerator memory of parameters, gradients and optimizer state (main params included).
+
+        Parameters and optimizer state are copied to pinned host memory first; gradients are dropped and come
+        back zeroed (offload between optimizer steps). Every tensor object stays valid, so :meth:`reload` makes
+        training continue exactly as if nothing happened. Returns the number of bytes released.
+        """
+        if self._offloaded is not None:
+            raise RuntimeError("MegatronStrategy.offload called twice without reload()")
+        self._offloaded = offload_state.offload(
+            self.module.chunks, self._megatron_optimizer, params=params, grads=grads, optimizer_state=optimizer
+        )
+        return self._offloaded.nbytes
+
+    def reload(self) -> None:
+        """Bring back what :meth:`offload` released."""
+        if self._offloaded is None:
+            raise RuntimeError("MegatronStrategy.reload called without a previous offload()")
+        offload_state.reload(self._offloaded)
+        self._offloaded = None
 
     # ------------------------------------------------------------------ checkpoints
     @override
