@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, override
@@ -22,19 +22,11 @@ from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import cpu, parallel, schedule
 from lightning_megatron import offload as offload_state
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
+from lightning_megatron.optim import LightningOptimizerAdapter, StepStats, build_scheduler
 from lightning_megatron.resume import ResumableLoader
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What the last optimizer step reported."""
-
-    lr: float
-    grad_norm: float | None
-    skipped: bool
 
 
 class MegatronStrategy(DDPStrategy):
@@ -243,12 +235,12 @@ class MegatronStrategy(DDPStrategy):
         opt_config = replace(spec.config, use_distributed_optimizer=self.use_distributed_optimizer)
         assert self._ddp_chunks is not None
         self._megatron_optimizer = get_megatron_optimizer(opt_config, self._ddp_chunks)
-        self._scheduler = _build_scheduler(self._megatron_optimizer, spec, trainer)
+        self._scheduler = build_scheduler(self._megatron_optimizer, spec, trainer)
         # What Megatron's schedule calls around the step, read from the first chunk's config.
         config = self._ddp_chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self._megatron_optimizer.scale_loss
-        self.optimizers = [_LightningOptimizer(self._megatron_optimizer, self._scheduler, self._record_step)]
+        self.optimizers = [LightningOptimizerAdapter(self._megatron_optimizer, self._scheduler, self._record_step)]
         self.lr_scheduler_configs = []
 
     def _record_step(self, stats: StepStats) -> None:
@@ -372,46 +364,6 @@ class MegatronStrategy(DDPStrategy):
         cpu.disable()
 
 
-class _LightningOptimizer(torch.optim.Optimizer):
-    """The face Megatron's optimizer shows to Lightning's automatic optimization.
-
-    Lightning's closure order is training_step -> ``zero_grad`` -> backward -> ``step``; our training_step already
-    produced the gradients (Megatron's schedule runs backward), so ``zero_grad`` must not clear them: the strategy
-    zeroes Megatron's grad buffers itself before each schedule run. ``step`` runs Megatron's optimizer (grad
-    clipping and the distributed-optimizer all-gather included) and then the LR schedule.
-    """
-
-    def __init__(self, optimizer: Any, scheduler: Any, on_step: Callable[[StepStats], None]) -> None:
-        # Deliberately not Optimizer.__init__: the parameters and state belong to Megatron's optimizer.
-        self._optimizer = optimizer
-        self._scheduler = scheduler
-        self._on_step = on_step
-        self.defaults: dict[str, Any] = {}
-        self.state: dict[Any, Any] = {}
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self._optimizer.param_groups
-
-    @override
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass  # see the class docstring
-
-    @override
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = closure() if closure is not None else None
-        lr = float(self._optimizer.param_groups[0]["lr"])
-        update_successful, grad_norm, _ = self._optimizer.step()
-        if update_successful:
-            self._scheduler.step(increment=1)
-        self._on_step(StepStats(lr=lr, grad_norm=grad_norm, skipped=not update_successful))
-        return loss
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        raise RuntimeError("the Megatron optimizer's state is saved sharded by MegatronStrategy.save_checkpoint")
-
-
 def _validate_trainer(trainer: L.Trainer) -> None:
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(
@@ -450,37 +402,6 @@ def _wrap_chunks(
         ddp.broadcast_params()  # replicas start identical whatever the per-rank seeds were
         wrapped.append(ddp)
     return wrapped
-
-
-def _build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> Any:
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    decay_steps = spec.lr_decay_steps
-    if decay_steps is None:
-        total = trainer.estimated_stepping_batches
-        if total == float("inf") or total < 1:
-            raise ValueError(
-                f"lr_decay_steps=None means 'decay over the whole run', but the Trainer's total steps are {total}; "
-                "set Trainer(max_steps=...) or lr_decay_steps"
-            )
-        decay_steps = int(total)
-    config = spec.config
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if spec.lr_warmup_steps > 0 else config.lr,
-        max_lr=config.lr,
-        min_lr=config.min_lr or 0.0,
-        lr_warmup_steps=spec.lr_warmup_steps,
-        lr_decay_steps=max(decay_steps, spec.lr_warmup_steps + 1),
-        lr_decay_style=spec.lr_decay_style,
-        start_wd=config.weight_decay,
-        end_wd=config.weight_decay,
-        wd_incr_steps=max(decay_steps, 1),
-        wd_incr_style="constant",
-        # A resumed run must continue the saved schedule; a mismatch raises instead of being overridden.
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=False,
-    )
 
 
 # Third-party strategies are not discovered by Lightning: register the name at import time.

@@ -1,0 +1,92 @@
+"""Megatron's optimizer and LR schedule as Lightning sees them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, override
+
+import lightning as L
+import torch
+
+from lightning_megatron.module import OptimizerSpec
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last optimizer step reported."""
+
+    lr: float
+    grad_norm: float | None
+    skipped: bool
+
+
+class LightningOptimizerAdapter(torch.optim.Optimizer):
+    """The face Megatron's optimizer shows to Lightning's automatic optimization.
+
+    Lightning's closure order is training_step -> ``zero_grad`` -> backward -> ``step``; our training_step already
+    produced the gradients (Megatron's schedule runs backward), so ``zero_grad`` must not clear them: the strategy
+    zeroes Megatron's grad buffers itself before each schedule run. ``step`` runs Megatron's optimizer (grad
+    clipping and the distributed-optimizer all-gather included) and then the LR schedule.
+    """
+
+    def __init__(self, optimizer: Any, scheduler: Any, on_step: Callable[[StepStats], None]) -> None:
+        # Deliberately not Optimizer.__init__: the parameters and state belong to Megatron's optimizer.
+        self._optimizer = optimizer
+        self._scheduler = scheduler
+        self._on_step = on_step
+        self.defaults: dict[str, Any] = {}
+        self.state: dict[Any, Any] = {}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._optimizer.param_groups
+
+    @override
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # see the class docstring
+
+    @override
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        lr = float(self._optimizer.param_groups[0]["lr"])
+        update_successful, grad_norm, _ = self._optimizer.step()
+        if update_successful:
+            self._scheduler.step(increment=1)
+        self._on_step(StepStats(lr=lr, grad_norm=grad_norm, skipped=not update_successful))
+        return loss
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("the Megatron optimizer's state is saved sharded by MegatronStrategy.save_checkpoint")
+
+
+def build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> Any:
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = spec.lr_decay_steps
+    if decay_steps is None:
+        total = trainer.estimated_stepping_batches
+        if total == float("inf") or total < 1:
+            raise ValueError(
+                f"lr_decay_steps=None means 'decay over the whole run', but the Trainer's total steps are {total}; "
+                "set Trainer(max_steps=...) or lr_decay_steps"
+            )
+        decay_steps = int(total)
+    config = spec.config
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if spec.lr_warmup_steps > 0 else config.lr,
+        max_lr=config.lr,
+        min_lr=config.min_lr or 0.0,
+        lr_warmup_steps=spec.lr_warmup_steps,
+        lr_decay_steps=max(decay_steps, spec.lr_warmup_steps + 1),
+        lr_decay_style=spec.lr_decay_style,
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
+        # A resumed run must continue the saved schedule; a mismatch raises instead of being overridden.
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False,
+    )
