@@ -76,6 +76,7 @@ class MegatronStrategy(DDPStrategy):
         self._ddp_config = ddp_config
         self._seed = seed
         self._ddp_chunks: list[nn.Module] | None = None
+        self._run_chunks: list[nn.Module] | None = None  # what the schedule runs: chunks, precision/DDP-wrapped
         self._megatron_optimizer: Any | None = None
         self._scheduler: Any | None = None
         self._last_step: StepStats | None = None
@@ -121,12 +122,19 @@ class MegatronStrategy(DDPStrategy):
             for i, (first, last) in enumerate(stages)
         ]
 
+    @property
+    def bf16(self) -> bool:
+        """Whether Lightning's precision is ``"bf16-mixed"`` (Megatron bf16 with fp32 main params), not fp32."""
+        return _precision(self.precision_plugin) == "bf16-mixed"
+
     def megatron_config_kwargs(self) -> dict[str, Any]:
-        """``ModelParallelConfig`` fields the strategy decides: sizes, dtypes, token-weighted loss."""
+        """``ModelParallelConfig`` fields the strategy decides: sizes, dtypes, p2p settings."""
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
         return {
             **self._sizes.megatron_kwargs(),
-            "params_dtype": torch.float32,
-            "pipeline_dtype": torch.float32,
+            "bf16": self.bf16,
+            "params_dtype": dtype,
+            "pipeline_dtype": dtype,
             # With pp=2 the next and the previous stage are the same peer. The interleaved schedule's batched
             # send/recv then posts [send_prev, recv_prev, send_next, recv_next] on both ranks, so an activation
             # is received as a gradient and vice versa (same shape: no error, silently wrong losses after the
@@ -181,6 +189,7 @@ class MegatronStrategy(DDPStrategy):
         super().connect(model)
         trainer = model.trainer
         _validate_trainer(trainer)
+        _precision(self.precision_plugin)  # raises for precisions Megatron is not set up for here
         validate = getattr(getattr(model, "config", None), "validate_parallel", None)
         if callable(validate):
             s = self._sizes
@@ -216,8 +225,10 @@ class MegatronStrategy(DDPStrategy):
             # Set here (not through ChunkSpec) because it is a TransformerConfig field that the schedule and DDP
             # read from any chunk config, a bare ModelParallelConfig included.
             chunk.config.calculate_per_token_loss = True
+        self._run_chunks = _precision_wrap(list(module.chunks), self.bf16)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._ddp_chunks = _wrap_chunks(list(module.chunks), self._ddp_config, self.use_distributed_optimizer)
+            self._ddp_chunks = _wrap_chunks(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
+            self._run_chunks = self._ddp_chunks
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
@@ -232,7 +243,12 @@ class MegatronStrategy(DDPStrategy):
                 f"{type(self.module).__name__}.configure_optimizers must return lightning_megatron.OptimizerSpec, "
                 f"got {type(spec).__name__}"
             )
-        opt_config = replace(spec.config, use_distributed_optimizer=self.use_distributed_optimizer)
+        opt_config = replace(
+            spec.config,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            bf16=self.bf16,
+            params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
+        )
         assert self._ddp_chunks is not None
         self._megatron_optimizer = get_megatron_optimizer(opt_config, self._ddp_chunks)
         self._scheduler = build_scheduler(self._megatron_optimizer, spec, trainer)
@@ -275,7 +291,7 @@ class MegatronStrategy(DDPStrategy):
         return schedule.gather_predictions(self._forward_only(batch, predict=True), self.root_device)
 
     def _forward_only(self, batch: Any, *, predict: bool) -> list[dict[str, Any]]:
-        chunks = self._ddp_chunks or list(self.module.chunks)
+        chunks = self._run_chunks or list(self.module.chunks)
         with torch.no_grad():
             return schedule.run(
                 self.module, chunks, schedule.as_batch(batch), micro_batch_size=self.micro_batch_size,
@@ -356,6 +372,7 @@ class MegatronStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._ddp_chunks = None
+        self._run_chunks = None
         self._megatron_optimizer = None
         self._scheduler = None
         super().teardown()
@@ -377,6 +394,31 @@ def _validate_trainer(trainer: L.Trainer) -> None:
             "optimizer clips gradients; set clip_grad in the OptimizerConfig your module's configure_optimizers "
             "returns (MegatronLMModule(clip_grad=...))"
         )
+
+
+_PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def _precision(plugin: Any) -> str:
+    """Lightning's precision name, if this strategy maps it onto Megatron's mixed precision."""
+    precision = str(getattr(plugin, "precision", "32-true"))
+    if precision not in _PRECISIONS:
+        raise ValueError(
+            f"Trainer(precision={precision!r}) is not supported by MegatronStrategy; use one of {_PRECISIONS}: "
+            "'bf16-mixed' keeps bf16 weights and activations with fp32 main weights, gradients reduced in fp32 "
+            "(Megatron's own mixed precision, no autocast)"
+        )
+    return precision
+
+
+def _precision_wrap(chunks: list[nn.Module], bf16: bool) -> list[nn.Module]:
+    """Megatron's Float16Module around each chunk for bf16: casts the weights, the first stage's inputs to bf16
+    and the last stage's outputs back to fp32. The optimizer keeps fp32 main weights."""
+    if not bf16:
+        return chunks
+    from megatron.core.transformer.module import Float16Module
+
+    return [Float16Module(chunk.config, chunk) for chunk in chunks]
 
 
 def _seed(seed: int | None) -> int:

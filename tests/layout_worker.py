@@ -70,6 +70,7 @@ def main(args: dict) -> None:
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=devices,
+        precision=args.get("precision", "32-true"),
         strategy=strategy,
         max_steps=args.get("max_steps", 4),
         logger=False,
