@@ -1,0 +1,4 @@
+from lightning_megatron.cli import main
+
+if __name__ == "__main__":
+    main()
