@@ -9,7 +9,7 @@ configs read the same as Megatron-LM's; the exception is `norm_epsilon` (Megatro
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -102,6 +102,14 @@ class ModelConfig:
     """Fraction of each head's dimensions that RoPE rotates, in (0, 1]."""
     rotary_base: int = 10000
     """RoPE base period (theta)."""
+    rope_scaling: bool = False
+    """Llama-3.x RoPE frequency scaling (HF rope_type 'llama3'), as Megatron implements it: low/high frequency
+    factors 1 and 4 and an original context of 8192 tokens; the factor is rope_scaling_factor."""
+    rope_scaling_factor: float = 8.0
+    """Llama-3.x RoPE scaling factor (8 for Llama 3.1, 32 for Llama 3.2); used only with rope_scaling=True."""
+    seq_len_interpolation_factor: float | None = None
+    """Linear RoPE position interpolation (HF rope_type 'linear'): positions are divided by this factor; None
+    disables it."""
     add_bias_linear: bool = False
     """Add a bias to every linear layer (QKV, attention output, both MLP layers)."""
     add_qkv_bias: bool = False
@@ -138,9 +146,13 @@ class ModelConfig:
         _check_choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _check_choice("activation", self.activation, tuple(_ACTIVATIONS))
         _check_choice("position_embedding_type", self.position_embedding_type, ("rope", "learned_absolute", "none"))
-        for name in ("norm_epsilon", "init_method_std", "rotary_base"):
+        for name in ("norm_epsilon", "init_method_std", "rotary_base", "rope_scaling_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.seq_len_interpolation_factor is not None and self.seq_len_interpolation_factor <= 0:
+            raise ValueError(
+                f"seq_len_interpolation_factor={self.seq_len_interpolation_factor} must be > 0, or None to disable"
+            )
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1); use 0.0 to disable dropout")
@@ -162,6 +174,19 @@ class ModelConfig:
             )
         self._check_recompute()
         self._check_moe()
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, **overrides: Any) -> Self:
+        """The model of a Hugging Face config (a ``PretrainedConfig``, a config.json dict or a model directory).
+
+        Llama, Mistral, Qwen2 and Qwen3 causal LMs (:func:`lightning_megatron.hf.model_fields` says what maps to
+        what). Keyword arguments override fields; ``seq_length`` defaults to ``max_position_embeddings`` (capped
+        by a sliding attention window).
+        """
+        from lightning_megatron.hf import model_fields
+
+        fields = model_fields(hf_config, seq_length=overrides.pop("seq_length", None))
+        return cls(**{**fields, **overrides})
 
     @staticmethod
     def _check_positive(name: str, value: object) -> None:
@@ -318,6 +343,13 @@ class ModelConfig:
             "rotary_percent": self.rotary_percent,
             "rotary_base": self.rotary_base,
             "share_embeddings_and_output_weights": self.share_embeddings_and_output_weights,
+            # RoPE scalings only when set, so that unscaled models build exactly as before.
+            **({"rope_scaling": True, "rope_scaling_factor": self.rope_scaling_factor} if self.rope_scaling else {}),
+            **(
+                {"seq_len_interpolation_factor": self.seq_len_interpolation_factor}
+                if self.seq_len_interpolation_factor is not None
+                else {}
+            ),
         }
 
     def layer_spec(self) -> ModuleSpec:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import torch
 from torch import Tensor, nn
@@ -10,6 +12,9 @@ from torch import Tensor, nn
 from lightning_megatron.config import ModelConfig
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
 from lightning_megatron.schedule import Batch, LossFn
+
+if TYPE_CHECKING:
+    from lightning_megatron.hf import HFCheckpoint
 
 IGNORE_INDEX = -100
 
@@ -59,6 +64,37 @@ class MegatronLMModule(MegatronLightningModule):
         decay_style: LR decay shape.
     """
 
+    hf_checkpoint: HFCheckpoint | None = None
+    """The HF model directory :meth:`from_hf` read; ``build_chunk`` loads this rank's shard of it into each chunk."""
+
+    @classmethod
+    def from_hf(
+        cls, path: str | Path, *, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
+        **module_kwargs: Any,
+    ) -> Self:  # fmt: skip
+        """A module initialised from a local HF directory (config.json + safetensors, one file or sharded).
+
+        Llama, Mistral, Qwen2 and Qwen3 causal LMs. Only config.json and the safetensors headers are read here
+        (names and shapes are checked now, before any process starts); the weights are read when the strategy
+        builds the model, each rank reading only the slices of its tensor-/pipeline-parallel shard.
+
+        Args:
+            path: the model directory.
+            seq_length: longest sequence to train on; default ``max_position_embeddings`` (capped by a sliding
+                attention window).
+            config_overrides: other :class:`~lightning_megatron.ModelConfig` fields to change (dropout,
+                recompute, ...); architecture fields must keep matching the weights.
+            module_kwargs: the module's arguments (``lr``, ``warmup_steps``, ...).
+        """
+        from lightning_megatron.hf import HFCheckpoint
+
+        checkpoint = HFCheckpoint.open(path)
+        config = ModelConfig.from_hf(checkpoint.config, seq_length=seq_length, **(config_overrides or {}))
+        checkpoint.check(config)
+        module = cls(config, **module_kwargs)
+        module.hf_checkpoint = checkpoint
+        return module
+
     def __init__(
         self,
         config: ModelConfig,
@@ -91,7 +127,7 @@ class MegatronLMModule(MegatronLightningModule):
         from megatron.core.models.gpt import GPTModel
 
         config = self.config.to_transformer_config(**spec.parallel)
-        return GPTModel(
+        chunk = GPTModel(
             config=config,
             transformer_layer_spec=self.config.block_spec(config, spec.vp_stage),
             pre_process=spec.pre_process,
@@ -99,6 +135,37 @@ class MegatronLMModule(MegatronLightningModule):
             vp_stage=spec.vp_stage,
             **self.config.gpt_model_kwargs(),
         )
+        if self.hf_checkpoint is not None:
+            from lightning_megatron.hf import load_chunk
+
+            load_chunk(chunk, self.hf_checkpoint, self.config, spec.vp_stage)
+        return chunk
+
+    def export_hf_weights(self, *, include_tied: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """Yield ``(hf_name, tensor)``: the full HF state dict, one tensor at a time, on every rank.
+
+        Collective (every rank must exhaust the generator): tensors are gathered over tensor parallelism and
+        broadcast from the pipeline stage that holds them, so peak extra memory is about one (fused) tensor.
+        Names and shapes are those of ``AutoModelForCausalLM``'s ``state_dict()``; with tied embeddings
+        ``include_tied=False`` leaves out ``lm_head.weight`` (as ``save_pretrained`` files do). Call it while the
+        strategy is set up (any hook of ``fit``/``validate``/``predict``).
+        """
+        from lightning_megatron.hf import check_running, export_weights
+
+        check_running(self)  # now, not at the generator's first step
+        return export_weights(list(self.chunks), self.config, include_tied=include_tied)
+
+    def save_hf(self, path: str | Path, *, dtype: torch.dtype | None = None, max_shard_size: int = 5 * 2**30) -> None:
+        """Collective: write an HF model directory that ``AutoModelForCausalLM.from_pretrained(path)`` loads.
+
+        Rank 0 writes config.json (the one :meth:`from_hf` read, with ``dtype`` updated; else generated: Llama,
+        Qwen2 for q/k/v biases, Qwen3 for q/k norms), the safetensors (``max_shard_size`` bytes per file,
+        with an index when there are several) and, from an HF source directory, its tokenizer and generation
+        files. ``dtype`` (default: the parameters' dtype) is the dtype of the written tensors.
+        """
+        from lightning_megatron.hf import save_pretrained
+
+        save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]:
         input_ids = batch["input_ids"]

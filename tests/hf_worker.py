@@ -1,0 +1,127 @@
+"""HF import/export jobs at several layouts in one set of processes, launched by tests/test_hf.py.
+
+``python tests/hf_worker.py '{"devices": 2, "tokens": "t.pt", "out": "r.json", "jobs": [...]}'``; each job is
+``{"model": DIR, "tp": 2, "pp": 1, "vpp": null, "save": DIR?, "train_steps": 0}``. Per job every rank runs
+``predict`` and ``validate`` on the tokens (after ``train_steps`` steps of ``fit`` when > 0, saving with
+``save_hf`` at the end of training), exports the HF weights during validation and compares them with the source
+files, and counts the tensor elements it read from the safetensors files. Lightning's launcher re-runs this
+command once per extra process; every rank writes ``out.rank{N}.json`` and its logits ``out.job{i}.rank{N}.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronLMModule, MegatronStrategy
+from lightning_megatron import hf as hf_module
+
+
+class CountingSafeOpen:
+    """``safe_open`` that counts the tensor elements read through ``get_slice(name)[...]``."""
+
+    elements = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._inner = _SAFE_OPEN(*args, **kwargs)
+
+    def __enter__(self) -> CountingSafeOpen:
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._inner.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self._inner.keys()
+
+    def get_slice(self, name: str) -> Any:
+        inner = self._inner.get_slice(name)
+
+        class Counted:
+            def get_shape(self) -> list[int]:
+                return inner.get_shape()
+
+            def __getitem__(self, index: Any) -> torch.Tensor:
+                tensor = inner[index]
+                CountingSafeOpen.elements += tensor.numel()
+                return tensor
+
+        return Counted()
+
+
+_SAFE_OPEN = hf_module.safe_open
+hf_module.safe_open = CountingSafeOpen  # type: ignore[assignment,misc]
+
+
+class ExportCheck(L.Callback):
+    """During validation: export the HF weights and compare them with the untrained source files."""
+
+    def __init__(self, source: Path | None) -> None:
+        self.source = load_file(source / "model.safetensors") if source is not None else None
+        self.shapes: dict[str, list[int]] = {}
+        self.max_diff = 0.0
+
+    def on_validation_end(self, trainer: L.Trainer, module: MegatronLMModule) -> None:  # type: ignore[override]
+        for name, tensor in module.export_hf_weights():
+            self.shapes[name] = list(tensor.shape)
+            if self.source is not None and name in self.source:
+                self.max_diff = max(self.max_diff, float((tensor - self.source[name]).abs().max()))
+
+
+class SaveAtEnd(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, module: MegatronLMModule) -> None:  # type: ignore[override]
+        module.save_hf(self.path, max_shard_size=64 * 1024)  # small shards: the index path is exercised too
+
+
+def _trainer(devices: int, job: dict, **kwargs: Any) -> L.Trainer:
+    strategy = MegatronStrategy(tp=job.get("tp", 1), pp=job.get("pp", 1), vpp=job.get("vpp"), micro_batch_size=2)
+    return L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, **kwargs,
+    )  # fmt: skip
+
+
+def run_job(devices: int, job: dict, tokens: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    CountingSafeOpen.elements = 0
+    module = MegatronLMModule.from_hf(job["model"], seq_length=tokens.shape[1], lr=1e-2, warmup_steps=0)
+    result: dict[str, Any] = {}
+    loader = DataLoader(tokens, batch_size=tokens.shape[0])
+    trained = job.get("train_steps", 0) > 0
+    if trained:
+        # The same samples on every rank (tensor-parallel peers must see the same batch).
+        generator = torch.Generator().manual_seed(0)
+        samples = torch.randint(0, 128, (4 * job["train_steps"], tokens.shape[1]), generator=generator)
+        data = DataLoader(samples, batch_size=4)
+        _trainer(devices, job, max_steps=job["train_steps"], callbacks=[SaveAtEnd(job["save"])]).fit(module, data)
+    check = ExportCheck(None if trained else Path(job["model"]))
+    result["val_loss"] = _trainer(devices, job, callbacks=[check]).validate(module, loader)[0]["val_loss"]
+    result["elements_read"] = CountingSafeOpen.elements  # the model was built by the first Trainer call
+    result["export_shapes"], result["export_max_diff"] = check.shapes, check.max_diff
+    logits = torch.cat(_trainer(devices, job).predict(module, loader))
+    return result, logits
+
+
+def main(args: dict) -> None:
+    tokens = torch.load(args["tokens"])
+    results, rank = [], 0
+    for i, job in enumerate(args["jobs"]):
+        result, logits = run_job(args["devices"], job, tokens)
+        rank = torch.distributed.get_rank()
+        torch.save(logits, f"{args['out']}.job{i}.rank{rank}.pt")
+        results.append(result)
+    Path(f"{args['out']}.rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
