@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_megatron.config import ModelConfig
+from lightning_megatron.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
 from lightning_megatron.schedule import Batch, LossFn
 
@@ -62,6 +63,9 @@ class MegatronLMModule(MegatronLightningModule):
         warmup_steps: linear LR warm-up steps.
         decay_steps: LR decay steps; ``None`` decays over the Trainer's total steps.
         decay_style: LR decay shape.
+        prediction: what ``trainer.predict`` returns per batch on every rank: full-vocabulary ``logits``
+            [B, S, V], or ``{"logprobs": [B, S]}`` (and ``"entropy"``), computed without gathering the vocabulary.
+        temperature: softmax temperature of predicted log-probs and entropy.
     """
 
     hf_checkpoint: HFCheckpoint | None = None
@@ -107,8 +111,16 @@ class MegatronLMModule(MegatronLightningModule):
         warmup_steps: int = 0,
         decay_steps: int | None = None,
         decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine",
+        prediction: Literal["logits", "logprobs", "logprobs+entropy"] = "logits",
+        temperature: float = 1.0,
     ) -> None:
         super().__init__()
+        if prediction not in ("logits", "logprobs", "logprobs+entropy"):
+            raise ValueError(f"prediction={prediction!r} must be 'logits', 'logprobs' or 'logprobs+entropy'")
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be positive")
+        self.prediction = prediction
+        self.temperature = temperature
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a lightning_megatron.ModelConfig, got {type(config).__name__}")
         if lr <= 0:
@@ -170,23 +182,55 @@ class MegatronLMModule(MegatronLightningModule):
     def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]:
         input_ids = batch["input_ids"]
         targets, mask = shift_labels(batch)
-        # On the last stage GPTModel returns the per-token loss [B, S] (vocab-parallel cross entropy); on the
-        # others, hidden states for the next stage.
-        output = model(input_ids, position_ids(input_ids), None, labels=targets)
+        # Logits [B, S, V/tp] on the last stage (vocabulary-parallel, never gathered); hidden states elsewhere.
+        output = model(input_ids, position_ids(input_ids), None)
 
-        def loss_fn(per_token_loss: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-            return (per_token_loss.float() * mask).sum(), mask.sum().to(torch.int), {}
+        def loss_fn(logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+            per_token = self.token_loss(logits, targets, batch)  # [B, S]
+            return (per_token.float() * mask).sum(), mask.sum().to(torch.int), {}
 
         return output, loss_fn
+
+    def token_loss(self, logits: Tensor, targets: Tensor, batch: Batch) -> Tensor:
+        """Per-token loss [B, S] from the vocabulary-parallel logits ``[B, S, V/tp]`` of one micro-batch.
+
+        The default is the causal-LM cross entropy (``targets[t]`` is token t+1). Override it for other
+        objectives on log-probs -- e.g. a PPO/GRPO clipped policy loss reading ``batch["old_logprobs"]`` and
+        ``batch["advantages"]`` (see ``examples/ppo_policy.py``); positions outside the loss mask are dropped
+        and the sum is token-weighted across micro-batches and data-parallel ranks by the strategy.
+        """
+        return -vocab_parallel_logprobs(logits, targets)
+
+    def compute_logprobs(self, batch: Batch | Tensor, temperature: float = 1.0, with_entropy: bool = False) -> dict:
+        """Per-token log-probs (and entropy) of a batch, forward-only through the pipeline; on every rank.
+
+        Collective: call it on every rank while the strategy is set up (any hook of fit/validate/predict).
+        Returns ``{"logprobs": [B, S]}`` where position t holds ``log p(token t+1 | tokens <= t)`` (the last
+        position, and positions the batch's masks exclude, hold 0), plus ``"entropy"`` [B, S] when asked.
+        ``trainer.predict`` returns the same per batch with ``MegatronLMModule(..., prediction="logprobs")``.
+        """
+        saved = (self.prediction, self.temperature)
+        self.prediction = "logprobs+entropy" if with_entropy else "logprobs"
+        self.temperature = temperature
+        try:
+            return self.trainer.strategy.predict_step(batch, 0)
+        finally:
+            self.prediction, self.temperature = saved
 
     def forward_predict(self, batch: Batch, model: nn.Module) -> Tensor:
         input_ids = batch["input_ids"]
         return model(input_ids, position_ids(input_ids), None)  # logits [B, S, V/tp] on the last stage
 
-    def predict_output(self, batch: Batch, output: Tensor) -> Tensor:
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    def predict_output(self, batch: Batch, output: Tensor) -> Tensor | dict[str, Tensor]:
+        if self.prediction == "logits":
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        return gather_from_tensor_model_parallel_region(output)  # [B, S, V/tp] -> [B, S, V]
+            return gather_from_tensor_model_parallel_region(output)  # [B, S, V/tp] -> [B, S, V]
+        targets, mask = shift_labels(batch)
+        result = {"logprobs": vocab_parallel_logprobs(output, targets, self.temperature) * mask}
+        if self.prediction == "logprobs+entropy":
+            result["entropy"] = vocab_parallel_entropy(output, self.temperature) * mask
+        return result
 
     def configure_optimizers(self) -> OptimizerSpec:  # type: ignore[override]
         from megatron.core.optimizer import OptimizerConfig

@@ -138,18 +138,29 @@ def reduce_loss(records: list[dict[str, Any]], device: torch.device) -> tuple[Te
     return loss, totals[1]
 
 
-def gather_predictions(records: list[dict[str, Any]], device: torch.device) -> Tensor:
-    """Concatenate per-micro-batch predictions and broadcast them from the last pipeline stage to every rank."""
+def gather_predictions(records: list[dict[str, Any]], device: torch.device) -> Tensor | dict[str, Tensor]:
+    """Concatenate per-micro-batch predictions (tensors or dicts of tensors) and broadcast them from the last
+    pipeline stage to every rank."""
     from megatron.core import parallel_state
 
+    local = None
+    if records:
+        first = records[0]["prediction"]
+        if isinstance(first, dict):
+            local = {key: torch.cat([r["prediction"][key] for r in records]) for key in first}
+        else:
+            local = torch.cat([r["prediction"] for r in records])
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return torch.cat([r["prediction"] for r in records])
+        return local
     group = parallel_state.get_pipeline_model_parallel_group()
     src = parallel_state.get_pipeline_model_parallel_last_rank()
-    local = torch.cat([r["prediction"] for r in records]) if records else None
-    meta = [(tuple(local.shape), local.dtype) if local is not None else None]
+    tensors = local if isinstance(local, dict) else {"": local} if local is not None else None
+    meta = [{k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} if tensors is not None else None]
+    meta.append(isinstance(local, dict))
     torch.distributed.broadcast_object_list(meta, src=src, group=group, device=device)
-    shape, dtype = meta[0]
-    out = local if local is not None else torch.empty(shape, dtype=dtype, device=device)
-    torch.distributed.broadcast(out, src=src, group=group)
-    return out
+    shapes, is_dict = meta
+    out = {}
+    for key, (shape, dtype) in shapes.items():
+        out[key] = tensors[key] if tensors is not None else torch.empty(shape, dtype=dtype, device=device)
+        torch.distributed.broadcast(out[key], src=src, group=group)
+    return out if is_dict else out[""]

@@ -50,7 +50,8 @@ def main(args: dict) -> None:
     val = synthetic_tokens(16, 32, 256, seed=2)
     config = tiny_gpt(**args.get("model", {}))
     module_cls = MegatronValueModule if args.get("module") == "value" else MegatronLMModule
-    model = module_cls(config, lr=args.get("lr", 3e-3), warmup_steps=1, decay_steps=16)
+    extra = {"prediction": args["prediction"]} if "prediction" in args else {}
+    model = module_cls(config, lr=args.get("lr", 3e-3), warmup_steps=1, decay_steps=16, **extra)
     if args.get("module") == "value":  # per-token value targets derived from the tokens
         data, val = value_items(data), value_items(val)
     recorder = Recorder()
@@ -97,7 +98,11 @@ def main(args: dict) -> None:
         result["val"] = out[0]["val_loss"]
     elif args["mode"] == "predict":
         preds = trainer.predict(model, val_loader, ckpt_path=args.get("resume"))
-        torch.save(torch.cat(preds), f"{args['pred_out']}.rank{trainer.global_rank}.pt")
+        if isinstance(preds[0], dict):
+            preds = {key: torch.cat([p[key] for p in preds]) for key in preds[0]}
+        else:
+            preds = torch.cat(preds)
+        torch.save(preds, f"{args['pred_out']}.rank{trainer.global_rank}.pt")
     result["rank"] = trainer.global_rank
     out_path = args["out"] if trainer.global_rank == 0 else args["out"] + f".rank{trainer.global_rank}"
     with open(out_path, "w") as f:
