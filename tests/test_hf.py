@@ -355,3 +355,18 @@ def test_export_outside_a_run_raises(models: dict) -> None:
         module.export_hf_weights()
     with pytest.raises(RuntimeError, match=r"while the Trainer runs"):
         module.save_hf("unused")
+
+
+def test_value_module_from_hf_uses_the_pretrained_backbone(models: dict, tokens: torch.Tensor) -> None:
+    """The critic is the HF decoder plus a scalar head: values = head(final hidden states of transformers)."""
+    from lightning_megatron import MegatronValueModule
+
+    module = MegatronValueModule.from_hf(models["llama"])
+    values = torch.cat(_trainer().predict(module, DataLoader(tokens, batch_size=4)))
+    assert values.shape == tokens.shape
+    head = module.chunks[0].output_layer
+    hf = transformers.AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    with torch.no_grad():
+        hidden = hf.model(input_ids=tokens).last_hidden_state  # after the final norm
+        want = (hidden @ head.weight.float().T + head.bias.float()).squeeze(-1)
+    torch.testing.assert_close(values, want, rtol=1e-4, atol=1e-4)
