@@ -17,12 +17,13 @@ The strategy owns the step: ``strategy.training_step -> schedule.run -> module.f
 
 from __future__ import annotations
 
+import math
+import time
 from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning as L
-import torch
 from torch import Tensor, nn
 
 from lightning_megatron.schedule import Batch, LossFn
@@ -126,6 +127,9 @@ class MegatronLightningModule(L.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self._not_called("predict_step")
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # The strategy's outputs are identical on every rank, so no sync is needed (and none is done).
         self.log("train_loss", outputs["loss"], prog_bar=True)
@@ -133,12 +137,21 @@ class MegatronLightningModule(L.LightningModule):
         self.log("lr", stats.lr, prog_bar=True)
         if stats.grad_norm is not None:
             self.log("grad_norm", stats.grad_norm)
+        # Loss tokens of the global batch per second of this step (rank 0's clock; identical token count).
+        elapsed = time.perf_counter() - getattr(self, "_step_start", time.perf_counter())
+        if elapsed > 0:
+            self.log("tokens_per_s", float(outputs["num_tokens"]) / elapsed, prog_bar=True)
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_totals = [0.0, 0.0]  # loss x tokens, tokens
 
     def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         # Weighting by tokens makes the epoch mean the token-weighted mean over the whole validation set.
         self.log("val_loss", outputs["loss"], prog_bar=True, batch_size=int(outputs["num_tokens"]))
+        self._val_totals[0] += float(outputs["loss"]) * float(outputs["num_tokens"])
+        self._val_totals[1] += float(outputs["num_tokens"])
 
-
-def tokens(mask: Tensor) -> Tensor:
-    """Token count of a loss mask as the integer tensor Megatron's schedule accumulates."""
-    return mask.sum().to(torch.int)
+    def on_validation_epoch_end(self) -> None:
+        loss_sum, num_tokens = self._val_totals
+        if num_tokens > 0:  # perplexity of the whole validation set: exp of its token-weighted mean loss
+            self.log("val_ppl", math.exp(loss_sum / num_tokens))

@@ -133,3 +133,12 @@ def test_checkpoint_overwrite_is_atomic_and_resumes_from_last(tmp_path) -> None:
     # The LR schedule is part of the checkpoint: resuming with another one is an error, not a silent switch.
     with pytest.raises(ValueError, match=r"LR schedule saved in .*last.ckpt differs"):
         _trainer(5).fit(MegatronLMModule(tiny_gpt(), decay_steps=9), data, ckpt_path=str(tmp_path / "last.ckpt"))
+
+
+def test_progress_metrics_tokens_per_second_and_perplexity() -> None:
+    trainer = _trainer(2, limit_val_batches=2, val_check_interval=2, check_val_every_n_epoch=None)
+    data = _data(32)
+    trainer.fit(MegatronLMModule(tiny_gpt()), DataLoader(data, batch_size=8), DataLoader(data[:16], batch_size=8))
+    metrics = trainer.callback_metrics
+    assert metrics["tokens_per_s"] > 0
+    assert float(metrics["val_ppl"]) == pytest.approx(float(torch.exp(metrics["val_loss"])), rel=1e-5)
