@@ -49,6 +49,7 @@ _SAME_NAME_FIELDS = (
     "normalization", "apply_residual_connection_post_layernorm", "hidden_dropout", "attention_dropout",
     "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "qk_layernorm", "init_method_std",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "num_moe_experts", "moe_router_topk",
+    "moe_enable_routing_replay",
 )  # fmt: skip
 
 
@@ -136,6 +137,9 @@ class ModelConfig:
     """Experts each token is routed to (MoE only)."""
     moe_ffn_hidden_size: int | None = None
     """Hidden size of each expert MLP; None means ffn_hidden_size (MoE only)."""
+    moe_enable_routing_replay: bool = False
+    """Let batches carry the expert routing to use (``batch["routing"]``, e.g. recorded at rollout by
+    ``MegatronLMModule.record_routing`` or an inference engine) instead of the router's own top-k (MoE only)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
@@ -219,6 +223,16 @@ class ModelConfig:
     def _check_moe(self) -> None:
         self._check_positive("moe_router_topk", self.moe_router_topk)
         experts = self.num_moe_experts
+        if self.moe_enable_routing_replay and experts is None:
+            raise ValueError(
+                "moe_enable_routing_replay=True replays expert routing, but num_moe_experts=None is a dense model "
+                "with no router; set num_moe_experts or moe_enable_routing_replay=False"
+            )
+        if self.moe_enable_routing_replay and self.recompute_granularity is not None:
+            raise ValueError(
+                f"moe_enable_routing_replay=True with recompute_granularity={self.recompute_granularity!r}: "
+                "replaying routing inside recomputed backward passes is not supported; use recompute_granularity=None"
+            )
         if experts is None:
             if self.moe_ffn_hidden_size is not None:
                 raise ValueError(
@@ -305,6 +319,11 @@ class ModelConfig:
                 f"num_moe_experts={experts} must be divisible by ep={ep}; pick ep among {_divisors(experts)}"
             )
 
+        if sequence_parallel and self.moe_enable_routing_replay:
+            raise ValueError(
+                "sequence_parallel=True splits each router's tokens across TP ranks, so the routing of "
+                "moe_enable_routing_replay=True would be per-shard; use sequence_parallel=False with routing replay"
+            )
         if sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel=True needs tp > 1 (it splits the sequence over the TP group)")
         # SP splits each CP shard over TP; CP load-balancing cuts the sequence into 2*cp chunks.

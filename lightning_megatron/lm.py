@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 import torch
 from torch import Tensor, nn
 
+from lightning_megatron import routing
 from lightning_megatron.config import ModelConfig
 from lightning_megatron.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
@@ -121,6 +122,7 @@ class MegatronLMModule(MegatronLightningModule):
             raise ValueError(f"temperature={temperature} must be positive")
         self.prediction = prediction
         self.temperature = temperature
+        self._routing_record: dict[int, list] | None = None  # set while record_routing runs
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a lightning_megatron.ModelConfig, got {type(config).__name__}")
         if lr <= 0:
@@ -180,10 +182,9 @@ class MegatronLMModule(MegatronLightningModule):
         save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]:
-        input_ids = batch["input_ids"]
         targets, mask = shift_labels(batch)
         # Logits [B, S, V/tp] on the last stage (vocabulary-parallel, never gathered); hidden states elsewhere.
-        output = model(input_ids, position_ids(input_ids), None)
+        output = self._routed_forward(batch, model)
 
         def loss_fn(logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
             per_token = self.token_loss(logits, targets, batch)  # [B, S]
@@ -218,8 +219,46 @@ class MegatronLMModule(MegatronLightningModule):
             self.prediction, self.temperature = saved
 
     def forward_predict(self, batch: Batch, model: nn.Module) -> Tensor:
+        return self._routed_forward(batch, model)  # logits [B, S, V/tp] on the last stage
+
+    def _routed_forward(self, batch: Batch, model: nn.Module) -> Tensor:
+        """One chunk's forward, with MoE routing replayed from ``batch["routing"]`` or recorded when asked."""
         input_ids = batch["input_ids"]
-        return model(input_ids, position_ids(input_ids), None)  # logits [B, S, V/tp] on the last stage
+        if not self.config.moe_enable_routing_replay:
+            return model(input_ids, position_ids(input_ids), None)
+        if "routing" in batch:
+            routing.replay(model, batch["routing"])
+        elif self._routing_record is not None:
+            routing.start_recording(model)
+        else:
+            routing.route_normally(model)
+        output = model(input_ids, position_ids(input_ids), None)
+        if self._routing_record is not None and "routing" not in batch:
+            # Micro-batches reach each chunk in order: the n-th call of a chunk is the n-th micro-batch.
+            calls = self._routing_record.setdefault(id(model), [])
+            start = len(calls) * input_ids.shape[0]
+            calls.append((start, routing.recorded(model, input_ids.shape[0], input_ids.shape[1])))
+        return output
+
+    def record_routing(self, batch: Batch | Tensor) -> Tensor:
+        """The expert routing of a forward pass over ``batch``: LongTensor [B, num_layers, S, topk] on every rank.
+
+        Collective, forward-only (like :meth:`compute_logprobs`). Put the result into a training batch as
+        ``batch["routing"]`` (split into micro-batches with the rest) to make that step route exactly so; routing
+        recorded elsewhere (an inference engine) in the same layout works too. Needs
+        ``ModelConfig(moe_enable_routing_replay=True)``.
+        """
+        if not self.config.moe_enable_routing_replay:
+            raise ValueError("record_routing needs ModelConfig(moe_enable_routing_replay=True) on an MoE model")
+        tokens = batch if isinstance(batch, Tensor) else batch["input_ids"]
+        self._routing_record = {}
+        try:
+            self.trainer.strategy.predict_step(batch, 0)
+            parts = [part for calls in self._routing_record.values() for part in calls]
+        finally:
+            self._routing_record = None
+        c = self.config
+        return routing.assemble(parts, tokens.shape[0], c.num_layers, tokens.shape[1], c.moe_router_topk, tokens.device)
 
     def predict_output(self, batch: Batch, output: Tensor) -> Tensor | dict[str, Tensor]:
         if self.prediction == "logits":
