@@ -96,6 +96,16 @@ def main(args: dict) -> None:
     elif args["mode"] == "validate":
         out = trainer.validate(model, val_loader, ckpt_path=args.get("resume"))
         result["val"] = out[0]["val_loss"]
+    elif args["mode"] == "routing":  # MoE routing of the validation data, recorded after loading the checkpoint
+        recorded: dict = {}
+
+        class RecordRouting(L.Callback):
+            def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+                recorded["routing"] = pl_module.record_routing(val[:8])
+
+        trainer.callbacks.append(RecordRouting())
+        trainer.validate(model, val_loader, ckpt_path=args.get("resume"))
+        torch.save(recorded["routing"], f"{args['pred_out']}.rank{trainer.global_rank}.pt")
     elif args["mode"] == "predict":
         preds = trainer.predict(model, val_loader, ckpt_path=args.get("resume"))
         if isinstance(preds[0], dict):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -9,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.data import synthetic_tokens
+from tests.conftest import run_worker
 
 EXPERTS, TOPK = 4, 2
 
@@ -93,3 +96,19 @@ def test_routing_replay_errors() -> None:
         tiny_gpt(num_moe_experts=4, moe_enable_routing_replay=True).validate_parallel(
             tp=2, pp=1, vpp=None, sequence_parallel=True
         )
+
+
+@pytest.mark.multiprocess
+def test_recorded_routing_is_the_same_with_pipeline_and_expert_parallelism(tmp_path: Path) -> None:
+    """Each pipeline stage records its own layers; every rank returns the whole [B, L, S, K] routing."""
+    moe = {"model": {"num_moe_experts": EXPERTS, "moe_router_topk": TOPK, "moe_enable_routing_replay": True}}
+    ckpt = tmp_path / "ckpt"
+    run_worker({**moe, "devices": 1, "max_steps": 2, "ckpt_dir": str(ckpt), "ckpt_every": 2}, tmp_path)
+    args = {**moe, "mode": "routing", "limit_val_batches": 1, "resume": str(ckpt / "epoch=0-step=2.ckpt")}
+    run_worker({**args, "devices": 1, "pred_out": str(tmp_path / "one")}, tmp_path)
+    one = torch.load(tmp_path / "one.rank0.pt")
+    assert one.shape == (8, 4, 32, TOPK)
+    for layout in ({"devices": 2, "pp": 2}, {"devices": 2, "ep": 2}):
+        run_worker({**args, **layout, "pred_out": str(tmp_path / "many")}, tmp_path)
+        for rank in range(2):
+            assert torch.equal(torch.load(tmp_path / f"many.rank{rank}.pt"), one), layout
