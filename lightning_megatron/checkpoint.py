@@ -59,10 +59,16 @@ def save(state: dict[str, Any], path: str | Path) -> None:
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     rank = torch.distributed.get_rank()
+    status: list[str | None] = [None]
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
-        partial.mkdir(parents=True)
-    torch.distributed.barrier()
+        try:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
+            partial.mkdir(parents=True)
+        except OSError as error:  # tell the other ranks instead of leaving them in the next barrier
+            status = [f"{type(error).__name__}: {error}"]
+    torch.distributed.broadcast_object_list(status, src=0)
+    if status[0] is not None:
+        raise OSError(f"cannot create checkpoint directory {partial}: {status[0]}")
     dist_checkpointing.save(state, str(partial))
     torch.distributed.barrier()  # every rank's shards are on disk
     if rank == 0:

@@ -23,7 +23,7 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, temperature: float 
 def vocab_parallel_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """Entropy of ``softmax(logits / temperature)`` per position: logits ``[..., V/tp]`` -> ``[...]``.
 
-    ``H = logsumexp(l) - sum_v p_v l_v``, with the max, the exponential sum and ``sum p l`` reduced over TP.
+    ``H = logsumexp(l) - sum_v p_v l_v``, with the max and the two sums reduced over TP.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -35,9 +35,10 @@ def vocab_parallel_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
             local_max, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
         )
     shifted = scaled - local_max  # the max is a constant shift: no gradient through it
-    # reduce_from_tensor_model_parallel_region: all-reduce forward, identity backward (each rank's partial sum
-    # depends only on its own logits).
-    sum_exp = reduce_from_tensor_model_parallel_region(shifted.exp().sum(dim=-1))
-    probs = shifted.exp() / sum_exp.unsqueeze(-1)
-    expected_logit = reduce_from_tensor_model_parallel_region((probs * shifted).sum(dim=-1))
-    return sum_exp.log() - expected_logit
+    # reduce_from_tensor_model_parallel_region: all-reduce forward, identity backward. Both sums are reduced
+    # before they are combined, so everything after the reductions is identical on every rank and the identity
+    # backward is exact: H = log Z - (sum_v e^l_v l_v) / Z.
+    exp = shifted.exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    sum_exp_logit = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1))
+    return sum_exp.log() - sum_exp_logit / sum_exp

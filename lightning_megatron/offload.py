@@ -58,11 +58,15 @@ def offload(
     """Release the chosen device memory; parameters and optimizer state are copied to the host first."""
     chunks = list(chunks)
     record = Offloaded()
+    model_params = [p for chunk in chunks for p in chunk.parameters()]
     to_save: list[torch.Tensor] = []
     if params:
-        to_save.extend(p for chunk in chunks for p in chunk.parameters())
+        to_save.extend(model_params)
     if optimizer_state and optimizer is not None:
-        to_save.extend(_optimizer_tensors(optimizer))
+        # fp32 main params of the distributed optimizer are views of the model's parameter buffer: with
+        # params=False they must stay where they are (weights are still read, e.g. by an inference engine).
+        kept = set() if params else {s.data_ptr() for s in _unique_storages(model_params)}
+        to_save.extend(t for t in _optimizer_tensors(optimizer) if t.untyped_storage().data_ptr() not in kept)
     for storage in _unique_storages(to_save):
         host = torch.UntypedStorage(storage.nbytes(), device="cpu")
         if storage.device.type == "cuda":

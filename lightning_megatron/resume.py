@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+_END = object()
+
 
 class ResumableLoader:
     """Iterates ``loader``; after ``load_state_dict`` the next iteration skips the batches already consumed."""
@@ -27,7 +29,8 @@ class ResumableLoader:
         iterator = iter(self.loader)
         skip, self._skip = self._skip, 0
         for _ in range(skip):  # map-style or not, skipping by reading is always correct
-            next(iterator)
+            if next(iterator, _END) is _END:
+                break
         return iterator
 
     # Lightning calls set_epoch on these for shuffling DistributedSamplers.
@@ -47,4 +50,7 @@ class ResumableLoader:
         return {"batches_consumed": int(self._consumed())}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._skip = int(state["batches_consumed"])
+        consumed = int(state["batches_consumed"])
+        # A checkpoint taken after the epoch's last batch resumes at the start of the next epoch.
+        length = len(self.loader) if hasattr(self.loader, "__len__") else None
+        self._skip = consumed % length if length else consumed

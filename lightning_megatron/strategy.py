@@ -371,6 +371,9 @@ class MegatronStrategy(DDPStrategy):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
+        if self._offloaded is not None:  # never leave a module with released storages behind
+            self.reload()
+        self._last_step = None
         self._ddp_chunks = None
         self._run_chunks = None
         self._megatron_optimizer = None

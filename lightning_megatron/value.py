@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron.lm import MegatronLMModule, position_ids
+from lightning_megatron.lm import MegatronLMModule
 from lightning_megatron.module import ChunkSpec
 from lightning_megatron.schedule import Batch, LossFn
 
@@ -31,7 +31,9 @@ class ValueHead(nn.Linear):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-            hidden = gather_from_sequence_parallel_region(hidden)  # [S/tp, B, H] -> [S, B, H]
+            # [S/tp, B, H] -> [S, B, H]. The head is replicated and every TP rank computes the whole loss, so the
+            # backward must split the gradient, not sum tp identical copies (the default, for split outputs).
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return super().forward(hidden.to(self.weight.dtype)), None
 
 
@@ -67,6 +69,8 @@ class MegatronValueModule(MegatronLMModule):
                 "share_embeddings_and_output_weights=True ties the output head to the embedding, but a value model "
                 "replaces that head with a scalar one; use share_embeddings_and_output_weights=False"
             )
+        if self.prediction != "logits":
+            raise ValueError(f"prediction={self.prediction!r}: a value model predicts values; leave prediction unset")
         if clip_range is not None and clip_range <= 0:
             raise ValueError(f"clip_range={clip_range} must be positive (e.g. 0.2) or None")
         self.clip_range = clip_range
@@ -83,7 +87,7 @@ class MegatronValueModule(MegatronLMModule):
         if targets is None:
             raise KeyError("MegatronValueModule batches need 'returns' (or 'values') [B, S] value targets")
         mask = _value_mask(batch)
-        output = model(batch["input_ids"], position_ids(batch["input_ids"]), None)  # [B, S, 1] on the last stage
+        output = self._routed_forward(batch, model)  # [B, S, 1] on the last stage
 
         def loss_fn(values: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
             values = values.squeeze(-1).float()  # [B, S, 1] -> [B, S]
@@ -96,8 +100,8 @@ class MegatronValueModule(MegatronLMModule):
 
         return output, loss_fn
 
-    def forward_predict(self, batch: Batch, model: nn.Module) -> Tensor:
-        return model(batch["input_ids"], position_ids(batch["input_ids"]), None)
+    def compute_logprobs(self, *args: object, **kwargs: object) -> dict:
+        raise TypeError("a value model has no token distribution; use trainer.predict for per-token values")
 
     def predict_output(self, batch: Batch, output: Tensor) -> Tensor:
         return output.squeeze(-1).float()  # [B, S, 1] -> [B, S]

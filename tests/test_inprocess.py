@@ -142,3 +142,15 @@ def test_progress_metrics_tokens_per_second_and_perplexity() -> None:
     metrics = trainer.callback_metrics
     assert metrics["tokens_per_s"] > 0
     assert float(metrics["val_ppl"]) == pytest.approx(float(torch.exp(metrics["val_loss"])), rel=1e-5)
+
+
+def test_resumable_loader_after_an_epoch_end_checkpoint() -> None:
+    from lightning_megatron.resume import ResumableLoader
+
+    loader = ResumableLoader(list(range(5)), consumed=lambda: 5)
+    assert loader.state_dict() == {"batches_consumed": 5}
+    loader.load_state_dict({"batches_consumed": 5})  # saved after the epoch's last batch: next epoch is whole
+    assert list(loader) == [0, 1, 2, 3, 4]
+    loader.load_state_dict({"batches_consumed": 2})
+    assert list(loader) == [2, 3, 4]
+    assert list(loader) == [0, 1, 2, 3, 4]  # only the first epoch after a restore is shortened

@@ -73,3 +73,23 @@ def test_offload_releases_gpu_memory() -> None:
     _run(plain, "gpu")
     _run(offloaded, "gpu")
     assert offloaded.losses == plain.losses
+
+
+class OffloadOptimizerOnly(OffloadEveryStep):
+    """params=False must keep the weights readable even where the optimizer's main params are views of them."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.losses.append(float(outputs["loss"]))
+        before = [p.detach().clone() for p in pl_module.parameters()]
+        self.released.append(trainer.strategy.offload(params=False, grads=True, optimizer=True))
+        for saved, param in zip(before, pl_module.parameters(), strict=True):
+            assert torch.equal(saved, param.detach())  # still there, unchanged
+        trainer.strategy.reload()
+
+
+def test_offload_optimizer_only_keeps_weights_and_training_identical() -> None:
+    plain, offloaded = Plain(), OffloadOptimizerOnly()
+    _run(plain)
+    _run(offloaded)
+    assert offloaded.losses == plain.losses
+    assert min(offloaded.released) > 0
