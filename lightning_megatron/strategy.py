@@ -196,11 +196,11 @@ class MegatronStrategy(DDPStrategy):
             validate(tp=s.tp, pp=s.pp, vpp=s.vpp, ep=s.ep, sequence_parallel=s.sequence_parallel, cp=s.cp)
 
     @override
-    def _configure_launcher(self) -> None:
-        # Lightning configures the launcher when the Trainer is built, before any process is started: the
-        # earliest point where the world size is known.
+    def set_world_ranks(self) -> None:
+        # Lightning calls this when the Trainer is built, before any process is started: the earliest point where
+        # the world size is known, so an impossible layout fails right there.
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
+        super().set_world_ranks()
 
     @override
     def setup_environment(self) -> None:
@@ -209,10 +209,6 @@ class MegatronStrategy(DDPStrategy):
             cpu.enable()
         super().setup_environment()  # default process group
         parallel.initialize(self._sizes, seed=_seed(self._seed), timeout=self._timeout)
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
