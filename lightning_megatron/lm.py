@@ -21,6 +21,15 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100
 
 
+def token_mask(batch: Batch) -> Tensor:
+    """Bool [B, S]: the tokens that ``loss_mask`` and ``attention_mask`` (when present) keep."""
+    keep = torch.ones_like(batch["input_ids"], dtype=torch.bool)
+    for name in ("loss_mask", "attention_mask"):
+        if name in batch:
+            keep = keep & batch[name].bool()
+    return keep
+
+
 def shift_labels(batch: Batch) -> tuple[Tensor, Tensor]:
     """HF causal-LM labels -> Megatron targets: position t predicts token t+1.
 
@@ -29,10 +38,7 @@ def shift_labels(batch: Batch) -> tuple[Tensor, Tensor]:
     0, a valid index for the vocab-parallel cross entropy) and the float ``mask`` [B, S].
     """
     labels = batch.get("labels", batch["input_ids"])
-    keep = labels != IGNORE_INDEX
-    for name in ("loss_mask", "attention_mask"):
-        if name in batch:
-            keep = keep & batch[name].bool()
+    keep = (labels != IGNORE_INDEX) & token_mask(batch)
     targets = torch.zeros_like(labels)
     mask = torch.zeros_like(labels, dtype=torch.float32)
     targets[:, :-1] = torch.where(keep[:, 1:], labels[:, 1:], 0)  # [B, S-1] shifted left by one

@@ -104,13 +104,7 @@ class MegatronStrategy(DDPStrategy):
 
     @property
     def module(self) -> MegatronLightningModule:
-        module = self.lightning_module
-        if not isinstance(module, MegatronLightningModule):
-            raise TypeError(
-                "MegatronStrategy trains a lightning_megatron.MegatronLightningModule (e.g. MegatronLMModule), "
-                f"got {type(module).__name__}"
-            )
-        return module
+        return _check_module(self.lightning_module)
 
     def chunk_specs(self) -> list[ChunkSpec]:
         """One spec per model chunk this rank holds (one per VPP stage)."""
@@ -181,11 +175,7 @@ class MegatronStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def connect(self, model: L.LightningModule) -> None:
-        if not isinstance(model, MegatronLightningModule):
-            raise TypeError(
-                "MegatronStrategy trains a lightning_megatron.MegatronLightningModule (e.g. MegatronLMModule), "
-                f"got {type(model).__name__}"
-            )
+        _check_module(model)
         super().connect(model)
         trainer = model.trainer
         _validate_trainer(trainer)
@@ -378,6 +368,15 @@ class MegatronStrategy(DDPStrategy):
         if _distributed_is_initialized():
             parallel.destroy()
         cpu.disable()
+
+
+def _check_module(module: object) -> MegatronLightningModule:
+    if not isinstance(module, MegatronLightningModule):
+        raise TypeError(
+            "MegatronStrategy trains a lightning_megatron.MegatronLightningModule (e.g. MegatronLMModule), "
+            f"got {type(module).__name__}"
+        )
+    return module
 
 
 def _validate_trainer(trainer: L.Trainer) -> None:

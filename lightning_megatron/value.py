@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron.lm import MegatronLMModule
+from lightning_megatron.lm import MegatronLMModule, token_mask
 from lightning_megatron.module import ChunkSpec
 from lightning_megatron.schedule import Batch, LossFn
 
@@ -86,7 +86,8 @@ class MegatronValueModule(MegatronLMModule):
         targets = batch.get("returns", batch.get("values"))
         if targets is None:
             raise KeyError("MegatronValueModule batches need 'returns' (or 'values') [B, S] value targets")
-        mask = _value_mask(batch)
+        # No shift: the value at position t estimates the return from t.
+        mask = token_mask(batch).float()
         output = self._routed_forward(batch, model)  # [B, S, 1] on the last stage
 
         def loss_fn(values: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -105,13 +106,3 @@ class MegatronValueModule(MegatronLMModule):
 
     def predict_output(self, batch: Batch, output: Tensor) -> Tensor:
         return output.squeeze(-1).float()  # [B, S, 1] -> [B, S]
-
-
-def _value_mask(batch: Batch) -> Tensor:
-    """Positions that count: every token unless ``loss_mask``/``attention_mask`` say otherwise. No shift: the
-    value at position t estimates the return from t."""
-    mask = torch.ones_like(batch["input_ids"], dtype=torch.float32)
-    for name in ("loss_mask", "attention_mask"):
-        if name in batch:
-            mask = mask * batch[name].float()
-    return mask
