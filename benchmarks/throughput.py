@@ -1,86 +1,234 @@
-"""Training throughput of Trainer + MegatronStrategy + MegatronLMModule; prints one JSON line.
+"""Training throughput: Lightning + MegatronStrategy vs a raw Megatron-Core loop vs Lightning + HF Llama.
 
-    python benchmarks/throughput.py --devices 1 --shape 1b            # one GPU, bf16, 1.0B Llama shape
-    python benchmarks/throughput.py --devices 2 --tp 2 --shape 1b
+    python benchmarks/throughput.py                                   # 1 GPU, 1.0B Llama shape, variants a,b,c
+    python benchmarks/throughput.py --devices 2 --tp 2 --sp --variants a,b
+    python benchmarks/throughput.py --devices 2 --pp 2 --vpp 2 --micro-batch-size 2 --micro-batches 16
 
-MFU = tokens/s x (6 N + 6 layers hidden seq) / (989e12 x GPUs), N the parameter count (H100/H200 dense bf16 peak).
-Only variant (a) of the performance issue so far; the raw Megatron-Core and transformers variants come later.
+Prints one JSON line per variant, each measured in its own torchrun job on the same GPUs:
+(a) ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule``; (b) a raw Megatron-Core loop with the same model,
+optimizer, batch and loss (benchmarks/raw_megatron.py); (c) ``Trainer`` + ``transformers`` ``LlamaForCausalLM``
+of the same shape (SDPA attention, ``precision="bf16-mixed"``, fused AdamW; 1 GPU or DDP only).
+All use bf16 compute with fp32 master weights, Adam, grad clipping 1.0, the same synthetic tokens.
+MFU = tokens/s x (6 N + 6 layers hidden seq) / (989e12 x GPUs): N all parameters, 989 TFLOP/s the dense bf16
+peak of an H100/H200. Timing: wall clock over ``--steps`` steps after ``--warmup`` steps, the GPU drained at
+both ends only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
+from typing import Any
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader
-
-from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig
-from lightning_megatron.data import synthetic_tokens
 
 SHAPES = {
     "125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=2048),
     "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632),
     "3b": dict(num_layers=26, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=8192),
 }
+VOCAB = 32000
 PEAK_FLOPS = 989e12
 
 
-class StepTimer(L.Callback):
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.start: float | None = None
-        self.steps = 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        torch.cuda.synchronize()
-        if trainer.global_step == self.warmup:
-            self.start = time.perf_counter()
-            torch.cuda.reset_peak_memory_stats()
-        elif trainer.global_step > self.warmup:
-            self.steps += 1
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="a,b,c", help="comma-separated subset of a,b,c")
+    p.add_argument("--variant", help=argparse.SUPPRESS)  # set for the per-variant child job
     p.add_argument("--shape", default="1b", choices=list(SHAPES))
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "local"])
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=2, help="per optimizer step and data-parallel rank")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="variant b: foreach AdamW")
+    p.add_argument("--recompute", choices=["selective", "full"], default=None)
+    p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
-    args = p.parse_args()
+    p.add_argument("--profile", help="write each variant's torch.profiler kernel table to PROFILE.<variant>")
+    return p.parse_args()
 
-    config = ModelConfig(**SHAPES[args.shape], vocab_size=32000, seq_length=args.seq_length)
-    model = MegatronLMModule(config, lr=1e-4, decay_steps=1000)
-    timer = StepTimer(args.warmup)
+
+def model_config(args: argparse.Namespace) -> Any:
+    from lightning_megatron import ModelConfig
+
+    recompute = {"recompute_granularity": args.recompute}
+    if args.recompute == "full":
+        recompute |= {"recompute_method": "uniform", "recompute_num_layers": 1}
+    return ModelConfig(
+        **SHAPES[args.shape], vocab_size=VOCAB, seq_length=args.seq_length, kernels=args.kernels, **recompute
+    )
+
+
+def dataset(args: argparse.Namespace, dp: int) -> torch.Tensor:
+    from lightning_megatron.data import synthetic_tokens
+
     batch = args.micro_batch_size * args.micro_batches
-    dp = args.devices // (args.tp * args.pp)
-    total = args.warmup + args.steps
+    return synthetic_tokens(batch * dp * (args.warmup + args.steps), args.seq_length, VOCAB)
+
+
+def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: torch.Tensor, dp: int) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class Clock(L.Callback):
+        """Wall clock between the end of the warm-up and the end of the last step; the GPU is drained only there
+        (a per-step sync would stall the next step's launch, which real training does not do)."""
+
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+            self.profiler: Any = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if trainer.global_step in (args.warmup, args.warmup + args.steps):
+                torch.cuda.synchronize()
+                self.stamps.append(time.perf_counter())
+            if trainer.global_step == args.warmup:
+                torch.cuda.reset_peak_memory_stats()
+                if args.profile:
+                    self.profiler = start_profiler()
+
+        def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+            if self.profiler is not None:
+                write_profile(self.profiler, f"{args.profile}.{args.variant}")
+
+    clock = Clock()
     trainer = L.Trainer(
-        accelerator="gpu", devices=args.devices, precision="bf16-mixed", max_steps=total, logger=False,
-        strategy=MegatronStrategy(tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+        accelerator="gpu", devices=args.devices, precision="bf16-mixed", strategy=strategy, logger=False,
+        max_steps=args.warmup + args.steps, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[clock],
     )  # fmt: skip
-    data = synthetic_tokens(batch * dp * total, args.seq_length, config.vocab_size)
-    trainer.fit(model, DataLoader(data, batch_size=batch))
-    if trainer.global_rank != 0:
+    batch = args.micro_batch_size * args.micro_batches
+    trainer.fit(module, DataLoader(data, batch_size=batch))
+    return {"elapsed": clock.stamps[1] - clock.stamps[0], "steps": args.steps}
+
+
+def variant_a(args: argparse.Namespace) -> dict:
+    from lightning_megatron import MegatronLMModule, MegatronStrategy
+
+    config = model_config(args)
+    dp = args.devices // (args.tp * args.pp)
+    module = MegatronLMModule(config, lr=1e-4, decay_steps=1000)
+    strategy = MegatronStrategy(
+        tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size
+    )
+    result = run_lightning(args, module, strategy, dataset(args, dp), dp)
+    return {**result, "params": sum(p.numel() for c in module.chunks for p in c.parameters())}
+
+
+def variant_c(args: argparse.Namespace) -> dict:
+    import lightning as L
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = SHAPES[args.shape]
+    hf_config = LlamaConfig(
+        hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"],
+        num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
+        vocab_size=VOCAB, max_position_embeddings=args.seq_length, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+
+    class HFLlama(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaForCausalLM(hf_config)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            # Clipped here: Lightning refuses gradient_clip_val with a fused optimizer under AMP.
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0, foreach=True)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
+
+    module = HFLlama()
+    result = run_lightning(args, module, "auto", dataset(args, args.devices), args.devices)
+    return {**result, "params": sum(p.numel() for p in module.parameters())}
+
+
+def start_profiler() -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    profiler.start()
+    return profiler
+
+
+def write_profile(profiler: Any, path: str) -> None:
+    """The timed steps' top GPU kernels by total time (rank 0)."""
+    profiler.stop()
+    if torch.distributed.get_rank() == 0:
+        table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
+        with open(path, "w") as f:
+            f.write(table)
+
+
+def child(args: argparse.Namespace) -> None:
+    if args.variant == "b":
+        from benchmarks.raw_megatron import run
+
+        result = run(args, model_config(args), dataset(args, args.devices // (args.tp * args.pp)))
+    else:
+        result = {"a": variant_a, "c": variant_c}[args.variant](args)
+    params = torch.tensor([float(result["params"])], device="cuda")
+    if args.variant != "c" and args.tp * args.pp > 1:  # each rank holds 1/(tp*pp): sum over the first such group
+        ranks = list(range(args.tp * args.pp))  # global ranks 0..tp*pp-1 form one model replica (Megatron order)
+        group = torch.distributed.new_group(ranks)
+        if torch.distributed.get_rank() in ranks:
+            torch.distributed.all_reduce(params, group=group)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+    distributed = torch.distributed.is_initialized()  # not with Lightning's single-device strategy (c, 1 GPU)
+    if distributed:
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    if distributed and torch.distributed.get_rank() != 0:
         return
-    elapsed = time.perf_counter() - timer.start
-    params = sum(p.numel() for p in model.parameters()) * args.tp * args.pp  # this rank holds 1/(tp*pp)
-    tokens_per_s = timer.steps * batch * dp * args.seq_length / elapsed
-    flops_per_token = 6 * params + 6 * config.num_layers * config.hidden_size * args.seq_length
-    print(json.dumps({
-        "variant": "lightning_megatron", "shape": args.shape, "devices": args.devices, "tp": args.tp, "pp": args.pp,
-        "params_approx": params, "tokens_per_s": round(tokens_per_s), "step_time_s": round(elapsed / timer.steps, 4),
-        "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "gpu": torch.cuda.get_device_name(),
-    }))  # fmt: skip
+    tokens = args.steps * args.micro_batch_size * args.micro_batches * args.seq_length
+    tokens *= args.devices // (args.tp * args.pp)
+    tokens_per_s = tokens / result["elapsed"]
+    shape = SHAPES[args.shape]
+    flops_per_token = 6 * params.item() + 6 * shape["num_layers"] * shape["hidden_size"] * args.seq_length
+    print(
+        "RESULT " + json.dumps({
+            "variant": {"a": "lightning_megatron", "b": "raw_megatron_core", "c": "lightning_hf_llama"}[args.variant],
+            "shape": args.shape, "devices": args.devices, "tp": args.tp, "pp": args.pp, "vpp": args.vpp,
+            "sp": args.sp, "kernels": args.kernels if args.variant != "c" else "sdpa",
+            "micro_batch": f"{args.micro_batch_size}x{args.micro_batches}", "seq": args.seq_length,
+            "recompute": args.recompute, "params": int(params.item()), "tokens_per_s": round(tokens_per_s),
+            "step_time_s": round(result["elapsed"] / args.steps, 4),
+            "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
+            "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(),
+        }),
+        flush=True,
+    )  # fmt: skip
+
+
+def main() -> None:
+    args = parse()
+    if args.variant:
+        child(args)
+        return
+    for variant in args.variants.split(","):
+        if variant == "c" and args.tp * args.pp > 1:
+            continue  # the HF model runs with plain DDP only
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.devices}"]
+        cmd += [__file__, *sys.argv[1:], "--variant", variant]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(json.dumps({"variant": variant, "error": (proc.stdout + proc.stderr)[-3000:]}), flush=True)
+        else:
+            print(lines[-1], flush=True)
 
 
 if __name__ == "__main__":

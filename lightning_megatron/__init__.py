@@ -5,6 +5,7 @@ from lightning_megatron.config import ModelConfig, tiny_gpt
 from lightning_megatron.lm import MegatronLMModule
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
 from lightning_megatron.strategy import MegatronStrategy, StepStats
+from lightning_megatron.throughput import MegatronThroughput
 from lightning_megatron.value import MegatronValueModule
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "MegatronLMModule",
     "MegatronLightningModule",
     "MegatronStrategy",
+    "MegatronThroughput",
     "MegatronValueModule",
     "ModelConfig",
     "OptimizerSpec",

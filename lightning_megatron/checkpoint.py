@@ -130,7 +130,8 @@ def _init_adam_state(optimizer: Any) -> None:
             for param in group["params"]:
                 state = torch_optimizer.state[param]
                 if len(state) == 0:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    device = param.device if group.get("fused") else None  # see optim.place_adam_steps
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
                     state["exp_avg"] = torch.zeros_like(param)
                     state["exp_avg_sq"] = torch.zeros_like(param)
 
@@ -142,10 +143,13 @@ def _untie_adam_steps(optimizer: Any) -> None:
     tensor to every parameter's state; torch Adam increments it in place once per parameter, so the bias
     correction of every step after a resume would be wrong.
     """
+    from lightning_megatron.optim import place_adam_steps
+
     for megatron_optimizer in _inner_optimizers(optimizer):
         for state in megatron_optimizer.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
+        place_adam_steps(megatron_optimizer.optimizer)  # loaded counters land on the host
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ configs read the same as Megatron-LM's; the exception is `norm_epsilon` (Megatro
 `layernorm_epsilon` on `TransformerConfig`).
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Self
@@ -18,7 +19,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from lightning_megatron.layers import TorchNorm, with_torch_norms
+from lightning_megatron.kernels import Kernels, Resolved, Rotary, SDPAttention
+from lightning_megatron.layers import TorchNorm, replace_modules, with_torch_norms
 
 __all__ = ["ModelConfig", "tiny_gpt"]
 
@@ -137,6 +139,12 @@ class ModelConfig:
     """Experts each token is routed to (MoE only)."""
     moe_ffn_hidden_size: int | None = None
     """Hidden size of each expert MLP; None means ffn_hidden_size (MoE only)."""
+    kernels: Kernels = "auto"
+    """Which kernels build the layers. 'torch': the torch-native fast path (SDPA/flash core attention, a fused
+    vocabulary-parallel cross entropy, and on GPU Megatron's torch.compile'd SwiGLU/GeGLU and bias-dropout-add);
+    'te': Megatron's Transformer Engine spec (GPU, needs transformer_engine); 'local': Megatron's reference
+    torch spec (unfused attention); 'auto': 'te' if Transformer Engine imports, else 'torch', on GPU, and
+    'local' on CPU. All give the same model and the same checkpoints."""
     moe_enable_routing_replay: bool = False
     """Let batches carry the expert routing to use (``batch["routing"]``, e.g. recorded at rollout by
     ``MegatronLMModule.record_routing`` or an inference engine) instead of the router's own top-k (MoE only)."""
@@ -150,6 +158,7 @@ class ModelConfig:
         _check_choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _check_choice("activation", self.activation, tuple(_ACTIVATIONS))
         _check_choice("position_embedding_type", self.position_embedding_type, ("rope", "learned_absolute", "none"))
+        _check_choice("kernels", self.kernels, ("auto", "torch", "te", "local"))
         for name in ("norm_epsilon", "init_method_std", "rotary_base", "rope_scaling_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
@@ -340,9 +349,17 @@ class ModelConfig:
                 "asserts cp == 1; use cp=1"
             )
 
-    def to_transformer_config(self, **parallel: Any) -> TransformerConfig:
-        """Build Megatron's TransformerConfig; `parallel` (TP/PP/dtypes/...) is passed through unchanged."""
+    def to_transformer_config(
+        self, kernels: Resolved = "local", compile_fusions: bool = False, **parallel: Any
+    ) -> TransformerConfig:
+        """Build Megatron's TransformerConfig; `parallel` (TP/PP/dtypes/...) is passed through unchanged.
+
+        ``kernels`` is the resolved kernel set (:func:`lightning_megatron.kernels.resolve`); with ``'torch'``,
+        ``compile_fusions`` turns on Megatron's torch.compile'd activation and bias-dropout-add fusions (on GPU;
+        on CPU compiling costs more than it saves).
+        """
         model: dict[str, Any] = {name: getattr(self, name) for name in _SAME_NAME_FIELDS}
+        model.update(self._kernel_fields(kernels, compile_fusions))
         model["layernorm_epsilon"] = self.norm_epsilon
         model["activation_func"] = _ACTIVATIONS[self.activation]
         if self.num_moe_experts is not None:
@@ -353,12 +370,34 @@ class ModelConfig:
             raise ValueError(f"{clash} are model fields; set them on ModelConfig, not as parallel settings")
         return TransformerConfig(**{**_LOCAL_BACKEND_DEFAULTS, **model, **parallel})
 
-    def gpt_model_kwargs(self) -> dict[str, Any]:
-        """Arguments of GPTModel(...) that live outside TransformerConfig."""
+    def _kernel_fields(self, kernels: Resolved, compile_fusions: bool) -> dict[str, Any]:
+        if kernels == "te":
+            return {
+                "transformer_impl": "transformer_engine", "attention_backend": AttnBackend.auto,
+                "apply_rope_fusion": self.position_embedding_type == "rope", "bias_dropout_fusion": True,
+                "bias_activation_fusion": self._activation_fusable(), "gradient_accumulation_fusion": True,
+            }  # fmt: skip
+        if kernels == "torch" and compile_fusions:
+            # Megatron's jit_fuser is torch.compile: these fusions need no TE/apex kernels.
+            return {"bias_activation_fusion": self._activation_fusable(), "bias_dropout_fusion": True}
+        return {}
+
+    def _activation_fusable(self) -> bool:
+        # Megatron fuses SwiGLU, GeGLU and bias+GeLU; plain GeLU without a bias has no fused path.
+        return self.gated_linear_unit or (self.activation == "gelu" and self.add_bias_linear)
+
+    def gpt_model_kwargs(self, kernels: Resolved = "local") -> dict[str, Any]:
+        """Arguments of GPTModel(...) that live outside TransformerConfig.
+
+        With ``kernels='torch'`` and RoPE, the rotary embedding is applied inside :class:`SDPAttention` (fused),
+        so the GPTModel is built without its own: ``position_embedding_type='none'``; RoPE has no parameters,
+        so the parameters and checkpoints are the same.
+        """
+        rope_in_attention = kernels == "torch" and self.position_embedding_type == "rope"
         return {
             "vocab_size": self.vocab_size,
             "max_sequence_length": self.seq_length,
-            "position_embedding_type": self.position_embedding_type,
+            "position_embedding_type": "none" if rope_in_attention else self.position_embedding_type,
             "rotary_percent": self.rotary_percent,
             "rotary_base": self.rotary_base,
             "share_embeddings_and_output_weights": self.share_embeddings_and_output_weights,
@@ -371,22 +410,48 @@ class ModelConfig:
             ),
         }
 
-    def layer_spec(self) -> ModuleSpec:
-        """Megatron's torch-native ('local') GPT layer spec for this model, with norms that support SP."""
+    def layer_spec(self, kernels: Resolved = "local") -> ModuleSpec:
+        """The GPT layer spec for a resolved kernel set: Megatron's torch-native ('local') spec with norms that
+        support SP ('local'), the same with SDPA core attention ('torch'), or the Transformer Engine spec."""
+        if kernels == "te":
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            return get_gpt_layer_with_transformer_engine_spec(
+                num_experts=self.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=self.qk_layernorm
+            )
         spec = get_gpt_layer_local_spec(
             num_experts=self.num_moe_experts,
             moe_grouped_gemm=False,
             qk_layernorm=self.qk_layernorm,
             normalization=self.normalization,
         )
-        return with_torch_norms(spec)
+        spec = with_torch_norms(spec)
+        if kernels == "torch":
+            from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    def block_spec(self, config: TransformerConfig, vp_stage: int | None) -> TransformerBlockSubmodules:
+            attention: Any = SDPAttention
+            if self.position_embedding_type == "rope":
+                rotary = Rotary(
+                    rotary_percent=self.rotary_percent, rotary_base=self.rotary_base, rope_scaling=self.rope_scaling,
+                    rope_scaling_factor=self.rope_scaling_factor,
+                    seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+                )  # fmt: skip
+                attention = functools.partial(SDPAttention, rotary=rotary)
+            spec = replace_modules(spec, {DotProductAttention: attention})
+        return spec
+
+    def block_spec(
+        self, config: TransformerConfig, vp_stage: int | None, kernels: Resolved = "local"
+    ) -> TransformerBlockSubmodules:
         """The decoder layers of one pipeline stage / VPP chunk, and a final norm that supports SP."""
         from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-        return TransformerBlockSubmodules(layer_specs=[self.layer_spec()] * num_layers, layer_norm=TorchNorm)
+        if kernels == "te":
+            from megatron.core.extensions.transformer_engine import TENorm
+
+            return TransformerBlockSubmodules(layer_specs=[self.layer_spec(kernels)] * num_layers, layer_norm=TENorm)
+        return TransformerBlockSubmodules(layer_specs=[self.layer_spec(kernels)] * num_layers, layer_norm=TorchNorm)
 
 
 def tiny_gpt(**overrides: Any) -> ModelConfig:

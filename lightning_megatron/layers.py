@@ -35,15 +35,30 @@ class TorchNorm:
 
 def with_torch_norms(spec: Any) -> Any:
     """Copy of a Megatron layer spec with every ``WrappedTorchNorm`` replaced by :class:`TorchNorm`."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     def swap(value: Any, name: str) -> Any:
-        if value is WrappedTorchNorm:
-            qk = name in ("q_layernorm", "k_layernorm", "kv_layernorm")
-            return functools.partial(TorchNorm, sequence_parallel_region=False) if qk else TorchNorm
+        if value is not WrappedTorchNorm:
+            return value
+        qk = name in ("q_layernorm", "k_layernorm", "kv_layernorm")
+        return functools.partial(TorchNorm, sequence_parallel_region=False) if qk else TorchNorm
+
+    return _map_spec(spec, swap)
+
+
+def replace_modules(spec: Any, mapping: dict[type, Any]) -> Any:
+    """Copy of a Megatron layer spec with the module classes in ``mapping`` replaced."""
+    return _map_spec(spec, lambda value, name: mapping.get(value, value) if isinstance(value, type) else value)
+
+
+def _map_spec(spec: Any, fn: Any) -> Any:
+    """Apply ``fn(value, field_name)`` to every module class of a spec tree (ModuleSpecs and submodule dataclasses)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    def swap(value: Any, name: str) -> Any:
+        value = fn(value, name)
         if isinstance(value, ModuleSpec):
-            return dataclasses.replace(value, submodules=swap(value.submodules, name))
+            return dataclasses.replace(value, module=fn(value.module, name), submodules=swap(value.submodules, name))
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return dataclasses.replace(
                 value, **{f.name: swap(getattr(value, f.name), f.name) for f in dataclasses.fields(value) if f.init}

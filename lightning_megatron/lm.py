@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from lightning_megatron import routing
 from lightning_megatron.config import ModelConfig
+from lightning_megatron.kernels import Resolved, resolve, vocab_parallel_cross_entropy
 from lightning_megatron.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
 from lightning_megatron.schedule import Batch, LossFn
@@ -77,6 +78,8 @@ class MegatronLMModule(MegatronLightningModule):
 
     hf_checkpoint: HFCheckpoint | None = None
     """The HF model directory :meth:`from_hf` read; ``build_chunk`` loads this rank's shard of it into each chunk."""
+    kernels: Resolved = "local"
+    """The kernel set the chunks were built with (``ModelConfig.kernels`` resolved for the device)."""
 
     @classmethod
     def from_hf(
@@ -146,14 +149,17 @@ class MegatronLMModule(MegatronLightningModule):
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
         from megatron.core.models.gpt import GPTModel
 
-        config = self.config.to_transformer_config(**spec.parallel)
+        self.kernels = resolve(self.config.kernels, spec.device_type)
+        config = self.config.to_transformer_config(
+            kernels=self.kernels, compile_fusions=spec.device_type == "cuda", **spec.parallel
+        )
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=self.config.block_spec(config, spec.vp_stage),
+            transformer_layer_spec=self.config.block_spec(config, spec.vp_stage, self.kernels),
             pre_process=spec.pre_process,
             post_process=spec.post_process,
             vp_stage=spec.vp_stage,
-            **self.config.gpt_model_kwargs(),
+            **self.config.gpt_model_kwargs(self.kernels),
         )
         if self.hf_checkpoint is not None:
             from lightning_megatron.hf import load_chunk
@@ -206,7 +212,9 @@ class MegatronLMModule(MegatronLightningModule):
         ``batch["advantages"]`` (see ``examples/ppo_policy.py``); positions outside the loss mask are dropped
         and the sum is token-weighted across micro-batches and data-parallel ranks by the strategy.
         """
-        return -vocab_parallel_logprobs(logits, targets)
+        if self.kernels == "local":
+            return -vocab_parallel_logprobs(logits, targets)  # Megatron's reference cross entropy
+        return vocab_parallel_cross_entropy(logits, targets)
 
     def compute_logprobs(self, batch: Batch | Tensor, temperature: float = 1.0, with_entropy: bool = False) -> dict:
         """Per-token log-probs (and entropy) of a batch, forward-only through the pipeline; on every rank.

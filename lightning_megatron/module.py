@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import lightning as L
 from torch import Tensor, nn
 
-from lightning_megatron.schedule import Batch, LossFn
+from lightning_megatron.parallel import data_parallel_rank_and_size
+from lightning_megatron.schedule import Batch, LossFn, as_batch
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import OptimizerConfig
@@ -45,6 +46,8 @@ class ChunkSpec:
     parallel: dict[str, Any] = field(default_factory=dict)
     """``ModelParallelConfig`` fields to pass into the chunk's ``TransformerConfig``/``ModelParallelConfig``:
     parallel sizes, ``sequence_parallel``, dtypes and p2p settings."""
+    device_type: str = "cpu"
+    """Where the chunk will run (``"cuda"`` or ``"cpu"``): decides which kernels are worth building."""
 
 
 @dataclass(kw_only=True)
@@ -137,10 +140,12 @@ class MegatronLightningModule(L.LightningModule):
         self.log("lr", stats.lr, prog_bar=True)
         if stats.grad_norm is not None:
             self.log("grad_norm", stats.grad_norm)
-        # Loss tokens of the global batch per second of this step (rank 0's clock; identical token count).
+        # Input tokens of the global batch per second of this step (rank 0's clock). Counted on the host: reading
+        # the loss's token count would wait for the GPU and stall the next step's launch.
         elapsed = time.perf_counter() - getattr(self, "_step_start", time.perf_counter())
         if elapsed > 0:
-            self.log("tokens_per_s", float(outputs["num_tokens"]) / elapsed, prog_bar=True)
+            tokens = as_batch(batch)["input_ids"].numel() * data_parallel_rank_and_size()[1]
+            self.log("tokens_per_s", tokens / elapsed, prog_bar=True)
 
     def on_validation_epoch_start(self) -> None:
         self._val_totals = [0.0, 0.0]  # loss x tokens, tokens

@@ -90,3 +90,36 @@ def build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> 
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=False,
     )
+
+
+def use_fused_adam(optimizer: Any) -> int:
+    """Switch the torch Adam(W) inside Megatron's optimizer to torch's fused CUDA kernel; returns how many.
+
+    Without Transformer Engine or apex, megatron-core builds ``torch.optim.AdamW`` with its default
+    (multi-tensor "foreach") implementation: about 8% of a 1B model's step on an H200. ``fused`` is a
+    per-group switch read at every step, so flipping it keeps every parameter, state tensor and checkpoint
+    as they are; the fused kernel wants the ``step`` counters on the parameters' device.
+    """
+    switched = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = inner.optimizer
+        if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in torch_optimizer.param_groups:
+            if not all(p.is_cuda and p.is_floating_point() for p in group["params"]):
+                continue
+            group["fused"], group["foreach"] = True, False
+            switched += 1
+        place_adam_steps(torch_optimizer)
+    return switched
+
+
+def place_adam_steps(torch_optimizer: torch.optim.Optimizer) -> None:
+    """Put each Adam ``step`` counter where its group's implementation wants it: the parameter's device for the
+    fused kernel, the host otherwise (a device counter there would cost a sync per parameter per step)."""
+    for group in torch_optimizer.param_groups:
+        for param in group["params"]:
+            step = torch_optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                device = param.device if group.get("fused") else torch.device("cpu")
+                torch_optimizer.state[param]["step"] = step.to(device=device, dtype=torch.float32)

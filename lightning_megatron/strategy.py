@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -22,7 +23,7 @@ from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import cpu, parallel, schedule
 from lightning_megatron import offload as offload_state
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
-from lightning_megatron.optim import LightningOptimizerAdapter, StepStats, build_scheduler
+from lightning_megatron.optim import LightningOptimizerAdapter, StepStats, build_scheduler, use_fused_adam
 from lightning_megatron.resume import ResumableLoader
 
 if TYPE_CHECKING:
@@ -112,21 +113,32 @@ class MegatronStrategy(DDPStrategy):
         stages = parallel.chunk_stages(self._sizes.num_chunks)
         vpp = self._sizes.vpp
         return [
-            ChunkSpec(pre_process=first, post_process=last, vp_stage=i if vpp else None, parallel=config)
+            ChunkSpec(
+                pre_process=first,
+                post_process=last,
+                vp_stage=i if vpp else None,
+                parallel=config,
+                device_type=self.root_device.type,
+            )  # fmt: skip
             for i, (first, last) in enumerate(stages)
         ]
 
     @property
-    def bf16(self) -> bool:
-        """Whether Lightning's precision is ``"bf16-mixed"`` (Megatron bf16 with fp32 main params), not fp32."""
-        return _precision(self.precision_plugin) == "bf16-mixed"
+    def compute_dtype(self) -> torch.dtype:
+        """Weights' and activations' dtype: bf16 (``"bf16-mixed"``), fp16 (``"16-mixed"``) or fp32 (``"32-true"``).
+
+        The mixed precisions are Megatron's own: Float16Module, fp32 main weights in the optimizer, gradients
+        reduced in fp32, dynamic loss scaling for fp16 -- no autocast.
+        """
+        return _PRECISIONS[_precision(self.precision_plugin)]
 
     def megatron_config_kwargs(self) -> dict[str, Any]:
         """``ModelParallelConfig`` fields the strategy decides: sizes, dtypes, p2p settings."""
-        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        dtype = self.compute_dtype
         return {
             **self._sizes.megatron_kwargs(),
-            "bf16": self.bf16,
+            "bf16": dtype == torch.bfloat16,
+            "fp16": dtype == torch.float16,
             "params_dtype": dtype,
             "pipeline_dtype": dtype,
             # With pp=2 the next and the previous stage are the same peer. The interleaved schedule's batched
@@ -211,7 +223,7 @@ class MegatronStrategy(DDPStrategy):
             # Set here (not through ChunkSpec) because it is a TransformerConfig field that the schedule and DDP
             # read from any chunk config, a bare ModelParallelConfig included.
             chunk.config.calculate_per_token_loss = True
-        self._run_chunks = _precision_wrap(list(module.chunks), self.bf16)
+        self._run_chunks = _precision_wrap(list(module.chunks), self.compute_dtype)
         if trainer.state.fn == TrainerFn.FITTING:
             self._ddp_chunks = _wrap_chunks(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
             self._run_chunks = self._ddp_chunks
@@ -232,11 +244,14 @@ class MegatronStrategy(DDPStrategy):
         opt_config = replace(
             spec.config,
             use_distributed_optimizer=self.use_distributed_optimizer,
-            bf16=self.bf16,
-            params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
+            bf16=self.compute_dtype == torch.bfloat16,
+            fp16=self.compute_dtype == torch.float16,
+            params_dtype=self.compute_dtype,
         )
         assert self._ddp_chunks is not None
         self._megatron_optimizer = get_megatron_optimizer(opt_config, self._ddp_chunks)
+        if self.root_device.type == "cuda":
+            use_fused_adam(self._megatron_optimizer)
         self._scheduler = build_scheduler(self._megatron_optimizer, spec, trainer)
         # What Megatron's schedule calls around the step, read from the first chunk's config.
         config = self._ddp_chunks[0].config
@@ -265,6 +280,14 @@ class MegatronStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         return closure_loss  # Megatron's schedule already ran the backward pass
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # Lightning's "16-mixed" plugin would unscale and step through a torch GradScaler; Megatron's fp16
+        # optimizer owns the loss scale (and skips steps whose gradients overflow), so run the plain precision
+        # step: the closure, on_before_optimizer_step, then our optimizer's step.
+        plugin = self.precision_plugin
+        return Precision.optimizer_step(plugin, optimizer, model or self.lightning_module, closure, **kwargs)
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:  # type: ignore[override]
@@ -394,29 +417,40 @@ def _validate_trainer(trainer: L.Trainer) -> None:
         )
 
 
-_PRECISIONS = ("32-true", "bf16-mixed")
+_PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 def _precision(plugin: Any) -> str:
     """Lightning's precision name, if this strategy maps it onto Megatron's mixed precision."""
     precision = str(getattr(plugin, "precision", "32-true"))
     if precision not in _PRECISIONS:
+        fp8 = " fp8 needs Transformer Engine's spec and recipes, which this strategy does not drive yet." * (
+            "transformer-engine" in precision or "8" in precision
+        )
         raise ValueError(
-            f"Trainer(precision={precision!r}) is not supported by MegatronStrategy; use one of {_PRECISIONS}: "
-            "'bf16-mixed' keeps bf16 weights and activations with fp32 main weights, gradients reduced in fp32 "
-            "(Megatron's own mixed precision, no autocast)"
+            f"Trainer(precision={precision!r}) is not supported by MegatronStrategy; use one of {list(_PRECISIONS)}: "
+            "'bf16-mixed'/'16-mixed' keep bf16/fp16 weights and activations with fp32 main weights, gradients "
+            "reduced in fp32 (Megatron's own mixed precision, no autocast; fp16 with dynamic loss scaling)." + fp8
         )
     return precision
 
 
-def _precision_wrap(chunks: list[nn.Module], bf16: bool) -> list[nn.Module]:
-    """Megatron's Float16Module around each chunk for bf16: casts the weights, the first stage's inputs to bf16
-    and the last stage's outputs back to fp32. The optimizer keeps fp32 main weights."""
-    if not bf16:
+def _precision_wrap(chunks: list[nn.Module], dtype: torch.dtype) -> list[nn.Module]:
+    """Megatron's Float16Module around each chunk for bf16/fp16: casts the weights and the first stage's inputs.
+
+    The last stage's output stays in the compute dtype (``fp32_output=False``): loss functions upcast where they
+    need to -- the fused cross entropy only inside its kernels -- instead of a float32 copy of all the logits.
+    The optimizer keeps fp32 main weights.
+    """
+    if dtype == torch.float32:
         return chunks
     from megatron.core.transformer.module import Float16Module
 
-    return [Float16Module(chunk.config, chunk) for chunk in chunks]
+    class HalfModule(Float16Module):
+        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+            return super().forward(*inputs, fp32_output=False, **kwargs)
+
+    return [HalfModule(chunk.config, chunk) for chunk in chunks]
 
 
 def _seed(seed: int | None) -> int:

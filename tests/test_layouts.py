@@ -22,7 +22,7 @@ VAL = {"limit_val_batches": 2, "val_check_interval": 2, "sanity": 2}
 
 LAYOUTS = {
     "dp2": {"devices": 2},
-    "tp2": {"devices": 2, "tp": 2},
+    "tp2": {"devices": 2, "tp": 2, "model": {"kernels": "torch"}},  # the fast path: SDPA, fused CE at TP=2
     "pp2": {"devices": 2, "pp": 2},
     "pp2_vpp2": {"devices": 2, "pp": 2, "vpp": 2},
     "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2},

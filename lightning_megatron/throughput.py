@@ -1,0 +1,115 @@
+"""MegatronThroughput: tokens/s, model TFLOP/s per GPU and MFU of Megatron training, in Lightning's names.
+
+Lightning's own ``ThroughputMonitor`` counts every rank as a data-parallel replica (wrong under TP/PP, where the
+ranks of a model replica see the same samples), needs a ``flops_per_batch`` and synchronises the GPU each step.
+This callback logs the same metric names (``train/samples_per_sec``, ``train/items_per_sec`` (tokens),
+``train/device/items_per_sec``, ``train/device/flops_per_sec``, ``train/device/mfu``, ``train/batches_per_sec``)
+computed from the parallel layout, with model FLOPs per token ``6 N + 6 layers hidden seq`` (N: parameters,
+the attention term counting the causal score and value matmuls in full, as the usual MFU figures do).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, override
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+
+from lightning_megatron import parallel, schedule
+
+
+class MegatronThroughput(L.Callback):
+    """Log training throughput over a sliding window of steps (rank 0, to every logger).
+
+    Args:
+        window: steps the rates are averaged over (timings are host clocks between step ends; Megatron's
+            optimizer step waits for the gradient norm, so the host runs at most one step ahead of the GPUs).
+        peak_flops: dense peak FLOP/s of one GPU at the training dtype; default: Lightning's table
+            (``get_available_flops``; 989 TFLOP/s bf16 on an H100/H200 SXM). Needed for ``mfu``.
+        log_every_n_steps: how often to log; default the Trainer's ``log_every_n_steps``.
+    """
+
+    def __init__(self, window: int = 10, peak_flops: float | None = None, log_every_n_steps: int | None = None) -> None:
+        if window < 2:
+            raise ValueError(f"window={window} must be >= 2 (rates are differences between step ends)")
+        self.window = window
+        self.peak_flops = peak_flops
+        self.log_every_n_steps = log_every_n_steps
+        self._ends: deque[float] = deque(maxlen=window)
+        self._tokens: deque[int] = deque(maxlen=window)
+        self._samples: deque[int] = deque(maxlen=window)
+        self._params = 0
+        self._shape = (0, 0)  # layers, hidden
+        self.last: dict[str, float] = {}
+        """The metrics logged last."""
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        config = getattr(pl_module, "config", None)
+        if not (hasattr(config, "num_layers") and hasattr(config, "hidden_size")):
+            raise ValueError(
+                f"MegatronThroughput needs a module with a ModelConfig `config` (num_layers, hidden_size) for the "
+                f"FLOPs per token; {type(pl_module).__name__} has none"
+            )
+        self._shape = (config.num_layers, config.hidden_size)
+        self._params = model_parameters(pl_module)
+        if self.peak_flops is None and trainer.strategy.root_device.type == "cuda":
+            dtype = trainer.strategy.compute_dtype  # type: ignore[attr-defined]
+            self.peak_flops = get_available_flops(trainer.strategy.root_device, dtype)
+        self._ends.clear()
+        self._tokens.clear()
+        self._samples.clear()
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        input_ids = schedule.as_batch(batch)["input_ids"]
+        _, dp = parallel.data_parallel_rank_and_size()
+        self._ends.append(time.perf_counter())
+        self._samples.append(input_ids.shape[0] * dp)  # the global batch
+        self._tokens.append(input_ids.numel() * dp)
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if len(self._ends) < 2 or trainer.global_step % every != 0 or trainer.global_rank != 0:
+            return
+        self.last = self.compute(trainer.world_size, seq_length=input_ids.shape[1])
+        for logger in trainer.loggers:
+            logger.log_metrics(self.last, step=trainer.global_step)
+
+    def compute(self, gpus: int, seq_length: int) -> dict[str, float]:
+        """The rates over the window; ``gpus``: all ranks of the job."""
+        elapsed = self._ends[-1] - self._ends[0]
+        steps = len(self._ends) - 1
+        tokens = sum(list(self._tokens)[1:])  # the steps that ended inside the window
+        samples = sum(list(self._samples)[1:])
+        layers, hidden = self._shape
+        flops_per_token = 6 * self._params + 6 * layers * hidden * seq_length
+        device_flops = tokens * flops_per_token / elapsed / gpus
+        metrics = {
+            "train/batches_per_sec": steps / elapsed,
+            "train/samples_per_sec": samples / elapsed,
+            "train/items_per_sec": tokens / elapsed,
+            "train/device/items_per_sec": tokens / elapsed / gpus,
+            "train/device/flops_per_sec": device_flops,
+        }
+        if self.peak_flops:
+            metrics["train/device/mfu"] = device_flops / self.peak_flops
+        return metrics
+
+
+def model_parameters(module: Any) -> int:
+    """Parameters of the whole model: this rank's chunks, tensor-parallel shards summed once, replicated
+    parameters (norms) counted once, pipeline stages summed. Collective over the model-parallel group."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    local = 0.0
+    for chunk in module.chunks:
+        for param in chunk.parameters():
+            sharded = getattr(param, "tensor_model_parallel", False)
+            local += param.numel() if sharded else param.numel() / tp
+    total = torch.tensor([local], dtype=torch.float64, device=module.trainer.strategy.root_device)
+    if parallel_state.get_model_parallel_group().size() > 1:
+        torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    return round(total.item())
