@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron import routing
+from lightning_megatron import guards, routing
 from lightning_megatron.config import ModelConfig
 from lightning_megatron.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
@@ -142,6 +142,12 @@ class MegatronLMModule(MegatronLightningModule):
             "clip_grad": clip_grad, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
             "decay_style": decay_style,
         }  # fmt: skip
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # On the host, before the batch reaches the accelerator: bad token ids fail here with the field and
+        # value named, not as an index error inside an embedding kernel (or silently, on some devices).
+        guards.check_token_batch(batch, self.config.vocab_size, self.config.seq_length)
+        return batch
 
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
         from megatron.core.models.gpt import GPTModel

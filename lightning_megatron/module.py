@@ -137,6 +137,7 @@ class MegatronLightningModule(L.LightningModule):
         self.log("lr", stats.lr, prog_bar=True)
         if stats.grad_norm is not None:
             self.log("grad_norm", stats.grad_norm)
+        self.log("skipped_steps", float(self.trainer.strategy.skipped_steps))  # type: ignore[attr-defined]
         # Loss tokens of the global batch per second of this step (rank 0's clock; identical token count).
         elapsed = time.perf_counter() - getattr(self, "_step_start", time.perf_counter())
         if elapsed > 0:
