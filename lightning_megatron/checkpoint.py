@@ -114,7 +114,8 @@ def async_queue() -> Any:
     """The ``AsyncCallsQueue`` that matches :func:`save`'s async requests."""
     from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
-    return get_async_strategy(_async_strategy(), "AsyncCallsQueue")()
+    _, queue_class = get_async_strategy(_async_strategy(), "AsyncCallsQueue")
+    return queue_class()
 
 
 def _replace(new: Path, path: Path) -> None:
