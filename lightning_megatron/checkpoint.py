@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from lightning_megatron import ckpt_checks
 
@@ -145,7 +146,7 @@ def load(
     try:
         with ckpt_checks.weights_only():
             loaded = dist_checkpointing.load(state, str(path))
-    except Exception as error:
+    except (Exception, CheckpointException) as error:
         raise ValueError(
             f"cannot load checkpoint {path}: {type(error).__name__}: {error}. Objects other than tensors, containers "
             "and numbers are refused (weights_only loading); allow a trusted class with "
@@ -179,8 +180,14 @@ def _check(path: Path, state: dict[str, Any], model_config: dict[str, Any] | Non
     ckpt_checks.check_files(path, metadata)
     saved_config = None
     if model_config is not None:
-        with ckpt_checks.weights_only():
-            saved_config = dist_checkpointing.load_common_state_dict(str(path)).get(MODEL_CONFIG_KEY)
+        try:
+            with ckpt_checks.weights_only():
+                saved_config = dist_checkpointing.load_common_state_dict(str(path)).get(MODEL_CONFIG_KEY)
+        except (Exception, CheckpointException) as error:
+            raise ValueError(
+                f"the common state of checkpoint {path} cannot be read safely ({type(error).__name__}: {error}); only "
+                "tensors, containers and numbers are unpickled; is the checkpoint damaged or from an untrusted source?"
+            ) from error
     diff = ckpt_checks.config_mismatch(saved_config, model_config)
     model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
     ckpt_checks.check_shapes(path, metadata, model_state, diff)
@@ -188,10 +195,10 @@ def _check(path: Path, state: dict[str, Any], model_config: dict[str, Any] | Non
 
 def _raise_on_every_rank(check: Callable[[], None]) -> None:
     """Run a local check on every rank; if it fails anywhere, raise on every rank (no rank left in a collective)."""
-    error: Exception | None = None
+    error: BaseException | None = None
     try:
         check()
-    except (OSError, ValueError, TypeError) as caught:
+    except (Exception, CheckpointException) as caught:  # whatever it hit, no rank may go on into the load
         error = caught
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
