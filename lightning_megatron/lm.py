@@ -81,7 +81,7 @@ class MegatronLMModule(MegatronLightningModule):
     @classmethod
     def from_hf(
         cls, path: str | Path, *, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
-        **module_kwargs: Any,
+        allow_pickle: bool = False, **module_kwargs: Any,
     ) -> Self:  # fmt: skip
         """A module initialised from a local HF directory (config.json + safetensors, one file or sharded).
 
@@ -95,11 +95,13 @@ class MegatronLMModule(MegatronLightningModule):
                 attention window).
             config_overrides: other :class:`~lightning_megatron.ModelConfig` fields to change (dropout,
                 recompute, ...); architecture fields must keep matching the weights.
+            allow_pickle: read PyTorch pickle weights (``pytorch_model.bin``) when there are no safetensors; only
+                for trusted directories (read with ``torch.load(weights_only=True)``). Off: such weights raise.
             module_kwargs: the module's arguments (``lr``, ``warmup_steps``, ...).
         """
         from lightning_megatron.hf import HFCheckpoint
 
-        checkpoint = HFCheckpoint.open(path)
+        checkpoint = HFCheckpoint.open(path, allow_pickle=allow_pickle)
         config = ModelConfig.from_hf(checkpoint.config, seq_length=seq_length, **(config_overrides or {}))
         checkpoint.check(config)
         module = cls(config, **module_kwargs)

@@ -215,3 +215,43 @@ def test_nonfinite_policy_is_checked() -> None:
 
 def test_no_pickle_runs_in_this_process() -> None:
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # the forced weights_only load is scoped
+
+
+# ---------------------------------------------------------------------------------------------- untrusted HF files
+def _pickled_hf(tmp_path: Path) -> tuple[Path, Path]:
+    from safetensors.torch import load_file
+
+    from tests.test_hf import make_hf_model
+
+    safe = make_hf_model("llama", tmp_path / "safe")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((safe / "config.json").read_text())
+    torch.save(load_file(safe / "model.safetensors"), pickled / "pytorch_model.bin")
+    return safe, pickled
+
+
+def test_pickled_hf_weights_need_an_explicit_opt_in(tmp_path: Path) -> None:
+    from lightning_megatron.hf import HFCheckpoint
+
+    safe, pickled = _pickled_hf(tmp_path)
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin.*only safetensors.*allow_pickle=True"):
+        MegatronLMModule.from_hf(pickled)
+    module = MegatronLMModule.from_hf(pickled, allow_pickle=True)  # checks names and shapes like safetensors
+    a, b = HFCheckpoint.open(safe), module.hf_checkpoint
+    assert b is not None
+    assert a.files.keys() == b.files.keys()
+    with a.lazy_tensors() as lazy_a, b.lazy_tensors() as lazy_b:
+        for name in a.files:  # whole tensors and the row/column blocks a TP rank reads
+            assert lazy_a(name).get_shape() == lazy_b(name).get_shape()
+            assert torch.equal(lazy_a(name)[:], lazy_b(name)[:])
+            assert torch.equal(lazy_a(name)[:1], lazy_b(name)[:1])
+
+
+def test_opted_in_pickle_still_runs_no_code(tmp_path: Path) -> None:
+    _, pickled = _pickled_hf(tmp_path)
+    marker = tmp_path / "pwned"
+    torch.save({"model.embed_tokens.weight": _Payload(marker)}, pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin cannot be read with torch\.load\(weights_only=True\)"):
+        MegatronLMModule.from_hf(pickled, allow_pickle=True)
+    assert not marker.exists()
