@@ -13,18 +13,25 @@ when any of them stops being right (cross-layout resume must be exact).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+from lightning_megatron import ckpt_checks
 
 # Reshardable across TP, PP, VPP and DP: the optimizer state is gathered per parameter on save.
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _MODEL_KEY = "model{}"
 _OPTIMIZER_KEY = "optimizer"
+MODEL_CONFIG_KEY = "model_config"
+"""Common-state entry holding the module's ModelConfig (a plain dict), checked when resuming."""
+PARTIAL_SUFFIX = ".partial"
 
 
 def chunk_key(index: int) -> str:
@@ -47,17 +54,27 @@ def sharded_state_dict(
     return state
 
 
-def save(state: dict[str, Any], path: str | Path) -> None:
+def model_config_dict(module: object) -> dict[str, Any] | None:
+    """The module's ``ModelConfig`` (any dataclass ``config``) as a plain dict, loadable with ``weights_only``."""
+    config = getattr(module, "config", None)
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else None
+
+
+def save(state: dict[str, Any], path: str | Path, async_queue: Any | None = None) -> None:
     """Collective: every rank writes its shards of ``state`` (sharded tensors + common objects) to ``path``.
 
     Crash-safe: the shards go to ``<path>.partial``, which becomes ``path`` (by rename, replacing an older
     checkpoint of the same name such as ``last.ckpt``) only after every rank finished writing. A run killed
     mid-save leaves the previous checkpoint intact and a ``.partial`` directory that nothing loads.
+
+    With ``async_queue`` (Megatron's ``AsyncCallsQueue``, see :func:`async_queue`) the shards are written by a
+    background process and the rename is the last finalisation step, run on every rank by the queue's
+    ``maybe_finalize_async_calls`` once every rank's writer is done.
     """
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
     rank = torch.distributed.get_rank()
     status: list[str | None] = [None]
     if rank == 0:
@@ -69,11 +86,37 @@ def save(state: dict[str, Any], path: str | Path) -> None:
     torch.distributed.broadcast_object_list(status, src=0)
     if status[0] is not None:
         raise OSError(f"cannot create checkpoint directory {partial}: {status[0]}")
-    dist_checkpointing.save(state, str(partial))
+    if async_queue is None:
+        dist_checkpointing.save(state, str(partial))
+        _publish(partial, path)
+        return
+    request = dist_checkpointing.save(
+        state, str(partial), async_sharded_save=True, async_strategy=_async_strategy()
+    )  # fmt: skip
+    request.add_finalize_fn(lambda: _publish(partial, path))  # after Megatron's own metadata.json finaliser
+    async_queue.schedule_async_request(request)
+
+
+def _publish(partial: Path, path: Path) -> None:
     torch.distributed.barrier()  # every rank's shards are on disk
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
         _replace(partial, path)
     torch.distributed.barrier()
+
+
+def _async_strategy() -> str:
+    # NVIDIA's resiliency extension is Megatron's preferred async writer; its own (deprecated) one otherwise.
+    from megatron.core.dist_checkpointing.strategies.torch import HAVE_NVRX
+
+    return "nvrx" if HAVE_NVRX else "mcore"
+
+
+def async_queue() -> Any:
+    """The ``AsyncCallsQueue`` that matches :func:`save`'s async requests."""
+    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+    _, queue_class = get_async_strategy(_async_strategy(), "AsyncCallsQueue")
+    return queue_class()
 
 
 def _replace(new: Path, path: Path) -> None:
@@ -85,21 +128,31 @@ def _replace(new: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load(chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path) -> dict[str, Any]:
+def load(
+    chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path, model_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Collective: load model (and optimizer) state from ``path`` into ``chunks`` (and ``optimizer``).
 
-    Returns the checkpoint's other (common) entries: Lightning's loops, callbacks, hyper-parameters, ...
+    Before anything is read collectively, every rank checks the files (complete, not truncated, metadata free of
+    foreign pickled objects) and the model's shape (the saved ``model_config`` against ``model_config``, every
+    tensor's global shape); a failure raises on every rank. Non-tensor entries are unpickled with
+    ``weights_only=True``. Returns the checkpoint's other (common) entries: Lightning's loops, callbacks, ...
     """
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if not (path / "metadata.json").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete Megatron sharded checkpoint (no metadata.json); checkpoints written by "
-            "MegatronStrategy are directories"
-        )
     state = sharded_state_dict(chunks, optimizer, is_loading=True)
-    loaded = dist_checkpointing.load(state, str(path))
+    _raise_on_every_rank(lambda: _check(path, state, model_config))
+    try:
+        with ckpt_checks.weights_only():
+            loaded = dist_checkpointing.load(state, str(path))
+    except (Exception, CheckpointException) as error:
+        raise ValueError(
+            f"cannot load checkpoint {path}: {type(error).__name__}: {error}. Objects other than tensors, containers "
+            "and numbers are refused (weights_only loading); allow a trusted class with "
+            "torch.serialization.add_safe_globals([...])"
+        ) from error
+    loaded.pop(MODEL_CONFIG_KEY, None)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded.pop(chunk_key(i)))
     if optimizer is not None:
@@ -110,6 +163,52 @@ def load(chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path) -
     else:
         loaded.pop(_OPTIMIZER_KEY, None)
     return loaded
+
+
+def _check(path: Path, state: dict[str, Any], model_config: dict[str, Any] | None) -> None:
+    from megatron.core import dist_checkpointing
+
+    if path.name.endswith(PARTIAL_SUFFIX):
+        final = path.with_name(path.name.removesuffix(PARTIAL_SUFFIX))
+        raise ValueError(f"{path} is an unfinished save (a run stopped while writing it); load {final} or an older one")
+    if not path.is_dir() or not (path / "metadata.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete Megatron sharded checkpoint (no metadata.json); checkpoints written by "
+            "MegatronStrategy are directories"
+        )
+    metadata = ckpt_checks.read_metadata(path)
+    ckpt_checks.check_files(path, metadata)
+    saved_config = None
+    if model_config is not None:
+        try:
+            with ckpt_checks.weights_only():
+                saved_config = dist_checkpointing.load_common_state_dict(str(path)).get(MODEL_CONFIG_KEY)
+        except (Exception, CheckpointException) as error:
+            raise ValueError(
+                f"the common state of checkpoint {path} cannot be read safely ({type(error).__name__}: {error}); only "
+                "tensors, containers and numbers are unpickled; is the checkpoint damaged or from an untrusted source?"
+            ) from error
+    diff = ckpt_checks.config_mismatch(saved_config, model_config)
+    model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
+    ckpt_checks.check_shapes(path, metadata, model_state, diff)
+
+
+def _raise_on_every_rank(check: Callable[[], None]) -> None:
+    """Run a local check on every rank; if it fails anywhere, raise on every rank (no rank left in a collective)."""
+    error: BaseException | None = None
+    try:
+        check()
+    except (Exception, CheckpointException) as caught:  # whatever it hit, no rank may go on into the load
+        error = caught
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if torch.distributed.get_backend() == "nccl":
+            flag = flag.cuda()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if int(flag.item()):
+        raise ValueError("another rank found the checkpoint unusable (see its error); nothing was loaded")
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:

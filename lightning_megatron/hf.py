@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from lightning_megatron import pickled
 from lightning_megatron.config import ModelConfig
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -328,11 +329,15 @@ class HFCheckpoint:
     config: dict[str, Any]
     """config.json as written."""
     files: dict[str, str]
-    """Tensor name -> safetensors file name in ``path``."""
+    """Tensor name -> safetensors (or, opted in, PyTorch pickle) file name in ``path``."""
 
     @classmethod
-    def open(cls, path: str | Path) -> HFCheckpoint:
-        """Read config.json and the safetensors index (or the single file's header); refuse pickled weights."""
+    def open(cls, path: str | Path, allow_pickle: bool = False) -> HFCheckpoint:
+        """Read config.json and the safetensors index (or the single file's header).
+
+        Pickled ``.bin`` weights are refused unless ``allow_pickle=True``; even then they are read with
+        ``torch.load(weights_only=True)``, which builds tensors and containers only, never arbitrary objects.
+        """
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no config.json")
@@ -343,11 +348,14 @@ class HFCheckpoint:
                 files = dict.fromkeys(f.keys(), _SINGLE)
         else:
             pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+            if pickles and allow_pickle:
+                return cls(path=path, config=json.loads((path / "config.json").read_text()), files=pickled.files(path))
             if pickles:
                 raise ValueError(
-                    f"{path} holds PyTorch pickle weights ({', '.join(pickles[:3])}); only safetensors are read "
-                    "(pickles cannot be read lazily and can run code when loaded). Convert once with "
-                    "transformers: AutoModelForCausalLM.from_pretrained(path).save_pretrained(new_path)"
+                    f"{path} holds PyTorch pickle weights ({', '.join(pickles[:3])}); only safetensors are read by "
+                    "default (pickles are read whole on every rank and can run code when loaded). Convert once with "
+                    "transformers: AutoModelForCausalLM.from_pretrained(path).save_pretrained(new_path), or pass "
+                    "allow_pickle=True for a trusted directory (read with torch.load(weights_only=True))"
                 )
             raise FileNotFoundError(f"{path} has no {_SINGLE} or {_INDEX}")
         return cls(path=path, config=json.loads((path / "config.json").read_text()), files=files)
@@ -383,8 +391,12 @@ class HFCheckpoint:
 
             def lazy(name: str) -> Any:
                 file = self.files[name]
-                if file not in handles:
+                if file not in handles and file.endswith(pickled.SUFFIXES):
+                    handles[file] = pickled.load(self.path / file)
+                elif file not in handles:
                     handles[file] = stack.enter_context(safe_open(self.path / file, framework="pt"))
+                if isinstance(handles[file], dict):
+                    return pickled.Slice(handles[file][name])
                 return handles[file].get_slice(name)
 
             yield lazy

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron import routing
+from lightning_megatron import guards, routing
 from lightning_megatron.config import ModelConfig
 from lightning_megatron.kernels import Resolved, resolve, vocab_parallel_cross_entropy
 from lightning_megatron.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -84,7 +84,7 @@ class MegatronLMModule(MegatronLightningModule):
     @classmethod
     def from_hf(
         cls, path: str | Path, *, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
-        **module_kwargs: Any,
+        allow_pickle: bool = False, **module_kwargs: Any,
     ) -> Self:  # fmt: skip
         """A module initialised from a local HF directory (config.json + safetensors, one file or sharded).
 
@@ -98,11 +98,13 @@ class MegatronLMModule(MegatronLightningModule):
                 attention window).
             config_overrides: other :class:`~lightning_megatron.ModelConfig` fields to change (dropout,
                 recompute, ...); architecture fields must keep matching the weights.
+            allow_pickle: read PyTorch pickle weights (``pytorch_model.bin``) when there are no safetensors; only
+                for trusted directories (read with ``torch.load(weights_only=True)``). Off: such weights raise.
             module_kwargs: the module's arguments (``lr``, ``warmup_steps``, ...).
         """
         from lightning_megatron.hf import HFCheckpoint
 
-        checkpoint = HFCheckpoint.open(path)
+        checkpoint = HFCheckpoint.open(path, allow_pickle=allow_pickle)
         config = ModelConfig.from_hf(checkpoint.config, seq_length=seq_length, **(config_overrides or {}))
         checkpoint.check(config)
         module = cls(config, **module_kwargs)
@@ -145,6 +147,12 @@ class MegatronLMModule(MegatronLightningModule):
             "clip_grad": clip_grad, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
             "decay_style": decay_style,
         }  # fmt: skip
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # On the host, before the batch reaches the accelerator: bad token ids fail here with the field and
+        # value named, not as an index error inside an embedding kernel (or silently, on some devices).
+        guards.check_token_batch(batch, self.config.vocab_size, self.config.seq_length)
+        return batch
 
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
         from megatron.core.models.gpt import GPTModel

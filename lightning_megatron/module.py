@@ -140,6 +140,7 @@ class MegatronLightningModule(L.LightningModule):
         self.log("lr", stats.lr, prog_bar=True)
         if stats.grad_norm is not None:
             self.log("grad_norm", stats.grad_norm)
+        self.log("skipped_steps", float(self.trainer.strategy.skipped_steps))  # type: ignore[attr-defined]
         # Input tokens of the global batch per second of this step (rank 0's clock). Counted on the host: reading
         # the loss's token count would wait for the GPU and stall the next step's launch.
         elapsed = time.perf_counter() - getattr(self, "_step_start", time.perf_counter())

@@ -30,11 +30,18 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
     clipping and the distributed-optimizer all-gather included) and then the LR schedule.
     """
 
-    def __init__(self, optimizer: Any, scheduler: Any, on_step: Callable[[StepStats], None]) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        scheduler: Any,
+        on_step: Callable[[StepStats], None],
+        should_step: Callable[[Any], bool] | None = None,
+    ) -> None:
         # Deliberately not Optimizer.__init__: the parameters and state belong to Megatron's optimizer.
         self._optimizer = optimizer
         self._scheduler = scheduler
         self._on_step = on_step
+        self._should_step = should_step  # gets the step's loss; False skips the update (non-finite policy)
         self.defaults: dict[str, Any] = {}
         self.state: dict[Any, Any] = {}
 
@@ -50,6 +57,10 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = closure() if closure is not None else None
         lr = float(self._optimizer.param_groups[0]["lr"])
+        if self._should_step is not None and not self._should_step(loss):
+            # Weights, optimizer state and LR schedule stay as they were (as Megatron does for overflowed steps).
+            self._on_step(StepStats(lr=lr, grad_norm=None, skipped=True))
+            return loss
         update_successful, grad_norm, _ = self._optimizer.step()
         if update_successful:
             self._scheduler.step(increment=1)

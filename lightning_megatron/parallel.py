@@ -96,7 +96,8 @@ def initialize(sizes: ParallelSizes, seed: int, timeout: timedelta | None = None
 
     kwargs: dict[str, Any] = {}
     if timeout is not None:
-        kwargs["distributed_timeout_minutes"] = max(1, int(timeout.total_seconds() // 60))
+        # Megatron only builds timedelta(minutes=...) from it: a fraction keeps sub-minute timeouts exact.
+        kwargs["distributed_timeout_minutes"] = timeout.total_seconds() / 60
     # Keywords only: positional parameters were inserted between megatron-core versions.
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tp,

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, override
 
 import lightning as L
@@ -20,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_megatron import checkpoint as ckpt
-from lightning_megatron import cpu, parallel, schedule
+from lightning_megatron import cpu, guards, parallel, saving, schedule
 from lightning_megatron import offload as offload_state
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
 from lightning_megatron.optim import LightningOptimizerAdapter, StepStats, build_scheduler, use_fused_adam
@@ -47,8 +45,14 @@ class MegatronStrategy(DDPStrategy):
             ...); ``use_distributed_optimizer`` above wins over its field of the same name.
         seed: base seed of Megatron's model-parallel RNG; ``None`` takes Lightning's ``seed_everything`` seed
             (``PL_GLOBAL_SEED``) or 1234.
-        timeout: timeout of the process groups' collectives.
+        timeout: timeout of every collective (Lightning's default group and Megatron's groups; sub-minute values
+            work): a rank that stops answering makes the others fail with an error after this long.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on GPU by default.
+        async_save: write checkpoints in background processes (Megatron's async dist-checkpointing); a checkpoint
+            is published once every rank has written it, at the latest before the next save and at the end of
+            training. Off by default.
+        nonfinite: what a non-finite loss or gradient does: ``"error"`` (default) stops with an error naming the
+            step, ``"skip"`` leaves the weights unchanged for that step and counts it in ``skipped_steps``.
     """
 
     strategy_name = "megatron"
@@ -67,6 +71,8 @@ class MegatronStrategy(DDPStrategy):
         seed: int | None = None,
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
+        async_save: bool = False,
+        nonfinite: guards.NonFinite = "error",
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = parallel.ParallelSizes(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
@@ -82,6 +88,12 @@ class MegatronStrategy(DDPStrategy):
         self._scheduler: Any | None = None
         self._last_step: StepStats | None = None
         self._offloaded: offload_state.Offloaded | None = None
+        guards.check_policy(nonfinite)
+        self._nonfinite = nonfinite
+        self.skipped_steps = 0
+        """Optimizer steps skipped because of a non-finite loss/gradient (or a Megatron overflow) by this strategy."""
+        self._writer = saving.CheckpointWriter(async_save)
+        self._failed = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -166,6 +178,7 @@ class MegatronStrategy(DDPStrategy):
         trainer = self.module.trainer
         if not trainer.training:
             return dataloader
+        guards.check_dataloader(dataloader, "training")
         progress = trainer.fit_loop.epoch_loop.batch_progress
         return ResumableLoader(dataloader, consumed=lambda: progress.current.ready)
 
@@ -257,11 +270,18 @@ class MegatronStrategy(DDPStrategy):
         config = self._ddp_chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self._megatron_optimizer.scale_loss
-        self.optimizers = [LightningOptimizerAdapter(self._megatron_optimizer, self._scheduler, self._record_step)]
+        self.optimizers = [
+            LightningOptimizerAdapter(self._megatron_optimizer, self._scheduler, self._record_step, self._should_step)
+        ]
         self.lr_scheduler_configs = []
 
     def _record_step(self, stats: StepStats) -> None:
         self._last_step = stats
+        self.skipped_steps += int(stats.skipped)
+
+    def _should_step(self, loss: Tensor | None) -> bool:
+        assert self._ddp_chunks is not None
+        return guards.step_is_finite(self._nonfinite, loss, self._ddp_chunks, self.module.trainer.global_step)
 
     # ------------------------------------------------------------------ steps
     @override
@@ -346,12 +366,15 @@ class MegatronStrategy(DDPStrategy):
         if self._scheduler is not None:
             state["megatron_lr_scheduler"] = self._scheduler.state_dict()
         # The unwrapped chunks: the DDP wrappers' state-dict keys carry a "module." prefix.
+        state[ckpt.MODEL_CONFIG_KEY] = ckpt.model_config_dict(self.module)
         state.update(ckpt.sharded_state_dict(list(self.module.chunks), self._megatron_optimizer))
-        ckpt.save(state, filepath)
+        self._writer.save(state, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        loaded = ckpt.load(list(self.module.chunks), self._megatron_optimizer, checkpoint_path)
+        self._writer.finalize()  # a checkpoint still being written by this run is published first
+        chunks = list(self.module.chunks)
+        loaded = ckpt.load(chunks, self._megatron_optimizer, checkpoint_path, ckpt.model_config_dict(self.module))
         scheduler_state = loaded.pop("megatron_lr_scheduler", None)
         if self._scheduler is not None and scheduler_state is not None:
             try:
@@ -374,12 +397,29 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            shutil.rmtree(Path(filepath), ignore_errors=True)
+        self._writer.remove(filepath)  # waits for pending async saves: the last good checkpoint always stays
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._writer.poll()
+
+    @override
+    def on_train_end(self) -> None:
+        self._writer.finalize()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._failed = True  # peers may be dead: teardown must not wait for them
 
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
+        if self._failed:
+            self._writer.abort()
+        else:
+            self._writer.finalize()  # e.g. trainer.save_checkpoint after fit
+        self._failed = False
         if self._offloaded is not None:  # never leave a module with released storages behind
             self.reload()
         self._last_step = None

@@ -1,0 +1,138 @@
+"""Checks that run before a sharded checkpoint is loaded, so that a bad file fails with a clear error on every rank
+instead of deep inside a collective, and nothing in it can run code.
+
+* :func:`read_metadata` reads torch DCP's ``.metadata`` (a pickle that torch itself loads with plain
+  ``pickle.load``) with an unpickler that only builds DCP's metadata classes, sizes and dtypes.
+* :func:`check_files` checks that every shard file the metadata names exists and is long enough (a truncated or
+  deleted shard is named).
+* :func:`check_shapes` compares the checkpoint's tensors (and the saved ``ModelConfig``) with the model's.
+* :func:`weights_only` makes every ``torch.load`` inside Megatron/torch's loading ``weights_only=True`` (torch DCP
+  unpickles non-tensor entries with ``weights_only=False``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# DCP metadata classes and what they hold; nothing else may be built from a .metadata file.
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_SAFE_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+_TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
+
+# ModelConfig fields that decide which tensors exist and their shapes; others (dropout, recompute, RoPE base)
+# may change between runs on purpose.
+STRUCTURAL_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "vocab_size", "normalization", "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "qk_layernorm",
+    "share_embeddings_and_output_weights", "position_embedding_type", "num_moe_experts", "moe_ffn_hidden_size",
+)  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES or (module, name) in _SAFE_NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_ENUMS):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def read_metadata(path: Path) -> Any:
+    """torch DCP's ``Metadata`` of the checkpoint at ``path``, read without running arbitrary pickled code."""
+    file = path / ".metadata"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} is missing: {path} is not a complete Megatron sharded checkpoint")
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as error:  # truncated, tampered or foreign: any failure means "do not load"
+        raise ValueError(f"{file} is damaged or was tampered with ({type(error).__name__}: {error})") from error
+    if not hasattr(metadata, "storage_data") or not hasattr(metadata, "state_dict_metadata"):
+        raise ValueError(f"{file} is not torch distributed-checkpoint metadata (got {type(metadata).__name__})")
+    return metadata
+
+
+def check_files(path: Path, metadata: Any) -> None:
+    """Every shard file the metadata refers to exists and holds the bytes the metadata says it does."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is missing: checkpoint {path} is incomplete; resume from another one")
+        actual = file.stat().st_size
+        if actual < size:
+            raise ValueError(
+                f"{file} is truncated ({actual} bytes, the checkpoint's metadata says at least {size}); "
+                f"checkpoint {path} is damaged; resume from another one"
+            )
+
+
+def config_mismatch(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> list[str]:
+    """``field: saved X, now Y`` for every structural ModelConfig field that differs."""
+    if not saved or not current:
+        return []
+    fields = [*STRUCTURAL_FIELDS]
+    if current.get("position_embedding_type") == "learned_absolute":
+        fields.append("seq_length")  # the position table has seq_length rows
+    return [f"{f}: saved {saved.get(f)!r}, now {current.get(f)!r}" for f in fields if saved.get(f) != current.get(f)]
+
+
+def check_shapes(path: Path, metadata: Any, state: Mapping[str, Any], config_diff: list[str]) -> None:
+    """Raise ``ValueError`` naming the fields/tensors when the checkpoint holds a model of another shape."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = metadata.state_dict_metadata
+    wrong, missing = [], []
+    for item in nested_values(dict(state)):
+        if not isinstance(item, ShardedTensor):
+            continue
+        if item.key not in saved:
+            missing.append(item.key)
+        elif tuple(saved[item.key].size) != tuple(item.global_shape):
+            wrong.append(f"{item.key}: saved {tuple(saved[item.key].size)}, model {tuple(item.global_shape)}")
+    if not (config_diff or wrong or missing):
+        return
+    parts = []
+    if config_diff:
+        parts.append("ModelConfig differs (" + "; ".join(config_diff) + ")")
+    if wrong:
+        parts.append(f"{len(wrong)} tensor(s) of another shape, e.g. " + "; ".join(wrong[:3]))
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) not in the checkpoint, e.g. " + ", ".join(missing[:3]))
+    raise ValueError(
+        f"checkpoint {path} holds a model of another shape: {'. '.join(parts)}. Resume with the ModelConfig it was "
+        "saved with (parallel sizes may differ), or start a new run"
+    )
+
+
+@contextlib.contextmanager
+def weights_only() -> Iterator[None]:
+    """Force ``torch.load(weights_only=True)`` for the duration (torch reads this variable on every call)."""
+    name = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+    previous = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous

@@ -1,0 +1,121 @@
+"""Cheap guards against bad data and non-finite training steps.
+
+Batch checks run on the host, in ``on_before_batch_transfer`` (before the batch moves to the accelerator), so they
+add no device synchronisation; tensors that already live on an accelerator are only checked for dtype and shape.
+The non-finite check reads the loss the strategy already reduced and scans the contiguous gradient buffers once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+NonFinite = Literal["error", "skip"]
+NONFINITE_POLICIES: tuple[str, ...] = ("error", "skip")
+IGNORE_INDEX = -100
+_MASKS = ("labels", "attention_mask", "loss_mask")
+
+
+def check_policy(nonfinite: str) -> None:
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"nonfinite={nonfinite!r} is not a policy for non-finite losses/gradients; use 'error' (stop, naming "
+            "the step) or 'skip' (leave the weights unchanged for that step, count it in skipped_steps)"
+        )
+
+
+def check_token_batch(batch: Any, vocab_size: int, seq_length: int) -> None:
+    """Raise ``TypeError``/``ValueError`` for token batches the model cannot train on, naming the field and value."""
+    if isinstance(batch, Tensor):
+        batch = {"input_ids": batch}
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        return  # schedule.as_batch reports malformed batches with the full picture
+    ids = batch["input_ids"]
+    _check_ids("input_ids", ids, vocab_size)
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(ids.shape)}; batches of token ids must be [batch, sequence]")
+    if ids.shape[1] > seq_length:
+        raise ValueError(
+            f"input_ids has sequences of length {ids.shape[1]}, longer than ModelConfig(seq_length={seq_length}); "
+            f"truncate or pack the data to at most {seq_length} tokens, or build the model with a larger seq_length"
+        )
+    for name in _MASKS:
+        if name in batch and tuple(batch[name].shape) != tuple(ids.shape):
+            raise ValueError(f"{name} has shape {tuple(batch[name].shape)}, but input_ids has {tuple(ids.shape)}")
+    if "labels" in batch:
+        _check_ids("labels", batch["labels"], vocab_size, ignore=IGNORE_INDEX)
+
+
+def _check_ids(name: str, ids: Any, vocab_size: int, ignore: int | None = None) -> None:
+    if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        what = f"a tensor of dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
+        raise TypeError(f"{name} is {what}; token ids must be an integer tensor (torch.long)")
+    if ids.device.type != "cpu" or ids.numel() == 0:
+        return  # a range check here would synchronise with the device every step
+    valid = (ids >= 0) & (ids < vocab_size)
+    if ignore is not None:
+        valid |= ids == ignore
+    if not bool(valid.all()):
+        bad = ids[~valid]
+        allowed = f"[0, {vocab_size})" + (f" or {ignore} (ignored)" if ignore is not None else "")
+        raise ValueError(
+            f"{name} holds {bad.numel()} value(s) outside {allowed}, e.g. {int(bad[0])} (ModelConfig(vocab_size="
+            f"{vocab_size})); fix the tokenizer/data or build the model with a vocab_size above {int(bad.max())}"
+        )
+
+
+def check_dataloader(dataloader: object, name: str) -> None:
+    """An empty DataLoader would make Lightning skip the stage silently; a long run must fail instead."""
+    try:
+        length = len(dataloader)  # type: ignore[arg-type]
+    except TypeError:
+        return  # iterable-style: its length is unknown until it is exhausted
+    if length == 0:
+        batch_size = getattr(dataloader, "batch_size", None)
+        dataset = getattr(dataloader, "dataset", None)
+        size = len(dataset) if hasattr(dataset, "__len__") else "?"  # type: ignore[arg-type]
+        raise ValueError(
+            f"the {name} DataLoader has no batches on this rank (dataset of {size} samples, batch_size={batch_size}, "
+            f"drop_last={getattr(dataloader, 'drop_last', None)}); provide more samples than batch_size x the "
+            "data-parallel size or a smaller batch_size"
+        )
+
+
+def grads_finite(chunks: Sequence[nn.Module], device: torch.device) -> bool:
+    """Whether every gradient of every rank is finite; identical on all ranks (one all-reduce of a flag).
+
+    Reads Megatron DDP's contiguous gradient buffers (reduced or reduce-scattered already: a non-finite local
+    gradient stays visible in its own rank's buffer either way).
+    """
+    bad = torch.zeros((), dtype=torch.float32, device=device)
+    for chunk in chunks:
+        for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
+            if buffer.grad_data is not None:  # None while offloaded
+                bad = bad + (~torch.isfinite(buffer.grad_data)).any().float()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    return bool(bad == 0)
+
+
+def step_is_finite(policy: str, loss: Tensor | None, chunks: Sequence[nn.Module], step: int) -> bool:
+    """Apply the non-finite policy before the optimizer step: ``True`` to step, ``False`` to skip it.
+
+    The loss is identical on every rank (reduced by the strategy) and the gradient flag is all-reduced, so every
+    rank takes the same decision. Raises ``FloatingPointError`` naming the step under ``policy="error"``.
+    """
+    device = loss.device if loss is not None else torch.device("cpu")
+    loss_ok = loss is None or bool(torch.isfinite(loss).all())
+    grads_ok = grads_finite(chunks, device)
+    if loss_ok and grads_ok:
+        return True
+    what = f"loss={float(loss)}" if not loss_ok and loss is not None else "non-finite gradients"
+    if policy == "error":
+        raise FloatingPointError(
+            f"{what} at optimizer step {step} (trainer.global_step={step}); the weights were not updated. Look for "
+            "bad data or a too high learning rate there, or pass MegatronStrategy(nonfinite='skip') to skip such "
+            "steps and count them in skipped_steps"
+        )
+    return False

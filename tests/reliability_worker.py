@@ -1,0 +1,75 @@
+"""A 2-process TP=2 CPU run for the failure tests: a rank that SIGKILLs itself, or one that stops answering.
+
+``python tests/reliability_worker.py '{"max_steps": 8, "ckpt_dir": ..., "losses": ..., "kill_at": 6, ...}'``
+Lightning's launcher starts rank 1 as a child of rank 0 (this process), or the test starts both ranks with
+torchrun's environment variables (``RANK``, ``LOCAL_RANK``, ...) and Lightning joins them. Rank 0 appends
+``{"step", "loss"}`` lines to ``losses`` as it trains, so the curve survives a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron.data import synthetic_tokens
+
+
+class Failures(L.Callback):
+    """Records losses on rank 0; makes rank 1 die (``kill_at``) or go silent (``hang_at``) before that step."""
+
+    def __init__(self, args: dict) -> None:
+        self.args = args
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_rank != 1:
+            return
+        if trainer.global_step == self.args.get("kill_at"):
+            _stamp(self.args["stamp"])
+            os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_step == self.args.get("hang_at"):
+            _stamp(self.args["stamp"])
+            time.sleep(self.args["hang_for"])  # alive but silent (the test ends it once rank 0 has exited)
+            os._exit(3)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_rank == 0:
+            with open(self.args["losses"], "a") as f:
+                f.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
+
+
+def _stamp(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(repr(time.time()))
+
+
+def main(args: dict) -> None:
+    data = synthetic_tokens(64, 32, 256, seed=1)
+    data[:, 16:] = data[:, :16]
+    model = MegatronLMModule(tiny_gpt(), lr=3e-3, warmup_steps=1, decay_steps=16)
+    callbacks: list = [Failures(args)]
+    if args.get("ckpt_dir"):
+        callbacks.append(
+            ModelCheckpoint(dirpath=args["ckpt_dir"], every_n_train_steps=args["ckpt_every"], save_last=True)
+        )
+    strategy = MegatronStrategy(
+        tp=2, micro_batch_size=2, async_save=args.get("async_save", False), timeout=timedelta(seconds=args["timeout"])
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=args["max_steps"], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(args.get("ckpt_dir")),
+        callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data, batch_size=8, drop_last=True), ckpt_path=args.get("resume"))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

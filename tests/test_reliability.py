@@ -1,0 +1,257 @@
+"""Single-process reliability tests: async checkpoints and top-k cleanup, damaged/tampered/foreign checkpoints,
+the non-finite loss/gradient policy."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron.data import synthetic_tokens
+
+
+def _data(n: int = 32) -> Tensor:
+    data = synthetic_tokens(n, 32, 256, seed=3)
+    data[:, 16:] = data[:, :16]
+    return data
+
+
+def _trainer(max_steps: int, strategy: MegatronStrategy | None = None, **kwargs: object) -> L.Trainer:
+    defaults: dict = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    return L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy or MegatronStrategy(micro_batch_size=2), max_steps=max_steps,
+        enable_model_summary=False, **{**defaults, **kwargs},
+    )  # fmt: skip
+
+
+def _complete(dirpath: Path) -> list[str]:
+    return sorted(p.name for p in dirpath.iterdir() if p.suffix == ".ckpt" and (p / "metadata.json").is_file())
+
+
+class WatchCheckpoints(L.Callback):
+    """Before each step: which checkpoints are complete and which saves are still being written."""
+
+    def __init__(self, dirpath: Path) -> None:
+        self.dirpath = dirpath
+        self.seen: list[tuple[int, list[str], list[str]]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if self.dirpath.exists():
+            partial = sorted(p.name for p in self.dirpath.iterdir() if p.name.endswith(".partial"))
+            self.seen.append((trainer.global_step, _complete(self.dirpath), partial))
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """4 steps with async saves every step and save_top_k=1: ModelCheckpoint removes the previous checkpoint
+    right after asking for the next one."""
+    dirpath = tmp_path_factory.mktemp("async") / "ckpt"
+    watch = WatchCheckpoints(dirpath)
+    ckpt = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=1)
+    strategy = MegatronStrategy(micro_batch_size=2, async_save=True)
+    trainer = _trainer(4, strategy, callbacks=[watch, ckpt], enable_checkpointing=True)
+    trainer.fit(MegatronLMModule(tiny_gpt(), decay_steps=8), DataLoader(_data(), batch_size=8))
+    return {"dirpath": dirpath, "seen": watch.seen, "best": Path(ckpt.best_model_path)}
+
+
+def test_async_save_keeps_the_last_good_checkpoint(async_run: dict) -> None:
+    seen = async_run["seen"]
+    # From step 2 on there is always a complete checkpoint, also while the next one is still being written
+    # (a pending .partial): the top-k removal of the older one waits until the newer one is published.
+    assert all(complete for step, complete, _ in seen if step >= 2), seen
+    assert any(partial and complete for _, complete, partial in seen), seen  # saves really were asynchronous
+    # Finalised at the end of training: the newest checkpoint is published, the older ones are gone.
+    assert sorted(p.name for p in async_run["dirpath"].iterdir()) == ["epoch=0-step=4.ckpt"]
+    assert async_run["best"].name == "epoch=0-step=4.ckpt"
+
+
+def test_async_checkpoint_resumes(async_run: dict) -> None:
+    trainer = _trainer(5)
+    loader = DataLoader(_data(), batch_size=8)
+    trainer.fit(MegatronLMModule(tiny_gpt(), decay_steps=8), loader, ckpt_path=async_run["best"])
+    assert trainer.global_step == 5
+
+
+def _copy(async_run: dict, tmp_path: Path) -> Path:
+    target = tmp_path / "copy.ckpt"
+    shutil.copytree(async_run["best"], target)
+    return target
+
+
+def _resume(path: Path, **config: object) -> None:
+    model = MegatronLMModule(tiny_gpt(**config), decay_steps=8)
+    _trainer(5).fit(model, DataLoader(_data(), batch_size=8), ckpt_path=str(path))
+
+
+def test_resuming_a_model_of_another_shape_names_the_fields(async_run: dict) -> None:
+    with pytest.raises(ValueError, match=r"another shape.*hidden_size: saved 64, now 32.*ffn_hidden_size"):
+        _resume(async_run["best"], hidden_size=32, ffn_hidden_size=64)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_shard_is_named(async_run: dict, tmp_path: Path, damage: str) -> None:
+    path = _copy(async_run, tmp_path)
+    shard = path / "__0_0.distcp"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        error, match = ValueError, r"__0_0\.distcp is truncated"
+    else:
+        shard.unlink()
+        error, match = FileNotFoundError, r"__0_0\.distcp is missing"
+    with pytest.raises(error, match=match):
+        _resume(path)
+
+
+class _Payload:
+    """Unpickling this runs code: what a tampered checkpoint would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.marker), "w"))
+
+
+def test_tampered_metadata_is_refused_without_running_it(async_run: dict, tmp_path: Path) -> None:
+    path = _copy(async_run, tmp_path)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(ValueError, match=r"\.metadata is damaged or was tampered with"):
+        _resume(path)
+    assert not marker.exists()
+
+
+def test_tampered_common_state_is_refused_without_running_it(async_run: dict, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = _copy(async_run, tmp_path)
+    marker = tmp_path / "pwned"
+    metadata = FileSystemReader(str(path)).read_metadata()
+    (index, info) = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith("common_state"))
+    data = pickle.dumps(_Payload(marker))  # torch.load(weights_only=False) would run it while reading the header
+    assert len(data) <= info.length, (len(data), info.length)
+    blob = bytearray((path / info.relative_path).read_bytes())
+    blob[info.offset : info.offset + info.length] = data + b"\0" * (info.length - len(data))
+    (path / info.relative_path).write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match=rf"checkpoint {path}.*cannot be read safely"):
+        _resume(path)
+    assert not marker.exists()
+
+
+def test_unfinished_save_is_never_loaded(async_run: dict, tmp_path: Path) -> None:
+    partial = tmp_path / "last.ckpt.partial"
+    shutil.copytree(async_run["best"], partial)  # even a complete-looking one: it was never published
+    with pytest.raises(ValueError, match=r"last\.ckpt\.partial is an unfinished save"):
+        _resume(partial)
+
+
+# ---------------------------------------------------------------------------------------------- non-finite
+class _NanGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # noqa: ANN001
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
+        return grad * float("nan")
+
+
+class Poisoned(MegatronLMModule):
+    """``poison[step]``: 1 makes that step's loss NaN, 2 keeps the loss finite but makes every gradient NaN."""
+
+    def __init__(self, poison: dict[int, int], **kwargs: object) -> None:
+        super().__init__(tiny_gpt(), decay_steps=8, **kwargs)
+        self.poison = poison
+
+    def token_loss(self, logits: Tensor, targets: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        loss = super().token_loss(logits, targets, batch)
+        kind = self.poison.get(self.trainer.global_step, 0)
+        if kind == 1:
+            return loss * float("nan")
+        return _NanGradient.apply(loss) if kind == 2 else loss
+
+
+class WeightChanges(L.Callback):
+    def __init__(self) -> None:
+        self.changed: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.before = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        after = list(pl_module.parameters())
+        self.changed.append(any(not torch.equal(a, b) for a, b in zip(self.before, after, strict=True)))
+
+
+def test_nonfinite_skip_leaves_weights_and_counts() -> None:
+    changes = WeightChanges()
+    strategy = MegatronStrategy(micro_batch_size=2, nonfinite="skip")
+    trainer = _trainer(4, strategy, callbacks=[changes])
+    trainer.fit(Poisoned({1: 1, 3: 2}), DataLoader(_data(), batch_size=8))
+    assert changes.changed == [True, False, True, False]  # NaN loss (step 1) and NaN gradients (step 3) skipped
+    assert strategy.skipped_steps == 2
+    assert trainer.callback_metrics["skipped_steps"] == 2  # logged
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+
+def test_nonfinite_error_names_the_step() -> None:
+    with pytest.raises(FloatingPointError, match=r"non-finite gradients at optimizer step 2"):
+        _trainer(4).fit(Poisoned({2: 2}), DataLoader(_data(), batch_size=8))
+
+
+def test_nonfinite_policy_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"nonfinite='ignore'.*'error'.*'skip'"):
+        MegatronStrategy(nonfinite="ignore")  # type: ignore[arg-type]
+
+
+def test_no_pickle_runs_in_this_process() -> None:
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # the forced weights_only load is scoped
+
+
+# ---------------------------------------------------------------------------------------------- untrusted HF files
+def _pickled_hf(tmp_path: Path) -> tuple[Path, Path]:
+    from safetensors.torch import load_file
+
+    from tests.test_hf import make_hf_model
+
+    safe = make_hf_model("llama", tmp_path / "safe")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((safe / "config.json").read_text())
+    torch.save(load_file(safe / "model.safetensors"), pickled / "pytorch_model.bin")
+    return safe, pickled
+
+
+def test_pickled_hf_weights_need_an_explicit_opt_in(tmp_path: Path) -> None:
+    from lightning_megatron.hf import HFCheckpoint
+
+    safe, pickled = _pickled_hf(tmp_path)
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin.*only safetensors.*allow_pickle=True"):
+        MegatronLMModule.from_hf(pickled)
+    module = MegatronLMModule.from_hf(pickled, allow_pickle=True)  # checks names and shapes like safetensors
+    a, b = HFCheckpoint.open(safe), module.hf_checkpoint
+    assert b is not None
+    assert a.files.keys() == b.files.keys()
+    with a.lazy_tensors() as lazy_a, b.lazy_tensors() as lazy_b:
+        for name in a.files:  # whole tensors and the row/column blocks a TP rank reads
+            assert lazy_a(name).get_shape() == lazy_b(name).get_shape()
+            assert torch.equal(lazy_a(name)[:], lazy_b(name)[:])
+            assert torch.equal(lazy_a(name)[:1], lazy_b(name)[:1])
+
+
+def test_opted_in_pickle_still_runs_no_code(tmp_path: Path) -> None:
+    _, pickled = _pickled_hf(tmp_path)
+    marker = tmp_path / "pwned"
+    torch.save({"model.embed_tokens.weight": _Payload(marker)}, pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin cannot be read with torch\.load\(weights_only=True\)"):
+        MegatronLMModule.from_hf(pickled, allow_pickle=True)
+    assert not marker.exists()
