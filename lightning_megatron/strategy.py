@@ -20,6 +20,7 @@ from torch.distributed.constants import default_pg_timeout
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import cpu, guards, parallel, saving, schedule
 from lightning_megatron import offload as offload_state
+from lightning_megatron import precision as mixed
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
 from lightning_megatron.optim import LightningOptimizerAdapter, StepStats, build_scheduler, use_fused_adam
 from lightning_megatron.resume import ResumableLoader
@@ -142,7 +143,7 @@ class MegatronStrategy(DDPStrategy):
         The mixed precisions are Megatron's own: Float16Module, fp32 main weights in the optimizer, gradients
         reduced in fp32, dynamic loss scaling for fp16 -- no autocast.
         """
-        return _PRECISIONS[_precision(self.precision_plugin)]
+        return mixed.PRECISIONS[mixed.lightning_precision(self.precision_plugin)]
 
     def megatron_config_kwargs(self) -> dict[str, Any]:
         """``ModelParallelConfig`` fields the strategy decides: sizes, dtypes, p2p settings."""
@@ -204,7 +205,7 @@ class MegatronStrategy(DDPStrategy):
         super().connect(model)
         trainer = model.trainer
         _validate_trainer(trainer)
-        _precision(self.precision_plugin)  # raises for precisions Megatron is not set up for here
+        mixed.lightning_precision(self.precision_plugin)  # raises for precisions Megatron is not set up for here
         validate = getattr(getattr(model, "config", None), "validate_parallel", None)
         if callable(validate):
             s = self._sizes
@@ -236,7 +237,7 @@ class MegatronStrategy(DDPStrategy):
             # Set here (not through ChunkSpec) because it is a TransformerConfig field that the schedule and DDP
             # read from any chunk config, a bare ModelParallelConfig included.
             chunk.config.calculate_per_token_loss = True
-        self._run_chunks = _precision_wrap(list(module.chunks), self.compute_dtype)
+        self._run_chunks = mixed.wrap(list(module.chunks), self.compute_dtype)
         if trainer.state.fn == TrainerFn.FITTING:
             self._ddp_chunks = _wrap_chunks(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
             self._run_chunks = self._ddp_chunks
@@ -455,42 +456,6 @@ def _validate_trainer(trainer: L.Trainer) -> None:
             "optimizer clips gradients; set clip_grad in the OptimizerConfig your module's configure_optimizers "
             "returns (MegatronLMModule(clip_grad=...))"
         )
-
-
-_PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
-
-def _precision(plugin: Any) -> str:
-    """Lightning's precision name, if this strategy maps it onto Megatron's mixed precision."""
-    precision = str(getattr(plugin, "precision", "32-true"))
-    if precision not in _PRECISIONS:
-        fp8 = " fp8 needs Transformer Engine's spec and recipes, which this strategy does not drive yet." * (
-            "transformer-engine" in precision or "8" in precision
-        )
-        raise ValueError(
-            f"Trainer(precision={precision!r}) is not supported by MegatronStrategy; use one of {list(_PRECISIONS)}: "
-            "'bf16-mixed'/'16-mixed' keep bf16/fp16 weights and activations with fp32 main weights, gradients "
-            "reduced in fp32 (Megatron's own mixed precision, no autocast; fp16 with dynamic loss scaling)." + fp8
-        )
-    return precision
-
-
-def _precision_wrap(chunks: list[nn.Module], dtype: torch.dtype) -> list[nn.Module]:
-    """Megatron's Float16Module around each chunk for bf16/fp16: casts the weights and the first stage's inputs.
-
-    The last stage's output stays in the compute dtype (``fp32_output=False``): loss functions upcast where they
-    need to -- the fused cross entropy only inside its kernels -- instead of a float32 copy of all the logits.
-    The optimizer keeps fp32 main weights.
-    """
-    if dtype == torch.float32:
-        return chunks
-    from megatron.core.transformer.module import Float16Module
-
-    class HalfModule(Float16Module):
-        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-            return super().forward(*inputs, fp32_output=False, **kwargs)
-
-    return [HalfModule(chunk.config, chunk) for chunk in chunks]
 
 
 def _seed(seed: int | None) -> int:
