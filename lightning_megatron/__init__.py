@@ -1,6 +1,7 @@
 """lightning_megatron: Megatron-Core training (TP/PP/VPP/CP/EP/SP, pipeline schedules, distributed optimizer,
 sharded checkpoints) inside Lightning's ``Trainer``."""
 
+from lightning_megatron import presets  # noqa: F401  (registers Trainer(strategy="megatron_tp2") & co.)
 from lightning_megatron.config import ModelConfig, tiny_gpt
 from lightning_megatron.lm import MegatronLMModule
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
