@@ -7,22 +7,26 @@ size costs only the pages the current batches touch.
 Write one with ``python -m lightning_megatron.tokens INPUT... --out tokens.bin`` (byte-level ids by default, or
 a local Hugging Face tokenizer with ``--tokenizer DIR``).
 
-Sharding: :class:`TokenFileDataModule` hands Lightning plain DataLoaders; Lightning wraps them in a
-``DistributedSampler`` whose rank and replica count come from ``MegatronStrategy.distributed_sampler_kwargs`` --
-Megatron's *data-parallel* rank and size. Tensor-, pipeline- and context-parallel peers therefore read the same
-windows and data-parallel ranks disjoint ones, with no sharding code here (one mechanism, not two).
+Sharding: :class:`TokenFileDataModule` gives each split a ``DistributedSampler`` over Megatron's *data-parallel*
+rank and size (not the global ones): tensor-, pipeline- and context-parallel peers read the same windows,
+data-parallel ranks disjoint ones. Lightning leaves a loader that already has a ``DistributedSampler`` alone
+(its own injected sampler, built from ``MegatronStrategy.distributed_sampler_kwargs``, would shard the same way
+but always shuffles training data and pads splits with repeated samples).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_megatron import parallel
 
 __all__ = ["TokenFileDataModule", "TokenWindows", "open_tokens", "write_token_file"]
 
@@ -81,13 +85,22 @@ class TokenWindows(Dataset[torch.Tensor]):
         return {**self.__dict__, "_tokens": None}
 
 
+def data_parallel_rank_and_size() -> tuple[int, int]:
+    """Megatron's data-parallel rank and size while a ``MegatronStrategy`` runs; ``(0, 1)`` outside a run."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel.data_parallel_rank_and_size()
+
+
 class TokenFileDataModule(L.LightningDataModule):
     """Fixed-length windows of a pre-tokenized file (numpy memmap), the last ``val_fraction`` held out.
 
     Samples are bare LongTensors ``[seq_length]`` (``input_ids``; the module derives next-token labels). Windows
-    do not overlap and the file's trailing ``len % seq_length`` tokens are dropped. Lightning shards both splits
-    by Megatron's data-parallel rank (see the module docstring); with ``shuffle`` the training order is the
-    ``DistributedSampler``'s, seeded by ``seed_everything`` and identical on every rank.
+    do not overlap and the file's trailing ``len % seq_length`` tokens are dropped. Both splits are sharded by
+    Megatron's data-parallel rank (see the module docstring); each rank drops the ``len % dp_size`` windows that
+    would not split evenly rather than repeating some.
 
     Args:
         path: the token file (``.bin`` raw ids or ``.npy``).
@@ -96,7 +109,8 @@ class TokenFileDataModule(L.LightningDataModule):
         dtype: element type of a raw ``.bin`` file (``.npy`` files carry theirs).
         val_fraction: tail fraction of the windows held out for validation.
         num_val_batches: cap on validation batches per data-parallel rank (``None``: the whole held-out part).
-        shuffle: shuffle the training windows each epoch.
+        shuffle: shuffle the training windows each epoch (the same permutation on every rank, then sharded).
+        seed: shuffling seed; ``None`` takes ``seed_everything``'s (``PL_GLOBAL_SEED``) or 0, as Lightning does.
         num_workers: DataLoader worker processes.
     """
 
@@ -109,6 +123,7 @@ class TokenFileDataModule(L.LightningDataModule):
         val_fraction: float = 0.01,
         num_val_batches: int | None = None,
         shuffle: bool = True,
+        seed: int | None = None,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
@@ -122,32 +137,34 @@ class TokenFileDataModule(L.LightningDataModule):
         _check_dtype(dtype)
         self.path, self.seq_length, self.batch_size, self.dtype = path, seq_length, batch_size, dtype
         self.val_fraction, self.num_val_batches = val_fraction, num_val_batches
-        self.shuffle, self.num_workers = shuffle, num_workers
+        self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
 
     def setup(self, stage: str) -> None:
-        if self.train_set is not None:
-            return
         windows = len(open_tokens(self.path, self.dtype)) // self.seq_length
         num_val = round(windows * self.val_fraction)
         num_train = windows - num_val
-        if num_val < self.batch_size or num_train < self.batch_size:
+        _, dp_size = data_parallel_rank_and_size()
+        if min(num_val, num_train) < self.batch_size * dp_size:
             raise ValueError(
                 f"path={self.path!r} holds {windows} windows of seq_length={self.seq_length}: {num_train} train and "
-                f"{num_val} val at val_fraction={self.val_fraction}; each split needs at least batch_size="
-                f"{self.batch_size} (use a larger file, a smaller batch_size or another val_fraction)"
+                f"{num_val} val at val_fraction={self.val_fraction}; each split needs batch_size={self.batch_size} x "
+                f"{dp_size} data-parallel ranks (use a larger file, a smaller batch_size or another val_fraction)"
             )
         if self.num_val_batches is not None:
-            num_val = min(num_val, self.num_val_batches * self.batch_size)
+            num_val = min(num_val, self.num_val_batches * self.batch_size * dp_size)
         self.train_set = TokenWindows(self.path, self.dtype, self.seq_length, 0, num_train)
         self.val_set = TokenWindows(self.path, self.dtype, self.seq_length, num_train, num_val)
 
     def _loader(self, dataset: TokenWindows | None, shuffle: bool) -> DataLoader:
         assert dataset is not None, "setup() builds the datasets"
-        # drop_last: every batch must split into micro-batches; no sampler: Lightning injects the DP-rank one.
+        rank, size = data_parallel_rank_and_size()
+        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        # drop_last: every batch must split into micro-batches of the strategy's micro_batch_size.
         return DataLoader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=True, num_workers=self.num_workers
+            dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers
         )
 
     def train_dataloader(self) -> DataLoader:

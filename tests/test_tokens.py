@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import RandomSampler, SequentialSampler
+from torch.utils.data import DistributedSampler
 
+from lightning_megatron import tokens
 from lightning_megatron.tokens import TokenFileDataModule, open_tokens, write_token_file
 from lightning_megatron.tokens import main as tokens_main
 
@@ -32,19 +33,41 @@ def test_windows_pack_the_file_and_the_tail_is_validation(tmp_path: Path) -> Non
     with pytest.raises(IndexError):
         dm.val_set[6]
     train, val = dm.train_dataloader(), dm.val_dataloader()
-    assert isinstance(train.sampler, SequentialSampler)
-    assert isinstance(val.sampler, SequentialSampler)
-    assert train.drop_last
+    assert torch.equal(torch.cat(list(train)), torch.cat([dm.train_set[i] for i in range(56)]).view(-1, 16))
     assert len(val) == 3
-    assert next(iter(train)).shape == (2, 16)
-    # Shuffled training has no sampler of its own: Lightning turns the RandomSampler into the DP-rank
-    # DistributedSampler (tests/test_multinode.py checks what each rank then reads).
-    shuffled = TokenFileDataModule(str(path), seq_length=16, batch_size=2, val_fraction=0.1)
+    assert train.drop_last
+    # Lightning keeps a DistributedSampler it finds (it would otherwise inject its own, always shuffled).
+    assert isinstance(train.sampler, DistributedSampler)
+    shuffled = TokenFileDataModule(str(path), seq_length=16, batch_size=2, val_fraction=0.1, seed=3)
     shuffled.setup("fit")
-    assert isinstance(shuffled.train_dataloader().sampler, RandomSampler)
+    order = torch.cat(list(shuffled.train_dataloader()))[:, 0] // 16
+    assert sorted(order.tolist()) == list(range(56))
+    assert order.tolist() != list(range(56))
     capped = TokenFileDataModule(str(path), seq_length=16, batch_size=2, val_fraction=0.1, num_val_batches=1)
     capped.setup("fit")
     assert len(capped.val_set) == 2
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_shards_by_data_parallel_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool) -> None:
+    """4 processes at TP=2 x DP=2 (Megatron puts TP peers on consecutive global ranks: DP rank = global // 2)."""
+    path = _file(tmp_path, 16 * 103)  # 103 windows: 93 train, 10 val; odd counts, so each rank drops one
+    seen = {}
+    for global_rank in range(4):
+        monkeypatch.setattr(tokens, "data_parallel_rank_and_size", lambda r=global_rank: (r // 2, 2))
+        dm = TokenFileDataModule(str(path), seq_length=16, batch_size=2, val_fraction=0.1, shuffle=shuffle)
+        dm.setup("fit")
+        seen[global_rank] = [[int(b[0]) // 16 for b in loader_batches] for loader_batches in (
+            torch.cat(list(dm.train_dataloader())), torch.cat(list(dm.val_dataloader())))]  # fmt: skip
+    assert seen[0] == seen[1]  # tensor-parallel peers read the same windows
+    assert seen[2] == seen[3]
+    for split, total, first in ((0, 93, 0), (1, 10, 93)):
+        a, b = seen[0][split], seen[2][split]
+        assert not set(a) & set(b)  # data-parallel ranks read disjoint windows
+        assert len(a) == len(b) == (total // 2) // 2 * 2  # even shards, whole batches
+        assert set(a) | set(b) <= set(range(first, first + total))
+    assert (seen[0][0] != sorted(seen[0][0])) == shuffle  # file order unless shuffled (validation never is)
+    assert seen[0][1] == sorted(seen[0][1])
 
 
 def test_uint32_npy_and_pickling_without_the_data(tmp_path: Path) -> None:
@@ -69,7 +92,7 @@ def test_errors_name_field_value_and_fix(tmp_path: Path) -> None:
         TokenFileDataModule(str(path), seq_length=0)
     with pytest.raises(ValueError, match=r"val_fraction=1.0 must be in \(0, 1\)"):
         TokenFileDataModule(str(path), seq_length=8, val_fraction=1.0)
-    with pytest.raises(ValueError, match=r"12 windows of seq_length=8: 11 train and 1 val .* batch_size=2"):
+    with pytest.raises(ValueError, match=r"12 windows of seq_length=8: 11 train and 1 val .* batch_size=2 x 1 data"):
         TokenFileDataModule(str(path), seq_length=8, batch_size=2, val_fraction=0.1).setup("fit")
     with pytest.raises(ValueError, match=r"is not a file; write one with python -m lightning_megatron.tokens"):
         open_tokens(tmp_path / "missing.bin")
