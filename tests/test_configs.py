@@ -32,6 +32,20 @@ def _print_config(args: list[str], capsys: pytest.CaptureFixture) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("flag", "name", "documented"),
+    [
+        ("--trainer.strategy.help", "MegatronStrategy", "virtual-pipeline chunks per pipeline rank"),
+        ("--data.help", "lightning_megatron.tokens.TokenFileDataModule", "tail fraction of the windows held out"),
+        ("--model.help", "MegatronLMFromHF", "a local HF model directory"),
+    ],
+)
+def test_help_documents_each_argument(flag: str, name: str, documented: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        build_cli(["fit", flag, name])
+    assert documented in " ".join(capsys.readouterr().out.split())
+
+
 def test_all_configs_are_here() -> None:
     names = {path.name for path in CONFIGS}
     assert {"tiny_cpu.yaml", "llama_1b_gpu.yaml", "llama_1b_tp2.yaml", "llama_1b_pp2.yaml", "hf_finetune.yaml"} <= names
