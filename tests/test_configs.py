@@ -92,18 +92,19 @@ def test_config_prints_round_trips_and_builds(
 def test_hf_finetune_config_trains_from_the_pretrained_weights(
     hf_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The config as shipped (its ModelCheckpoint and SaveHF callbacks included), shrunk to 2 steps on CPU."""
     monkeypatch.chdir(tmp_path)
     vocab = transformers.AutoConfig.from_pretrained(hf_model).vocab_size
-    tokens = np.random.default_rng(0).integers(0, vocab, 40 * 16)
-    write_token_file([tokens], "sft.bin", "uint32")
+    write_token_file([np.random.default_rng(0).integers(0, vocab, 40 * 16)], "sft.bin", "uint32")
     config = next(path for path in CONFIGS if path.name == "hf_finetune.yaml")
     cli = build_cli(
         ["--config", str(config), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
-         "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.callbacks", "[]",
-         "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
-         "--model.init_args.hf_path", str(hf_model), "--model.init_args.seq_length", "16",
-         "--data.init_args.path", "sft.bin", "--data.init_args.seq_length", "16", "--data.init_args.batch_size", "4",
-         "--data.init_args.val_fraction", "0.2", "--data.init_args.shuffle", "false"],
+         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+         "--trainer.enable_progress_bar", "false", "--model.init_args.hf_path", str(hf_model),
+         "--model.init_args.seq_length", "16", "--model.init_args.lr", "0.01", "--model.init_args.warmup_steps", "0",
+         "--data.init_args.path", "sft.bin", "--data.init_args.seq_length",
+         "16", "--data.init_args.batch_size", "4", "--data.init_args.val_fraction", "0.2",
+         "--data.init_args.shuffle", "false"],
         run=False,
     )  # fmt: skip
     assert isinstance(cli.model, MegatronLMFromHF)
@@ -119,3 +120,9 @@ def test_hf_finetune_config_trains_from_the_pretrained_weights(
     first_batch = next(iter(cli.datamodule.train_dataloader()))
     assert losses[0] == pytest.approx(hf_forward(hf_model, first_batch)[1], rel=1e-5)
     assert losses[1] != losses[0]
+    # SaveHF wrote the trained weights: transformers' loss on the validation batch is the logged val_loss.
+    val_batch = next(iter(cli.datamodule.val_dataloader()))
+    val_loss = float(cli.trainer.callback_metrics["val_loss"])
+    assert hf_forward(tmp_path / "out" / "hf_finetune", val_batch)[1] == pytest.approx(val_loss, rel=1e-5)
+    assert hf_forward(hf_model, val_batch)[1] != pytest.approx(val_loss, rel=1e-5)
+    assert list((tmp_path / "checkpoints" / "hf_finetune").glob("*.ckpt"))  # ModelCheckpoint(monitor="val_loss")
