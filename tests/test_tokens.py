@@ -118,3 +118,23 @@ def test_token_file_script_writes_byte_ids(tmp_path: Path, capsys: pytest.Captur
     tokens_main(["a.txt", "b.txt", "--out", str(out)])
     assert "wrote 12 tokens (uint16)" in capsys.readouterr().out
     assert bytes(open_tokens(out).astype(np.uint8)) == b"hello\n\nworld"
+
+
+def test_token_file_script_with_a_local_hf_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {"</s>": 0, "[UNK]": 1, "hello": 2, "world": 3, "again": 4}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="[UNK]").save_pretrained(
+        tmp_path / "tok"
+    )
+    (tmp_path / "a.txt").write_text("hello world")
+    (tmp_path / "b.txt").write_text("world again hello")
+    out = tmp_path / "ids.bin"
+    inputs = [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+    tokens_main([*inputs, "--out", str(out), "--tokenizer", str(tmp_path / "tok")])
+    assert "wrote 7 tokens" in capsys.readouterr().out
+    assert open_tokens(out).tolist() == [2, 3, 0, 3, 4, 2, 0]  # each document ends with EOS
+    assert AutoTokenizer.from_pretrained(tmp_path / "tok").eos_token_id == 0
