@@ -126,3 +126,27 @@ def test_hf_finetune_config_trains_from_the_pretrained_weights(
     assert hf_forward(tmp_path / "out" / "hf_finetune", val_batch)[1] == pytest.approx(val_loss, rel=1e-5)
     assert hf_forward(hf_model, val_batch)[1] != pytest.approx(val_loss, rel=1e-5)
     assert list((tmp_path / "checkpoints" / "hf_finetune").glob("*.ckpt"))  # ModelCheckpoint(monitor="val_loss")
+
+
+def test_llama_1b_config_shrunk_trains_with_its_logger_and_callbacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 1B config's Trainer, logger and callbacks as shipped, with a tiny model on CPU for 2 steps."""
+    monkeypatch.chdir(tmp_path)
+    Path("data").mkdir()
+    write_token_file([np.random.default_rng(0).integers(0, 32000, 3300 * 32)], "data/tokens.bin")  # 16 val windows
+    config = next(path for path in CONFIGS if path.name == "llama_1b_gpu.yaml")
+    tiny = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128, "seq_length": 32}
+    cli = build_cli(
+        ["--config", str(config), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
+         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+         "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+         *[arg for key, value in tiny.items() for arg in (f"--model.init_args.config.{key}", str(value))],
+         "--data.init_args.seq_length", "32", "--data.init_args.num_workers", "0"],
+        run=False,
+    )  # fmt: skip
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 2
+    events = list((tmp_path / "logs" / "llama_1b").glob("version_0/events.out.tfevents.*"))
+    assert len(events) == 1
+    assert {"train_loss", "lr", "tokens_per_s", "val_loss", "val_ppl"} <= set(cli.trainer.callback_metrics)
