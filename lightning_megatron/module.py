@@ -17,7 +17,6 @@ The strategy owns the step: ``strategy.training_step -> schedule.run -> module.f
 
 from __future__ import annotations
 
-import math
 import time
 from abc import abstractmethod
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import lightning as L
 from torch import Tensor, nn
 
+from lightning_megatron.metrics import TokenPerplexity
 from lightning_megatron.parallel import data_parallel_rank_and_size
 from lightning_megatron.schedule import Batch, LossFn, as_batch
 
@@ -70,8 +70,9 @@ class MegatronLightningModule(L.LightningModule):
     """Base class for LightningModules trained by :class:`~lightning_megatron.MegatronStrategy`.
 
     After ``configure_model`` the module holds this rank's model chunks in :attr:`chunks` (one per virtual
-    pipeline stage). Logging of ``train_loss``, ``lr``, ``grad_norm`` and ``val_loss`` happens in the batch-end
-    hooks below from what the strategy returns; subclasses overriding them should call ``super()``.
+    pipeline stage). Logging of ``train_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``val_loss`` and ``val_ppl``
+    (a torchmetrics ``Perplexity``) happens in the batch-end hooks below from what the strategy returns; subclasses
+    overriding them should call ``super()``.
     """
 
     chunks: nn.ModuleList
@@ -149,15 +150,14 @@ class MegatronLightningModule(L.LightningModule):
             self.log("tokens_per_s", tokens / elapsed, prog_bar=True)
 
     def on_validation_epoch_start(self) -> None:
-        self._val_totals = [0.0, 0.0]  # loss x tokens, tokens
+        if not hasattr(self, "val_perplexity"):  # a child module once created: moves with the LightningModule
+            self.val_perplexity = TokenPerplexity().to(self.device)
 
     def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         # Weighting by tokens makes the epoch mean the token-weighted mean over the whole validation set.
-        self.log("val_loss", outputs["loss"], prog_bar=True, batch_size=int(outputs["num_tokens"]))
-        self._val_totals[0] += float(outputs["loss"]) * float(outputs["num_tokens"])
-        self._val_totals[1] += float(outputs["num_tokens"])
-
-    def on_validation_epoch_end(self) -> None:
-        loss_sum, num_tokens = self._val_totals
-        if num_tokens > 0:  # perplexity of the whole validation set: exp of its token-weighted mean loss
-            self.log("val_ppl", math.exp(loss_sum / num_tokens))
+        num_tokens = outputs["num_tokens"]
+        self.log("val_loss", outputs["loss"], prog_bar=True, batch_size=int(num_tokens))
+        # Perplexity of the whole validation set (exp of that same token-weighted mean); the outputs are already
+        # global and identical on every rank, so the metric needs no sync. Lightning computes and resets it.
+        self.val_perplexity.update(outputs["loss"] * num_tokens, num_tokens)
+        self.log("val_ppl", self.val_perplexity, on_step=False, on_epoch=True)

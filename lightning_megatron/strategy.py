@@ -26,6 +26,7 @@ from lightning_megatron.optim import LightningOptimizerAdapter, StepStats, build
 from lightning_megatron.resume import ResumableLoader
 
 if TYPE_CHECKING:
+    from lightning.pytorch.strategies.launchers.launcher import _Launcher
     from megatron.core.distributed import DistributedDataParallelConfig
 
 
@@ -182,6 +183,17 @@ class MegatronStrategy(DDPStrategy):
         guards.check_dataloader(dataloader, "training")
         progress = trainer.fit_loop.epoch_loop.batch_progress
         return ResumableLoader(dataloader, consumed=lambda: progress.current.ready)
+
+    @property
+    @override
+    def launcher(self) -> _Launcher | None:
+        # One process started by hand needs no launcher, and Lightning refuses its subprocess launcher in
+        # interactive sessions: without this a one-device run in a notebook raises. Under torchrun (processes
+        # created externally) the launcher stays: it checks the world size against the Trainer's.
+        environment = self.cluster_environment
+        if self.num_nodes * self.num_processes == 1 and not (environment and environment.creates_processes_externally):
+            return None
+        return super().launcher
 
     @property
     @override

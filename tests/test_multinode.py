@@ -1,0 +1,119 @@
+"""Multi-node launch on localhost: two "nodes" of 2 processes each train at TP=2 x DP=2 and reproduce the
+single-node (devices=4) run exactly -- once started by torchrun (``--nnodes 2 --node-rank 0|1``, static rendezvous
+on 127.0.0.1) and once by Lightning's own launcher (``Trainer(num_nodes=2, devices=2)`` started twice with
+``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``). The same runs check what each rank read: tensor-parallel peers the
+same samples, data-parallel ranks disjoint ones (TokenFileDataModule's sharding by the data-parallel rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_megatron.tokens import write_token_file
+from tests.conftest import child_env
+
+WORKER = Path(__file__).parent / "ux_worker.py"
+STEPS = 3
+TIMEOUT = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> None:
+    """Start every command at once (the nodes must meet), wait for all; kill every process group on failure."""
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )  # fmt: skip
+        for cmd, env in commands
+    ]
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT)[0] for proc in procs]
+    finally:
+        for proc in procs:  # the launchers' children share their session's process group
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out[-6000:]
+
+
+def _results(out: Path) -> dict[int, dict]:
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(results) == [0, 1, 2, 3], sorted(results)
+    return results
+
+
+def _worker(args: dict, out: Path) -> list[str]:
+    out.mkdir()
+    return [str(WORKER), json.dumps({**args, "out": str(out)})]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
+    tmp = tmp_path_factory.mktemp("multinode")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (64, 32))
+    tokens[:, 16:] = tokens[:, :16]  # learnable: the second half repeats the first
+    write_token_file([tokens.ravel()], tmp / "tokens.bin")
+    args = {"tokens": str(tmp / "tokens.bin"), "tp": 2, "max_steps": STEPS}
+    env = child_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    runs = {}
+
+    # One node, 4 processes started by Lightning.
+    _launch([([sys.executable, *_worker({**args, "devices": 4}, tmp / "single")], env)], tmp)
+    runs["single"] = _results(tmp / "single")
+
+    # Two torchrun "nodes" of 2 processes; Lightning joins them (TorchElastic environment).
+    port, cmd = _free_port(), _worker({**args, "devices": 2, "num_nodes": 2}, tmp / "torchrun")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
+    _launch([([*torchrun, "--node-rank", str(node), *cmd], env) for node in (0, 1)], tmp)
+    runs["torchrun"] = _results(tmp / "torchrun")
+
+    # Lightning's launcher on each "node": Trainer(num_nodes=2, devices=2), node rank and rendezvous from the env.
+    port, cmd = _free_port(), _worker({**args, "devices": 2, "num_nodes": 2}, tmp / "lightning")
+    node_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    _launch([([sys.executable, *cmd], {**env, **node_env, "NODE_RANK": str(node)}) for node in (0, 1)], tmp)
+    runs["lightning"] = _results(tmp / "lightning")
+    return runs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launch", ["torchrun", "lightning"])
+def test_two_nodes_match_one_node(runs: dict, launch: str) -> None:
+    single, multi = runs["single"], runs[launch]
+    assert len(single[0]["train"]) == STEPS
+    for rank in range(4):
+        assert multi[rank]["train"] == single[0]["train"]  # identical losses on every rank, bit for bit
+        assert multi[rank]["samples"] == single[rank]["samples"]  # each global rank read what it read on one node
+        # Global vs local ranks: node n holds global ranks 2n, 2n+1 as local ranks 0, 1.
+        assert (multi[rank]["world_size"], multi[rank]["global_rank"]) == (4, rank)
+        assert (multi[rank]["node_rank"], multi[rank]["local_rank"]) == (rank // 2, rank % 2)
+        assert multi[rank]["device"] == "cpu"
+        assert (multi[rank]["dp_rank"], multi[rank]["tp_rank"]) == (rank // 2, rank % 2)
+    losses = list(single[0]["train"].values())
+    assert len(set(losses)) == STEPS  # the weights do change: the steps are not trivially equal
+
+
+@pytest.mark.multiprocess
+def test_ranks_read_their_data_parallel_shard(runs: dict) -> None:
+    results = runs["single"]
+    assert len(results[0]["samples"]) == STEPS
+    for step in results[0]["samples"]:
+        assert results[0]["samples"][step] == results[1]["samples"][step]  # TP peers: the same samples
+        assert results[2]["samples"][step] == results[3]["samples"][step]
+        assert not set(results[0]["samples"][step]) & set(results[2]["samples"][step])  # DP ranks: disjoint
+        assert len(results[0]["samples"][step]) == 4  # batch_size per data-parallel rank
