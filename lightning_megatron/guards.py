@@ -2,11 +2,15 @@
 
 Batch checks run on the host, in ``on_before_batch_transfer`` (before the batch moves to the accelerator), so they
 add no device synchronisation; tensors that already live on an accelerator are only checked for dtype and shape.
-The non-finite check reads the loss the strategy already reduced and scans the contiguous gradient buffers once.
+Non-finite steps: under the default ``nonfinite="error"`` the gradient norm Megatron's optimizer computes anyway is
+checked after the step (no extra synchronisation; the run stops before anything saves that step); ``"skip"`` must
+decide before the update, so it reads the reduced loss and scans the contiguous gradient buffers once, at the cost of
+one GPU synchronisation per step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -100,7 +104,22 @@ def grads_finite(chunks: Sequence[nn.Module], device: torch.device) -> bool:
     return bool(bad == 0)
 
 
-def step_is_finite(policy: str, loss: Tensor | None, chunks: Sequence[nn.Module], step: int) -> bool:
+def check_grad_norm(grad_norm: float | None, step: int) -> None:
+    """``nonfinite="error"``: raise ``FloatingPointError`` naming the step if Megatron's gradient norm is not finite
+    (``None``: a step Megatron's fp16 loss scaler skipped itself)."""
+    if grad_norm is None or math.isfinite(grad_norm):
+        return
+    raise FloatingPointError(
+        f"non-finite gradient norm ({grad_norm}) at optimizer step {step} (trainer.global_step={step}); the run stops "
+        "before any checkpoint of this step is written. Look for bad data or a too high learning rate there and "
+        "resume from the last checkpoint, or pass MegatronStrategy(nonfinite='skip') to skip such steps (weights "
+        "unchanged) and count them in skipped_steps"
+    )
+
+
+def step_is_finite(
+    policy: str, loss: Tensor | None, chunks: Sequence[nn.Module], step: int, check_grads: bool = True
+) -> bool:
     """Apply the non-finite policy before the optimizer step: ``True`` to step, ``False`` to skip it.
 
     The loss is identical on every rank (reduced by the strategy) and the gradient flag is all-reduced, so every
@@ -108,7 +127,9 @@ def step_is_finite(policy: str, loss: Tensor | None, chunks: Sequence[nn.Module]
     """
     device = loss.device if loss is not None else torch.device("cpu")
     loss_ok = loss is None or bool(torch.isfinite(loss).all())
-    grads_ok = grads_finite(chunks, device)
+    # With fp16, gradients hold the loss-scaled values: an overflow there is the loss scaler's business (Megatron's
+    # optimizer skips the step and lowers the scale), so only the loss is checked.
+    grads_ok = grads_finite(chunks, device) if check_grads else True
     if loss_ok and grads_ok:
         return True
     what = f"loss={float(loss)}" if not loss_ok and loss is not None else "non-finite gradients"

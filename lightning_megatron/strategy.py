@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_megatron import checkpoint as ckpt
-from lightning_megatron import cpu, guards, parallel, saving, schedule
+from lightning_megatron import cpu, ddp, guards, parallel, saving, schedule
 from lightning_megatron import offload as offload_state
 from lightning_megatron import precision as mixed
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
@@ -43,8 +43,9 @@ class MegatronStrategy(DDPStrategy):
         micro_batch_size: samples per micro-batch; each DataLoader batch is split into micro-batches of this
             size and run through Megatron's pipeline schedule as one optimizer step.
         use_distributed_optimizer: shard optimizer state across data-parallel ranks (ZeRO-1).
-        ddp_config: Megatron's ``DistributedDataParallelConfig`` (grad-reduce/param-gather overlap, bucket size,
-            ...); ``use_distributed_optimizer`` above wins over its field of the same name.
+        ddp_config: Megatron's ``DistributedDataParallelConfig`` (``overlap_grad_reduce``, ``overlap_param_gather``,
+            bucket size, ...); ``use_distributed_optimizer`` above wins over its field of the same name. The
+            overlap hooks are handed to Megatron's schedule as Megatron-LM does.
         seed: base seed of Megatron's model-parallel RNG; ``None`` takes Lightning's ``seed_everything`` seed
             (``PL_GLOBAL_SEED``) or 1234.
         timeout: timeout of every collective (Lightning's default group and Megatron's groups; sub-minute values
@@ -82,6 +83,11 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a positive integer")
         self.micro_batch_size = micro_batch_size
         self.use_distributed_optimizer = use_distributed_optimizer
+        if ddp_config is not None and ddp_config.overlap_param_gather and not use_distributed_optimizer:
+            raise ValueError(
+                "ddp_config.overlap_param_gather=True needs use_distributed_optimizer=True (it overlaps the "
+                "distributed optimizer's parameter all-gather); set overlap_param_gather=False or keep the default"
+            )
         self._ddp_config = ddp_config
         self._seed = seed
         self._ddp_chunks: list[nn.Module] | None = None
@@ -251,7 +257,7 @@ class MegatronStrategy(DDPStrategy):
             chunk.config.calculate_per_token_loss = True
         self._run_chunks = mixed.wrap(list(module.chunks), self.compute_dtype)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._ddp_chunks = _wrap_chunks(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
+            self._ddp_chunks = ddp.wrap(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
             self._run_chunks = self._ddp_chunks
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -283,18 +289,31 @@ class MegatronStrategy(DDPStrategy):
         config = self._ddp_chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self._megatron_optimizer.scale_loss
+        ddp.set_overlap_hooks(config, self._ddp_chunks)
         self.optimizers = [
-            LightningOptimizerAdapter(self._megatron_optimizer, self._scheduler, self._record_step, self._should_step)
+            LightningOptimizerAdapter(
+                self._megatron_optimizer,
+                self._scheduler,
+                self._record_step,
+                self._should_step if self._nonfinite == "skip" else None,
+            )  # fmt: skip
         ]
         self.lr_scheduler_configs = []
 
     def _record_step(self, stats: StepStats) -> None:
         self._last_step = stats
         self.skipped_steps += int(stats.skipped)
+        if self._nonfinite == "error":
+            # Megatron's own gradient norm (reduced over all ranks, read on the host by its clipping anyway): no
+            # extra synchronisation in the default policy. Raised before any callback could save this step.
+            guards.check_grad_norm(stats.grad_norm, self.module.trainer.global_step)
 
     def _should_step(self, loss: Tensor | None) -> bool:
+        # nonfinite="skip": decide before the update, which costs one GPU synchronisation per step.
         assert self._ddp_chunks is not None
-        return guards.step_is_finite(self._nonfinite, loss, self._ddp_chunks, self.module.trainer.global_step)
+        step = self.module.trainer.global_step
+        fp16 = self.compute_dtype == torch.float16  # loss-scaled gradients: Megatron's scaler handles overflow
+        return guards.step_is_finite(self._nonfinite, loss, self._ddp_chunks, step, check_grads=not fp16)
 
     # ------------------------------------------------------------------ steps
     @override
@@ -380,6 +399,7 @@ class MegatronStrategy(DDPStrategy):
             state["megatron_lr_scheduler"] = self._scheduler.state_dict()
         # The unwrapped chunks: the DDP wrappers' state-dict keys carry a "module." prefix.
         state[ckpt.MODEL_CONFIG_KEY] = ckpt.model_config_dict(self.module)
+        ddp.sync_params(self._ddp_chunks or [])  # with overlapped param gather the last step's update is pending
         state.update(ckpt.sharded_state_dict(list(self.module.chunks), self._megatron_optimizer))
         self._writer.save(state, filepath)
 
@@ -418,6 +438,7 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
+        ddp.sync_params(self._ddp_chunks or [])  # the final weights, for whatever runs after fit
         self._writer.finalize()
 
     @override
@@ -476,23 +497,6 @@ def _seed(seed: int | None) -> int:
     if seed is not None:
         return seed
     return int(os.environ.get("PL_GLOBAL_SEED", 1234))
-
-
-def _wrap_chunks(
-    chunks: list[nn.Module], ddp_config: DistributedDataParallelConfig | None, use_distributed_optimizer: bool
-) -> list[nn.Module]:
-    """Wrap each model chunk in Megatron's DDP (contiguous grad buffers, bucketed reduce-scatter/all-reduce)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    base = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    base = replace(base, use_distributed_optimizer=use_distributed_optimizer)
-    wrapped = []
-    for index, chunk in enumerate(chunks):
-        # Only the first chunk gets buckets for overlap; Megatron does the same with VPP.
-        ddp = DistributedDataParallel(chunk.config, base, chunk, disable_bucketing=index > 0)
-        ddp.broadcast_params()  # replicas start identical whatever the per-rank seeds were
-        wrapped.append(ddp)
-    return wrapped
 
 
 # Third-party strategies are not discovered by Lightning: register the name at import time.

@@ -39,6 +39,14 @@ def value_items(tokens: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": t, "returns": (t % 7).float() / 7, "loss_mask": (t % 5 != 0).long()} for t in tokens]
 
 
+def _save_predictions(preds: list, path: str, rank: int) -> None:
+    if isinstance(preds[0], dict):
+        joined = {key: torch.cat([p[key] for p in preds]) for key in preds[0]}
+        torch.save(joined, f"{path}.rank{rank}.pt")
+    else:
+        torch.save(torch.cat(preds), f"{path}.rank{rank}.pt")
+
+
 def main(args: dict) -> None:
     devices = args.get("devices", 1)
     tp, pp, vpp = args.get("tp", 1), args.get("pp", 1), args.get("vpp")
@@ -60,7 +68,15 @@ def main(args: dict) -> None:
         callbacks.append(
             ModelCheckpoint(dirpath=args["ckpt_dir"], every_n_train_steps=args.get("ckpt_every", 2), save_top_k=-1)
         )
+    ddp_config = None
+    if args.get("overlap"):  # grad reduce and param gather overlapped with compute (distributed optimizer)
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=4096
+        )
     strategy = MegatronStrategy(
+        ddp_config=ddp_config,
         tp=tp,
         pp=pp,
         vpp=vpp,
@@ -88,15 +104,18 @@ def main(args: dict) -> None:
     train_loader = DataLoader(data, batch_size=batch, drop_last=True)
     val_loader = DataLoader(val, batch_size=batch, drop_last=True)
     result: dict = {}
-    if args.get("mode", "fit") == "fit":
+    mode = args.get("mode", "fit")
+    if mode == "fit":
         trainer.fit(model, train_loader, val_loader, ckpt_path=args.get("resume"))
         result["train"] = recorder.train
         result["val"] = recorder.val
         result["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    elif args["mode"] == "validate":
+    elif mode in ("validate", "validate+predict"):
         out = trainer.validate(model, val_loader, ckpt_path=args.get("resume"))
         result["val"] = out[0]["val_loss"]
-    elif args["mode"] == "routing":  # MoE routing of the validation data, recorded after loading the checkpoint
+    if mode == "validate+predict" or (mode == "fit" and args.get("pred_out")):  # predict with the weights now held
+        _save_predictions(trainer.predict(model, val_loader), args["pred_out"], trainer.global_rank)
+    elif mode == "routing":  # MoE routing of the validation data, recorded after loading the checkpoint
         recorded: dict = {}
 
         class RecordRouting(L.Callback):
@@ -106,13 +125,10 @@ def main(args: dict) -> None:
         trainer.callbacks.append(RecordRouting())
         trainer.validate(model, val_loader, ckpt_path=args.get("resume"))
         torch.save(recorded["routing"], f"{args['pred_out']}.rank{trainer.global_rank}.pt")
-    elif args["mode"] == "predict":
-        preds = trainer.predict(model, val_loader, ckpt_path=args.get("resume"))
-        if isinstance(preds[0], dict):
-            preds = {key: torch.cat([p[key] for p in preds]) for key in preds[0]}
-        else:
-            preds = torch.cat(preds)
-        torch.save(preds, f"{args['pred_out']}.rank{trainer.global_rank}.pt")
+    elif mode == "predict":
+        _save_predictions(
+            trainer.predict(model, val_loader, ckpt_path=args.get("resume")), args["pred_out"], trainer.global_rank
+        )
     result["rank"] = trainer.global_rank
     out_path = args["out"] if trainer.global_rank == 0 else args["out"] + f".rank{trainer.global_rank}"
     with open(out_path, "w") as f:

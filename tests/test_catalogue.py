@@ -55,6 +55,14 @@ def _fit_empty() -> None:
 
 
 IDS = synthetic_tokens(2, 32, 256)
+
+
+def _overlap_gather() -> object:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(overlap_param_gather=True)
+
+
 CASES = [
     # --- strategy arguments (raised by the constructor)
     pytest.param(lambda: MegatronStrategy(tp=0), ValueError, r"tp=0 must be a positive integer", id="tp zero"),
@@ -71,6 +79,15 @@ CASES = [
     ),
     pytest.param(
         lambda: MegatronStrategy(micro_batch_size=0), ValueError, r"micro_batch_size=0 must be", id="micro batch zero"
+    ),
+    pytest.param(
+        lambda: MegatronStrategy(ddp_config=_overlap_gather(), use_distributed_optimizer=False),
+        ValueError,
+        r"overlap_param_gather=True needs use_distributed_optimizer=True",
+        id="param-gather overlap without distributed optimizer",
+    ),
+    pytest.param(
+        lambda: tiny_gpt(kernels="flash"), ValueError, r"kernels='flash'.*'auto', 'torch', 'te', 'local'", id="kernels"
     ),
     pytest.param(
         lambda: MegatronStrategy(nonfinite="warn"),

@@ -21,7 +21,7 @@ MAX_STEPS = 4
 VAL = {"limit_val_batches": 2, "val_check_interval": 2, "sanity": 2}
 
 LAYOUTS = {
-    "dp2": {"devices": 2},
+    "dp2": {"devices": 2, "overlap": True},  # grad reduce / param gather overlapped, several buckets
     "tp2": {"devices": 2, "tp": 2, "model": {"kernels": "torch"}},  # the fast path: SDPA, fused CE at TP=2
     "pp2": {"devices": 2, "pp": 2},
     "pp2_vpp2": {"devices": 2, "pp": 2, "vpp": 2},
@@ -108,26 +108,24 @@ def test_sanity_validation_runs_with_pipeline_parallelism(tmp_path: Path) -> Non
     assert 5.0 < result["val"]["-1"] < 6.0  # ~ln(256) for an untrained byte-level model
 
 
+@pytest.fixture(scope="module")
+def evaluated(reference: dict) -> dict:
+    """One process: validation loss and predicted logits from the reference checkpoint."""
+    tmp = reference["tmp"]
+    args = {"mode": "validate+predict", "limit_val_batches": 2, "resume": reference["ckpt"]}
+    one = run_worker({**args, "devices": 1, "pred_out": str(tmp / "one")}, tmp)
+    return {"args": args, "val": one["val"], "logits": torch.load(tmp / "one.rank0.pt")}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["tp2", "pp2"])
-def test_validate_and_predict_parity(name: str, reference: dict, tmp_path: Path) -> None:
-    one = run_worker({"devices": 1, "mode": "validate", "limit_val_batches": 2, "resume": reference["ckpt"]}, tmp_path)
-    many = run_worker(
-        {**LAYOUTS[name], "mode": "validate", "limit_val_batches": 2, "resume": reference["ckpt"]}, tmp_path
-    )
-    assert many["val"] == pytest.approx(one["val"], rel=REL)
-
-    run_worker(
-        {"devices": 1, "mode": "predict", "resume": reference["ckpt"], "pred_out": str(tmp_path / "one")}, tmp_path
-    )
-    one_logits = torch.load(tmp_path / "one.rank0.pt")
-    run_worker(
-        {**LAYOUTS[name], "mode": "predict", "resume": reference["ckpt"], "pred_out": str(tmp_path / "many")}, tmp_path
-    )
+def test_validate_and_predict_parity(name: str, evaluated: dict, tmp_path: Path) -> None:
+    many = run_worker({**LAYOUTS[name], **evaluated["args"], "pred_out": str(tmp_path / "many")}, tmp_path)
+    assert many["val"] == pytest.approx(evaluated["val"], rel=REL)
     for rank in range(LAYOUTS[name]["devices"]):
         logits = torch.load(tmp_path / f"many.rank{rank}.pt")
-        assert logits.shape == one_logits.shape == (16, 32, 256)  # full vocabulary on every rank
-        torch.testing.assert_close(logits, one_logits, rtol=1e-4, atol=1e-4)
+        assert logits.shape == evaluated["logits"].shape == (16, 32, 256)  # full vocabulary on every rank
+        torch.testing.assert_close(logits, evaluated["logits"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu(devices=2)

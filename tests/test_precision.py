@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -9,12 +10,22 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron import MegatronLMModule, MegatronStrategy, OptimizerSpec, tiny_gpt
 from lightning_megatron.data import synthetic_tokens
 from tests.conftest import run_worker
 
 
-def _fit(precision: str, steps: int = 6) -> tuple[list[float], MegatronLMModule, set[torch.dtype]]:
+class _LowLossScale(MegatronLMModule):
+    def configure_optimizers(self) -> OptimizerSpec:  # type: ignore[override]
+        spec = super().configure_optimizers()
+        # fp16 only: Megatron's default initial loss scale (2**32) overflows, and skips, a tiny model's first steps.
+        spec.config = replace(spec.config, initial_loss_scale=2.0**10)
+        return spec
+
+
+def _fit(
+    precision: str, steps: int = 6, accelerator: str = "cpu"
+) -> tuple[list[float], MegatronLMModule, set[torch.dtype]]:
     losses: list[float] = []
     main_dtypes: set[torch.dtype] = set()
 
@@ -24,9 +35,9 @@ def _fit(precision: str, steps: int = 6) -> tuple[list[float], MegatronLMModule,
             optimizer = trainer.strategy.megatron_optimizer
             main_dtypes.update(p.dtype for g in optimizer.param_groups for p in g["params"])
 
-    model = MegatronLMModule(tiny_gpt(), lr=3e-3, decay_steps=steps)
+    model = _LowLossScale(tiny_gpt(), lr=3e-3, decay_steps=steps)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=4, seed=1), precision=precision,
+        accelerator=accelerator, devices=1, strategy=MegatronStrategy(micro_batch_size=4, seed=1), precision=precision,
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[Record()],
     )  # fmt: skip
@@ -42,6 +53,19 @@ def test_bf16_mixed_trains_close_to_fp32() -> None:
     assert main_dtypes == {torch.float32}  # the optimizer updates fp32 main weights
     assert bf16[-1] < bf16[0] - 0.3
     for a, b in zip(fp32, bf16, strict=True):
+        assert b == pytest.approx(a, rel=2e-2)
+
+
+@pytest.mark.gpu
+def test_fp16_mixed_trains_close_to_fp32_on_gpu() -> None:
+    # Lightning keeps "16-mixed" only on GPU (on CPU it becomes bf16-mixed).
+    fp32, _, _ = _fit("32-true", accelerator="gpu")
+    fp16, model, main_dtypes = _fit("16-mixed", accelerator="gpu")
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert main_dtypes == {torch.float32}
+    assert fp16[-1] < fp16[0] - 0.3
+    assert model.trainer.strategy.skipped_steps == 0
+    for a, b in zip(fp32, fp16, strict=True):
         assert b == pytest.approx(a, rel=2e-2)
 
 

@@ -20,36 +20,25 @@ VALUE = {"module": "value"}
 
 @pytest.fixture(scope="module")
 def value_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process: a checkpoint at step 2, and the run to step 4 with the values it then predicts."""
     tmp = tmp_path_factory.mktemp("value")
     run_worker({**VALUE, "devices": 1, "max_steps": 2, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}, tmp)
-    full = run_worker({**VALUE, "devices": 1, "max_steps": 4}, tmp)
-    return {"ckpt": str(tmp / "ckpt" / "epoch=0-step=2.ckpt"), "full": full}
+    full = run_worker({**VALUE, "devices": 1, "max_steps": 4, "pred_out": str(tmp / "one")}, tmp)
+    values = torch.load(tmp / "one.rank0.pt")
+    return {"ckpt": str(tmp / "ckpt" / "epoch=0-step=2.ckpt"), "full": full, "values": values}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [{"devices": 2, "tp": 2}, {"devices": 2, "pp": 2}], ids=["tp2", "pp2"])
 def test_value_layout_parity(layout: dict, value_reference: dict, tmp_path: Path) -> None:
-    resumed = run_worker({**VALUE, **layout, "max_steps": 4, "resume": value_reference["ckpt"]}, tmp_path)
+    # Resume at the layout, train to step 4, then predict values [B, S] with the weights trained there.
+    args = {**VALUE, **layout, "max_steps": 4, "resume": value_reference["ckpt"], "pred_out": str(tmp_path / "many")}
+    resumed = run_worker(args, tmp_path)
     want = {k: v for k, v in value_reference["full"]["train"].items() if int(k) > 2}
     assert set(resumed["train"]) == set(want)
     for step, value in want.items():
         assert resumed["train"][step] == pytest.approx(value, rel=REL)
-
-    run_worker(
-        {
-            **VALUE,
-            "devices": 1,
-            "mode": "predict",
-            "resume": value_reference["ckpt"],
-            "pred_out": str(tmp_path / "one"),
-        },
-        tmp_path,
-    )
-    one = torch.load(tmp_path / "one.rank0.pt")
-    run_worker(
-        {**VALUE, **layout, "mode": "predict", "resume": value_reference["ckpt"], "pred_out": str(tmp_path / "many")},
-        tmp_path,
-    )
+    one = value_reference["values"]
     for rank in range(layout["devices"]):
         values = torch.load(tmp_path / f"many.rank{rank}.pt")
         assert values.shape == one.shape == (16, 32)  # [B, S] on every rank
