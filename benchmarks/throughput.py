@@ -201,7 +201,7 @@ def child(args: argparse.Namespace) -> None:
         "RESULT " + json.dumps({
             "variant": {"a": "lightning_megatron", "b": "raw_megatron_core", "c": "lightning_hf_llama"}[args.variant],
             "shape": args.shape, "devices": args.devices, "tp": args.tp, "pp": args.pp, "vpp": args.vpp,
-            "sp": args.sp, "kernels": args.kernels if args.variant != "c" else "sdpa",
+            "sp": args.sp, "kernels": args.kernels if args.variant != "c" else "hf_sdpa",
             "micro_batch": f"{args.micro_batch_size}x{args.micro_batches}", "seq": args.seq_length,
             "recompute": args.recompute, "params": int(params.item()), "tokens_per_s": round(tokens_per_s),
             "step_time_s": round(result["elapsed"] / args.steps, 4),

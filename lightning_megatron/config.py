@@ -8,6 +8,7 @@ configs read the same as Megatron-LM's; the exception is `norm_epsilon` (Megatro
 """
 
 import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Self
@@ -144,7 +145,8 @@ class ModelConfig:
     vocabulary-parallel cross entropy, and on GPU Megatron's torch.compile'd SwiGLU/GeGLU and bias-dropout-add);
     'te': Megatron's Transformer Engine spec (GPU, needs transformer_engine); 'local': Megatron's reference
     torch spec (unfused attention); 'auto': 'te' if Transformer Engine imports, else 'torch', on GPU, and
-    'local' on CPU. All give the same model and the same checkpoints."""
+    'local' on CPU -- and 'torch' for models imported with from_hf, whose weight mapping targets the torch-native
+    layer names. All give the same model and the same checkpoints."""
     moe_enable_routing_replay: bool = False
     """Let batches carry the expert routing to use (``batch["routing"]``, e.g. recorded at rollout by
     ``MegatronLMModule.record_routing`` or an inference engine) instead of the router's own top-k (MoE only)."""
@@ -286,6 +288,12 @@ class ModelConfig:
             if vpp > 1 and pp == 1:
                 raise ValueError(f"vpp={vpp} needs pp > 1 (virtual stages interleave pipeline stages); set vpp=None")
 
+        self._check_tensor_split(tp)
+        self._check_stages(pp, vpp)
+        self._check_experts(ep, sequence_parallel)
+        self._check_sequence(tp, cp, sequence_parallel)
+
+    def _check_tensor_split(self, tp: int) -> None:
         heads, groups = self.num_attention_heads, self.effective_num_query_groups
         if heads % tp != 0:
             raise ValueError(
@@ -303,6 +311,7 @@ class ModelConfig:
                 f"rows evenly); pad vocab_size to {_next_multiple(self.vocab_size, tp)}"
             )
 
+    def _check_stages(self, pp: int, vpp: int | None) -> None:
         stages = pp * (vpp or 1)
         if self.num_layers % stages != 0:
             lower = self.num_layers // stages * stages
@@ -320,6 +329,7 @@ class ModelConfig:
                 f"pp={pp}, vpp={vpp}; pick recompute_num_layers among 1..{per_chunk}"
             )
 
+    def _check_experts(self, ep: int, sequence_parallel: bool) -> None:
         experts = self.num_moe_experts
         if experts is None and ep > 1:
             raise ValueError(f"ep={ep} needs an MoE model but num_moe_experts=None; set ep=1 or num_moe_experts")
@@ -333,6 +343,8 @@ class ModelConfig:
                 "sequence_parallel=True splits each router's tokens across TP ranks, so the routing of "
                 "moe_enable_routing_replay=True would be per-shard; use sequence_parallel=False with routing replay"
             )
+
+    def _check_sequence(self, tp: int, cp: int, sequence_parallel: bool) -> None:
         if sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel=True needs tp > 1 (it splits the sequence over the TP group)")
         # SP splits each CP shard over TP; CP load-balancing cuts the sequence into 2*cp chunks.
@@ -375,7 +387,9 @@ class ModelConfig:
             return {
                 "transformer_impl": "transformer_engine", "attention_backend": AttnBackend.auto,
                 "apply_rope_fusion": self.position_embedding_type == "rope", "bias_dropout_fusion": True,
-                "bias_activation_fusion": self._activation_fusable(), "gradient_accumulation_fusion": True,
+                "bias_activation_fusion": self._activation_fusable(),
+                # The output layer is Megatron's own ColumnParallelLinear, whose fused wgrad needs apex's extension.
+                "gradient_accumulation_fusion": importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
             }  # fmt: skip
         if kernels == "torch" and compile_fusions:
             # Megatron's jit_fuser is torch.compile: these fusions need no TE/apex kernels.

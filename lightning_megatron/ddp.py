@@ -43,8 +43,20 @@ def set_overlap_hooks(config: Any, chunks: list[Any]) -> None:
     if ddp_config.overlap_grad_reduce:
         config.no_sync_func = one_or_list([chunk.no_sync for chunk in chunks])
         config.grad_sync_func = one_or_list([chunk.start_grad_sync for chunk in chunks])
-    if ddp_config.overlap_param_gather:
+    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        # Megatron-LM's rule: the schedule launches whole chunks' gathers only when asked to align them; otherwise
+        # the DDP forward pre-hooks dispatch bucket by bucket.
         config.param_sync_func = one_or_list([chunk.start_param_sync for chunk in chunks])
+
+
+_SCHEDULE_HOOKS = ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func")
+
+
+def clear_hooks(config: Any) -> None:
+    """Drop what fit handed the schedule: a later validate/predict must not enter a dead DDP's ``no_sync``, and the
+    bound ``grad_scale_func`` would keep the whole optimizer (fp32 main weights, Adam state) alive."""
+    for name in _SCHEDULE_HOOKS:
+        setattr(config, name, None)
 
 
 def sync_params(chunks: list[Any]) -> None:

@@ -140,3 +140,19 @@ def step_is_finite(
             "steps and count them in skipped_steps"
         )
     return False
+
+
+def check_trainer(trainer: Any) -> None:
+    """Trainer settings that MegatronStrategy handles itself (accumulation, clipping) must stay at their defaults."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported by MegatronStrategy: "
+            "one DataLoader batch is one optimizer step, split into micro-batches of micro_batch_size. Keep "
+            "accumulate_grad_batches=1 and raise the DataLoader batch size to accumulate more samples per step"
+        )
+    if trainer.gradient_clip_val is not None:
+        raise ValueError(
+            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported by MegatronStrategy: Megatron's "
+            "optimizer clips gradients; set clip_grad in the OptimizerConfig your module's configure_optimizers "
+            "returns (MegatronLMModule(clip_grad=...))"
+        )

@@ -52,6 +52,15 @@ def check_running(module: nn.Module) -> None:
 
     if not hasattr(module, "chunks") or not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(_NOT_RUNNING)
+    if getattr(module, "kernels", None) == "te":
+        raise ValueError(
+            "HF export maps the torch-native layer names; Transformer Engine layers (kernels='te') name their norms "
+            "differently. Build the model with ModelConfig(kernels='torch') to export it"
+        )
+    # With the parameter all-gather overlapped with the next forward, the last update may still be pending.
+    sync = getattr(getattr(getattr(module, "trainer", None), "strategy", None), "sync_params", None)
+    if callable(sync):
+        sync()
 
 
 # ---------------------------------------------------------------------------------------------------- config

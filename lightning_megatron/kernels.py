@@ -99,7 +99,7 @@ class SDPAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not split sequences: context parallelism needs kernels='te'")
+            raise ValueError("SDPAttention does not split sequences: it needs context_parallel_size=1")
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise ValueError(
                 f"SDPAttention supports softmax_type='vanilla' without window_size (got {config.softmax_type!r}, "
@@ -111,15 +111,10 @@ class SDPAttention(MegatronModule):
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.rotary_pos_emb = None
-        if rotary is not None:
-            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-            self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=head_dim, rotary_percent=rotary.rotary_percent, rotary_base=rotary.rotary_base,
-                rope_scaling=rotary.rope_scaling, rope_scaling_factor=rotary.rope_scaling_factor,
-                seq_len_interpolation_factor=rotary.seq_len_interpolation_factor, use_cpu_initialization=True,
-            )  # fmt: skip
+        # Megatron's DotProductAttention draws dropout from the model-parallel RNG stream except under SP.
+        self.fork_rng = not config.sequence_parallel
+        # A plain attribute, not a submodule: no state, and one table for every layer with these settings.
+        self.rope = None if rotary is None else _rope_table(rotary, head_dim)
 
     def forward(
         self,
@@ -134,30 +129,64 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("SDPAttention takes neither attention_bias nor packed sequences; use kernels='te'")
         seq, batch, heads, _ = query.shape
-        if self.rotary_pos_emb is not None:
-            freqs = self.rotary_pos_emb(seq)  # [S, 1, 1, rotary dims], float32, cached per length
-            cos, sin = freqs.cos(), freqs.sin()
+        if self.rope is not None:
+            if key.shape[0] != seq:  # e.g. a KV cache: positions would no longer be 0..S-1 for both
+                raise ValueError("SDPAttention applies RoPE at positions 0..S-1: query and key lengths must match")
+            cos, sin = self.rope.cos_sin(seq, query.device)  # [S, 1, 1, rotary dims], float32
             rope = _kernel(_rope, query.device)
             query, key = rope(query, cos, sin), rope(key, cos, sin)
         # [S, B, n, d] -> [B, n, S, d]: SDPA's layout (a strided view; the kernels accept it)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         dropout = self.dropout if self.training else 0.0
-        context = _sdpa(q, k, v, mask, dropout, self.causal and mask is None, self.softmax_scale)
+        context = _sdpa(q, k, v, mask, dropout, self.causal and mask is None, self.softmax_scale, self.fork_rng)
         # [B, n, S, d] -> [S, B, n * d]
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, causal: bool, scale: float) -> Tensor:
+def _sdpa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, causal: bool, scale: float, fork_rng: bool
+) -> Tensor:
     gqa = q.shape[1] != k.shape[1]
-    if dropout == 0.0:
-        return F.scaled_dot_product_attention(q, k, v, mask, 0.0, causal, scale=scale, enable_gqa=gqa)
+    if dropout == 0.0 or not fork_rng:
+        return F.scaled_dot_product_attention(q, k, v, mask, dropout, causal, scale=scale, enable_gqa=gqa)
     from megatron.core import tensor_parallel
 
     # Heads are split across tensor-parallel ranks: draw the dropout mask from the model-parallel RNG stream
     # (as Megatron's DotProductAttention does) so that each rank's heads get independent masks.
     with tensor_parallel.get_cuda_rng_tracker().fork():
         return F.scaled_dot_product_attention(q, k, v, mask, dropout, causal, scale=scale, enable_gqa=gqa)
+
+
+class _RopeTable:
+    """cos/sin of Megatron's ``RotaryEmbedding`` frequencies per sequence length and device, computed once for all
+    layers (Megatron computes them once per model forward; a per-layer ``RotaryEmbedding`` would redo them in every
+    layer and its class-wide LRU cache of 32 entries thrashes beyond 32 layers)."""
+
+    def __init__(self, rotary: Rotary, head_dim: int) -> None:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        self.embedding = RotaryEmbedding(
+            kv_channels=head_dim, rotary_percent=rotary.rotary_percent, rotary_base=rotary.rotary_base,
+            rope_scaling=rotary.rope_scaling, rope_scaling_factor=rotary.rope_scaling_factor,
+            seq_len_interpolation_factor=rotary.seq_len_interpolation_factor, use_cpu_initialization=True,
+        )  # fmt: skip
+        self.tables: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def cos_sin(self, seq: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        key = (seq, device)
+        if key not in self.tables:
+            if len(self.tables) >= 64:  # many distinct lengths (variable-length predict): start over
+                self.tables.clear()
+            with torch.no_grad():
+                freqs = self.embedding(seq).to(device)  # [S, 1, 1, rotary dims], float32
+            self.tables[key] = (freqs.cos(), freqs.sin())
+        return self.tables[key]
+
+
+@functools.cache
+def _rope_table(rotary: Rotary, head_dim: int) -> _RopeTable:
+    return _RopeTable(rotary, head_dim)
 
 
 def _rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -189,7 +218,9 @@ def _ce_grad(logits: Tensor, lse: Tensor, local_target: Tensor, in_range: Tensor
 
 @functools.cache
 def _compiled(fn: Any) -> Any:
-    return torch.compile(fn, dynamic=False)
+    # Default dynamic-shape handling: static for the first shape, one dynamic recompile when shapes vary
+    # (predict/log-probs over variable lengths), instead of a compile per shape up to dynamo's limit.
+    return torch.compile(fn)
 
 
 def _kernel(fn: Any, device: torch.device) -> Any:

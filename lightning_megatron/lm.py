@@ -19,7 +19,7 @@ from lightning_megatron.schedule import Batch, LossFn
 if TYPE_CHECKING:
     from lightning_megatron.hf import HFCheckpoint
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = guards.IGNORE_INDEX
 
 
 def token_mask(batch: Batch) -> Tensor:
@@ -158,6 +158,13 @@ class MegatronLMModule(MegatronLightningModule):
         from megatron.core.models.gpt import GPTModel
 
         self.kernels = resolve(self.config.kernels, spec.device_type)
+        if self.hf_checkpoint is not None and self.kernels == "te":
+            if self.config.kernels == "te":
+                raise ValueError(
+                    "ModelConfig(kernels='te') cannot load HF weights: the HF mapping targets the torch-native layer "
+                    "names (Transformer Engine fuses the norms into its linear layers); use kernels='torch' or 'auto'"
+                )
+            self.kernels = "torch"  # 'auto' for an HF import (see ModelConfig.kernels)
         config = self.config.to_transformer_config(
             kernels=self.kernels, compile_fusions=spec.device_type == "cuda", **spec.parallel
         )

@@ -160,4 +160,5 @@ class MegatronLightningModule(L.LightningModule):
         # Perplexity of the whole validation set (exp of that same token-weighted mean); the outputs are already
         # global and identical on every rank, so the metric needs no sync. Lightning computes and resets it.
         self.val_perplexity.update(outputs["loss"] * num_tokens, num_tokens)
-        self.log("val_ppl", self.val_perplexity, on_step=False, on_epoch=True)
+        # metric_attribute: Lightning would otherwise look the Metric up in a cache built before it existed.
+        self.log("val_ppl", self.val_perplexity, on_step=False, on_epoch=True, metric_attribute="val_perplexity")

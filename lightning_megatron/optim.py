@@ -103,13 +103,15 @@ def build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> 
     )
 
 
-def use_fused_adam(optimizer: Any) -> int:
-    """Switch the torch Adam(W) inside Megatron's optimizer to torch's fused CUDA kernel; returns how many.
+def use_fused_adam(optimizer: Any, fused: bool) -> int:
+    """Switch the torch Adam(W) inside Megatron's optimizer to torch's fused CUDA kernel (or back); returns how many
+    parameter groups use it.
 
     Without Transformer Engine or apex, megatron-core builds ``torch.optim.AdamW`` with its default
     (multi-tensor "foreach") implementation: about 8% of a 1B model's step on an H200. ``fused`` is a
     per-group switch read at every step, so flipping it keeps every parameter, state tensor and checkpoint
-    as they are; the fused kernel wants the ``step`` counters on the parameters' device.
+    as they are. Call it again after loading a checkpoint: Megatron restores the saved groups' flags. The fused
+    kernel wants the ``step`` counters on the parameters' device.
     """
     switched = 0
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -117,10 +119,10 @@ def use_fused_adam(optimizer: Any) -> int:
         if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         for group in torch_optimizer.param_groups:
-            if not all(p.is_cuda and p.is_floating_point() for p in group["params"]):
-                continue
-            group["fused"], group["foreach"] = True, False
-            switched += 1
+            on_gpu = all(p.is_cuda and p.is_floating_point() for p in group["params"])
+            group["fused"] = fused and on_gpu
+            group["foreach"] = None if group["fused"] else group.get("foreach")
+            switched += int(group["fused"])
         place_adam_steps(torch_optimizer)
     return switched
 

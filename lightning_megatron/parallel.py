@@ -139,3 +139,12 @@ def chunk_stages(num_chunks: int) -> list[tuple[bool, bool]]:
         )
         for stage in range(num_chunks)
     ]
+
+
+def resolve_seed(seed: int | None) -> int:
+    """The strategy's seed, else Lightning's ``seed_everything`` seed (``PL_GLOBAL_SEED``), else 1234."""
+    import os
+
+    if seed is not None:
+        return seed
+    return int(os.environ.get("PL_GLOBAL_SEED", 1234))

@@ -30,7 +30,8 @@ def files(path: Path) -> dict[str, str]:
     if (path / INDEX).is_file():
         return dict(json.loads((path / INDEX).read_text())["weight_map"])
     names: dict[str, str] = {}
-    for file in sorted(p for p in path.iterdir() if p.suffix in SUFFIXES):
+    # Weight files only: an HF Trainer directory also holds training_args.bin, optimizer.pt, rng_state.pth, ...
+    for file in sorted(p for p in path.iterdir() if p.suffix in SUFFIXES and p.name.startswith("pytorch_model")):
         names.update(dict.fromkeys(load(file), file.name))
     return names
 

@@ -44,8 +44,9 @@ class MegatronStrategy(DDPStrategy):
             size and run through Megatron's pipeline schedule as one optimizer step.
         use_distributed_optimizer: shard optimizer state across data-parallel ranks (ZeRO-1).
         ddp_config: Megatron's ``DistributedDataParallelConfig`` (``overlap_grad_reduce``, ``overlap_param_gather``,
-            bucket size, ...); ``use_distributed_optimizer`` above wins over its field of the same name. The
-            overlap hooks are handed to Megatron's schedule as Megatron-LM does.
+            bucket size, ...), used as given (the default is ``grad_reduce_in_fp32=True``; Megatron's own default
+            is False); ``use_distributed_optimizer`` above wins over its field of the same name. The overlap hooks
+            are handed to Megatron's schedule as Megatron-LM does.
         seed: base seed of Megatron's model-parallel RNG; ``None`` takes Lightning's ``seed_everything`` seed
             (``PL_GLOBAL_SEED``) or 1234.
         timeout: timeout of every collective (Lightning's default group and Megatron's groups; sub-minute values
@@ -222,7 +223,7 @@ class MegatronStrategy(DDPStrategy):
         _check_module(model)
         super().connect(model)
         trainer = model.trainer
-        _validate_trainer(trainer)
+        guards.check_trainer(trainer)
         mixed.lightning_precision(self.precision_plugin)  # raises for precisions Megatron is not set up for here
         validate = getattr(getattr(model, "config", None), "validate_parallel", None)
         if callable(validate):
@@ -242,7 +243,7 @@ class MegatronStrategy(DDPStrategy):
         if self.root_device.type == "cpu":
             cpu.enable()
         super().setup_environment()  # default process group
-        parallel.initialize(self._sizes, seed=_seed(self._seed), timeout=self._timeout)
+        parallel.initialize(self._sizes, seed=parallel.resolve_seed(self._seed), timeout=self._timeout)
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -282,8 +283,7 @@ class MegatronStrategy(DDPStrategy):
         )
         assert self._ddp_chunks is not None
         self._megatron_optimizer = get_megatron_optimizer(opt_config, self._ddp_chunks)
-        if self.root_device.type == "cuda":
-            use_fused_adam(self._megatron_optimizer)
+        use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
         self._scheduler = build_scheduler(self._megatron_optimizer, spec, trainer)
         # What Megatron's schedule calls around the step, read from the first chunk's config.
         config = self._ddp_chunks[0].config
@@ -359,6 +359,11 @@ class MegatronStrategy(DDPStrategy):
                 forward_only=True, predict=predict,
             )  # fmt: skip
 
+    def sync_params(self) -> None:
+        """Finish a parameter all-gather that ``overlap_param_gather`` deferred to the next forward, so the chunks
+        hold the last update (done for checkpoints, HF export and at the end of training; a no-op otherwise)."""
+        ddp.sync_params(self._ddp_chunks or [])
+
     # ------------------------------------------------------------------ offload (GPU shared with inference)
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
         """Release the accelerator memory of parameters, gradients and optimizer state (main params included).
@@ -399,7 +404,7 @@ class MegatronStrategy(DDPStrategy):
             state["megatron_lr_scheduler"] = self._scheduler.state_dict()
         # The unwrapped chunks: the DDP wrappers' state-dict keys carry a "module." prefix.
         state[ckpt.MODEL_CONFIG_KEY] = ckpt.model_config_dict(self.module)
-        ddp.sync_params(self._ddp_chunks or [])  # with overlapped param gather the last step's update is pending
+        self.sync_params()  # with overlapped param gather the last step's update may be pending
         state.update(ckpt.sharded_state_dict(list(self.module.chunks), self._megatron_optimizer))
         self._writer.save(state, filepath)
 
@@ -408,6 +413,8 @@ class MegatronStrategy(DDPStrategy):
         self._writer.finalize()  # a checkpoint still being written by this run is published first
         chunks = list(self.module.chunks)
         loaded = ckpt.load(chunks, self._megatron_optimizer, checkpoint_path, ckpt.model_config_dict(self.module))
+        if self._megatron_optimizer is not None:  # the loaded param groups carry the writer's fused/foreach flags
+            use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
         scheduler_state = loaded.pop("megatron_lr_scheduler", None)
         if self._scheduler is not None and scheduler_state is not None:
             try:
@@ -438,7 +445,7 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
-        ddp.sync_params(self._ddp_chunks or [])  # the final weights, for whatever runs after fit
+        self.sync_params()  # the final weights, for whatever runs after fit
         self._writer.finalize()
 
     @override
@@ -457,6 +464,8 @@ class MegatronStrategy(DDPStrategy):
         if self._offloaded is not None:  # never leave a module with released storages behind
             self.reload()
         self._last_step = None
+        if self._ddp_chunks:
+            ddp.clear_hooks(self._ddp_chunks[0].config)
         self._ddp_chunks = None
         self._run_chunks = None
         self._megatron_optimizer = None
@@ -474,29 +483,6 @@ def _check_module(module: object) -> MegatronLightningModule:
             f"got {type(module).__name__}"
         )
     return module
-
-
-def _validate_trainer(trainer: L.Trainer) -> None:
-    if trainer.accumulate_grad_batches != 1:
-        raise ValueError(
-            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported by MegatronStrategy: "
-            "one DataLoader batch is one optimizer step, split into micro-batches of micro_batch_size. Keep "
-            "accumulate_grad_batches=1 and raise the DataLoader batch size to accumulate more samples per step"
-        )
-    if trainer.gradient_clip_val is not None:
-        raise ValueError(
-            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported by MegatronStrategy: Megatron's "
-            "optimizer clips gradients; set clip_grad in the OptimizerConfig your module's configure_optimizers "
-            "returns (MegatronLMModule(clip_grad=...))"
-        )
-
-
-def _seed(seed: int | None) -> int:
-    import os
-
-    if seed is not None:
-        return seed
-    return int(os.environ.get("PL_GLOBAL_SEED", 1234))
 
 
 # Third-party strategies are not discovered by Lightning: register the name at import time.

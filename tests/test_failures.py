@@ -5,7 +5,10 @@ Both use ``tests/reliability_worker.py``; each test is one or two short multi-pr
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,10 +26,21 @@ def _losses(path: Path) -> dict[int, float]:
 
 
 def _launch(args: dict, cwd: Path, log: Path) -> subprocess.Popen:
-    # Lightning's launcher starts rank 1; with a TP=2 layout every collective involves both ranks.
+    # Lightning's launcher starts rank 1; with a TP=2 layout every collective involves both ranks. A session of
+    # its own, so that _reap can end whatever the job leaves behind (a SIGKILLed rank's checkpoint writer).
     env = child_env(CUDA_VISIBLE_DEVICES="")
     command = [sys.executable, str(WORKER), json.dumps(args)]
-    return subprocess.Popen(command, cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    log_file = log.open("w")
+    return subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill what is left of the job's process group (orphans of a killed rank would outlive the test run)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @pytest.mark.multiprocess
@@ -39,8 +53,11 @@ def test_sigkill_one_rank_then_resume_last_reproduces_the_curve(tmp_path: Path) 
         "kill_at": 6, "stamp": str(tmp_path / "killed_at"), "async_save": True, "timeout": 600,
     }  # fmt: skip
     proc = _launch(killed, tmp_path, tmp_path / "killed.log")
-    rc = proc.wait(timeout=300)
-    exited = time.time()
+    try:
+        rc = proc.wait(timeout=300)
+        exited = time.time()
+    finally:
+        _reap(proc)
     kill_to_exit = exited - float((tmp_path / "killed_at").read_text())
     print(f"kill -> job exit: {kill_to_exit:.2f} s (rc={rc})")
     assert rc != 0, (tmp_path / "killed.log").read_text()[-3000:]
@@ -56,7 +73,11 @@ def test_sigkill_one_rank_then_resume_last_reproduces_the_curve(tmp_path: Path) 
     resumed = {**killed, "max_steps": 6, "resume": "last", "losses": str(tmp_path / "resumed.jsonl")}
     del resumed["kill_at"]
     proc = _launch(resumed, tmp_path, tmp_path / "resumed.log")
-    assert proc.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    try:
+        rc = proc.wait(timeout=300)
+    finally:
+        _reap(proc)
+    assert rc == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     again = _losses(tmp_path / "resumed.jsonl")
     assert sorted(again) == [4, 5, 6]  # resumed from last.ckpt = step 3, not from the half-written step-6 one
     assert again == {step: curve[step] for step in (4, 5, 6)}  # exactly the uninterrupted curve
@@ -80,13 +101,13 @@ def test_silent_rank_makes_the_other_fail_within_the_strategy_timeout(tmp_path: 
         )  # fmt: skip
         log = (tmp_path / f"rank{rank}.log").open("w")
         command = [sys.executable, str(WORKER), json.dumps(args)]
-        procs.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=log))
+        procs.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=log, start_new_session=True))
     try:
         rc = procs[0].wait(timeout=300)
         waited = time.time() - float((tmp_path / "hung_at").read_text())
     finally:
-        procs[1].kill()
-        procs[1].wait()
+        for proc in procs:
+            _reap(proc)
     log = (tmp_path / "rank0.log").read_text()
     print(f"silent rank -> error after {waited:.2f} s (timeout {timeout} s)")
     assert rc != 0, log[-3000:]

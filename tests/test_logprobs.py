@@ -89,9 +89,10 @@ def test_compute_logprobs_inside_a_hook_and_gradients_flow() -> None:
 @pytest.fixture(scope="module")
 def lp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("logprobs")
-    run_worker({"devices": 1, "max_steps": 2, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}, tmp)
+    # Train 2 steps (checkpointing at step 2), then predict logits with those weights, in one process.
+    args = {"devices": 1, "max_steps": 2, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}
+    run_worker({**args, "pred_out": str(tmp / "logits")}, tmp)
     ckpt = str(tmp / "ckpt" / "epoch=0-step=2.ckpt")
-    run_worker({"devices": 1, "mode": "predict", "resume": ckpt, "pred_out": str(tmp / "logits")}, tmp)
     return {"ckpt": ckpt, "logits": torch.load(tmp / "logits.rank0.pt")}
 
 

@@ -203,9 +203,11 @@ def test_nonfinite_skip_leaves_weights_and_counts() -> None:
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
 
 
-def test_nonfinite_error_names_the_step() -> None:
+@pytest.mark.parametrize(("poison", "clip_grad"), [(2, 1.0), (1, 0.0)], ids=["nan-grads", "nan-loss-no-clipping"])
+def test_nonfinite_error_names_the_step(poison: int, clip_grad: float) -> None:
+    # Megatron's optimizer reports the gradient norm even without clipping: the default policy needs no extra check.
     with pytest.raises(FloatingPointError, match=r"non-finite gradient norm \(nan\) at optimizer step 2"):
-        _trainer(4).fit(Poisoned({2: 2}), DataLoader(_data(), batch_size=8))
+        _trainer(4).fit(Poisoned({2: poison}, clip_grad=clip_grad), DataLoader(_data(), batch_size=8))
 
 
 def test_nonfinite_policy_is_checked() -> None:
