@@ -191,7 +191,7 @@ class MegatronLMModule(MegatronLightningModule):
         ``include_tied=False`` leaves out ``lm_head.weight`` (as ``save_pretrained`` files do). Call it while the
         strategy is set up (any hook of ``fit``/``validate``/``predict``).
         """
-        from lightning_megatron.hf import check_running, export_weights
+        from lightning_megatron.hf_export import check_running, export_weights
 
         check_running(self)  # now, not at the generator's first step
         return export_weights(list(self.chunks), self.config, include_tied=include_tied)
@@ -204,7 +204,7 @@ class MegatronLMModule(MegatronLightningModule):
         with an index when there are several) and, from an HF source directory, its tokenizer and generation
         files. ``dtype`` (default: the parameters' dtype) is the dtype of the written tensors.
         """
-        from lightning_megatron.hf import save_pretrained
+        from lightning_megatron.hf_export import save_pretrained
 
         save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
 

@@ -17,6 +17,9 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"
 
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    # One intra-op thread per rank: 2-4 ranks of a multi-process test share CI's 2 cores, and torch's default of
+    # a thread per core in every rank oversubscribes them (gloo's own threads come on top).
+    env.setdefault("OMP_NUM_THREADS", "1")
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 

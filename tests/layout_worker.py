@@ -115,7 +115,8 @@ def main(args: dict) -> None:
         result["val"] = out[0]["val_loss"]
     if mode == "validate+predict" or (mode == "fit" and args.get("pred_out")):  # predict with the weights now held
         _save_predictions(trainer.predict(model, val_loader), args["pred_out"], trainer.global_rank)
-    elif mode == "routing":  # MoE routing of the validation data, recorded after loading the checkpoint
+    if mode == "routing" or (mode == "fit" and args.get("routing_out")):
+        # MoE routing of the validation data: after loading the checkpoint, or with the weights fit just trained.
         recorded: dict = {}
 
         class RecordRouting(L.Callback):
@@ -123,9 +124,10 @@ def main(args: dict) -> None:
                 recorded["routing"] = pl_module.record_routing(val[:8])
 
         trainer.callbacks.append(RecordRouting())
-        trainer.validate(model, val_loader, ckpt_path=args.get("resume"))
-        torch.save(recorded["routing"], f"{args['pred_out']}.rank{trainer.global_rank}.pt")
-    elif mode == "predict":
+        trainer.validate(model, val_loader, ckpt_path=args.get("resume") if mode == "routing" else None)
+        out = args["pred_out"] if mode == "routing" else args["routing_out"]
+        torch.save(recorded["routing"], f"{out}.rank{trainer.global_rank}.pt")
+    if mode == "predict":
         _save_predictions(
             trainer.predict(model, val_loader, ckpt_path=args.get("resume")), args["pred_out"], trainer.global_rank
         )

@@ -103,9 +103,10 @@ def test_recorded_routing_is_the_same_with_pipeline_and_expert_parallelism(tmp_p
     """Each pipeline stage records its own layers; every rank returns the whole [B, L, S, K] routing."""
     moe = {"model": {"num_moe_experts": EXPERTS, "moe_router_topk": TOPK, "moe_enable_routing_replay": True}}
     ckpt = tmp_path / "ckpt"
-    run_worker({**moe, "devices": 1, "max_steps": 2, "ckpt_dir": str(ckpt), "ckpt_every": 2}, tmp_path)
+    # One process trains 2 steps (checkpointing them) and records the routing with those weights.
+    train = {"max_steps": 2, "ckpt_dir": str(ckpt), "ckpt_every": 2, "routing_out": str(tmp_path / "one")}
+    run_worker({**moe, "devices": 1, "limit_val_batches": 1, **train}, tmp_path)
     args = {**moe, "mode": "routing", "limit_val_batches": 1, "resume": str(ckpt / "epoch=0-step=2.ckpt")}
-    run_worker({**args, "devices": 1, "pred_out": str(tmp_path / "one")}, tmp_path)
     one = torch.load(tmp_path / "one.rank0.pt")
     assert one.shape == (8, 4, 32, TOPK)
     for layout in ({"devices": 2, "pp": 2}, {"devices": 2, "ep": 2}):
