@@ -117,29 +117,18 @@ def check_grad_norm(grad_norm: float | None, step: int) -> None:
     )
 
 
-def step_is_finite(
-    policy: str, loss: Tensor | None, chunks: Sequence[nn.Module], step: int, check_grads: bool = True
-) -> bool:
-    """Apply the non-finite policy before the optimizer step: ``True`` to step, ``False`` to skip it.
+def step_is_finite(loss: Tensor | None, chunks: Sequence[nn.Module], check_grads: bool = True) -> bool:
+    """``nonfinite="skip"``, before the optimizer step: ``True`` to step, ``False`` to skip it.
 
     The loss is identical on every rank (reduced by the strategy) and the gradient flag is all-reduced, so every
-    rank takes the same decision. Raises ``FloatingPointError`` naming the step under ``policy="error"``.
+    rank takes the same decision. (``"error"`` checks Megatron's gradient norm after the step: :func:`check_grad_norm`.)
     """
     device = loss.device if loss is not None else torch.device("cpu")
     loss_ok = loss is None or bool(torch.isfinite(loss).all())
     # With fp16, gradients hold the loss-scaled values: an overflow there is the loss scaler's business (Megatron's
     # optimizer skips the step and lowers the scale), so only the loss is checked.
     grads_ok = grads_finite(chunks, device) if check_grads else True
-    if loss_ok and grads_ok:
-        return True
-    what = f"loss={float(loss)}" if not loss_ok and loss is not None else "non-finite gradients"
-    if policy == "error":
-        raise FloatingPointError(
-            f"{what} at optimizer step {step} (trainer.global_step={step}); the weights were not updated. Look for "
-            "bad data or a too high learning rate there, or pass MegatronStrategy(nonfinite='skip') to skip such "
-            "steps and count them in skipped_steps"
-        )
-    return False
+    return loss_ok and grads_ok
 
 
 def check_trainer(trainer: Any) -> None:

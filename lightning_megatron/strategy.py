@@ -311,9 +311,8 @@ class MegatronStrategy(DDPStrategy):
     def _should_step(self, loss: Tensor | None) -> bool:
         # nonfinite="skip": decide before the update, which costs one GPU synchronisation per step.
         assert self._ddp_chunks is not None
-        step = self.module.trainer.global_step
         fp16 = self.compute_dtype == torch.float16  # loss-scaled gradients: Megatron's scaler handles overflow
-        return guards.step_is_finite(self._nonfinite, loss, self._ddp_chunks, step, check_grads=not fp16)
+        return guards.step_is_finite(loss, self._ddp_chunks, check_grads=not fp16)
 
     # ------------------------------------------------------------------ steps
     @override
