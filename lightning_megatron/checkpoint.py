@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from lightning_megatron import ckpt_checks
+from lightning_megatron.optim import inner_optimizers
 
 # Reshardable across TP, PP, VPP and DP: the optimizer state is gathered per parameter on save.
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -211,17 +212,13 @@ def _raise_on_every_rank(check: Callable[[], None]) -> None:
         raise ValueError("another rank found the checkpoint unusable (see its error); nothing was loaded")
 
 
-def _inner_optimizers(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
 def _init_adam_state(optimizer: Any) -> None:
     """Give a fresh torch Adam the state it has after a step, so ``sharded_state_dict(is_loading=True)`` works.
 
     megatron-core 0.19's ``DistributedOptimizer.state_dict`` asserts exactly one ``step`` value among the torch
     optimizer's per-parameter states, which a fresh torch Adam does not have yet.
     """
-    for megatron_optimizer in _inner_optimizers(optimizer):
+    for megatron_optimizer in inner_optimizers(optimizer):
         torch_optimizer = megatron_optimizer.optimizer
         if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             continue
@@ -242,13 +239,12 @@ def _untie_adam_steps(optimizer: Any) -> None:
     tensor to every parameter's state; torch Adam increments it in place once per parameter, so the bias
     correction of every step after a resume would be wrong.
     """
-    from lightning_megatron.optim import place_adam_steps
-
-    for megatron_optimizer in _inner_optimizers(optimizer):
+    # Where each counter lives (host, or the device for fused Adam) is decided by the strategy's use_fused_adam,
+    # which runs after every load because Megatron also restores the saved groups' fused/foreach flags.
+    for megatron_optimizer in inner_optimizers(optimizer):
         for state in megatron_optimizer.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
-        place_adam_steps(megatron_optimizer.optimizer)  # loaded counters land on the host
 
 
 @contextlib.contextmanager

@@ -103,6 +103,12 @@ def build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> 
     )
 
 
+def inner_optimizers(optimizer: Any) -> list[Any]:
+    """The Megatron optimizers inside ``optimizer`` (a ``ChainedOptimizer``'s parts, else itself); each holds a torch
+    optimizer as ``.optimizer``."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def use_fused_adam(optimizer: Any, fused: bool) -> int:
     """Switch the torch Adam(W) inside Megatron's optimizer to torch's fused CUDA kernel (or back); returns how many
     parameter groups use it.
@@ -114,7 +120,7 @@ def use_fused_adam(optimizer: Any, fused: bool) -> int:
     kernel wants the ``step`` counters on the parameters' device.
     """
     switched = 0
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in inner_optimizers(optimizer):
         torch_optimizer = inner.optimizer
         if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             continue
