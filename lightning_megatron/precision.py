@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.transformer.module import Float16Module
 from torch import nn
 
 PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -34,10 +35,11 @@ def wrap(chunks: list[nn.Module], dtype: torch.dtype) -> list[nn.Module]:
     """
     if dtype == torch.float32:
         return chunks
-    from megatron.core.transformer.module import Float16Module
-
-    class HalfModule(Float16Module):
-        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-            return super().forward(*inputs, fp32_output=False, **kwargs)
-
     return [HalfModule(chunk.config, chunk) for chunk in chunks]
+
+
+class HalfModule(Float16Module):
+    """Megatron's ``Float16Module`` whose last-stage output stays in bf16/fp16 (see :func:`wrap`)."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return super().forward(*inputs, fp32_output=False, **kwargs)
