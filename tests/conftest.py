@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,26 @@ def run_worker(args: dict, tmp_path: Path, timeout: float = 600, torchrun: bool 
             f"worker failed ({proc.returncode}) for {args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return json.loads(out.read_text())
+
+
+@contextlib.contextmanager
+def one_process_megatron(port: int) -> Iterator[None]:
+    """Megatron's parallel state for this one process (gloo, CPU mode), for tests of modules outside a Trainer."""
+    import torch
+
+    from lightning_megatron import cpu
+    from lightning_megatron.parallel import ParallelSizes, destroy, initialize
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    with cpu.cpu_mode():
+        initialize(ParallelSizes(), seed=0)
+        try:
+            yield
+        finally:
+            destroy()
 
 
 def cuda_devices() -> int:

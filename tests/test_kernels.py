@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from lightning_megatron import cpu, kernels, tiny_gpt
-from lightning_megatron.parallel import ParallelSizes, destroy, initialize
+from lightning_megatron import kernels, tiny_gpt
+from tests.conftest import one_process_megatron
 
 
 @pytest.fixture(scope="module")
-def megatron_state():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29594")
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    with cpu.cpu_mode():
-        initialize(ParallelSizes(), seed=0)
-        try:
-            yield
-        finally:
-            destroy()
+def megatron_state() -> Iterator[None]:
+    with one_process_megatron(port=29594):
+        yield
 
 
 def _gpt(config, kernel_set: str, compile_fusions: bool = False):

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.data import synthetic_tokens
-from tests.conftest import run_worker
+from tests.conftest import one_process_megatron, run_worker
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -61,29 +61,16 @@ def test_compute_logprobs_inside_a_hook_and_gradients_flow() -> None:
     assert torch.all(seen["logprobs"][:, -1] == 0)
 
     # tp=1 formulas against autograd of the reference (the TP>1 reductions are checked by the layout test).
-    import os
-
     from lightning_megatron.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-    from lightning_megatron.parallel import ParallelSizes, destroy, initialize
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29593")
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    from lightning_megatron import cpu
-
-    with cpu.cpu_mode():
-        initialize(ParallelSizes(), seed=0)
-        try:
-            logits = torch.randn(2, 5, 11, requires_grad=True)
-            targets = torch.randint(0, 11, (2, 5))
-            (vocab_parallel_logprobs(logits, targets).sum() + vocab_parallel_entropy(logits).sum()).backward()
-            ref = logits.detach().clone().requires_grad_()
-            logp = torch.log_softmax(ref, -1)
-            (logp.gather(-1, targets[..., None]).sum() - (logp.exp() * logp).sum()).backward()
-            torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-6)
-        finally:
-            destroy()
+    with one_process_megatron(port=29593):
+        logits = torch.randn(2, 5, 11, requires_grad=True)
+        targets = torch.randint(0, 11, (2, 5))
+        (vocab_parallel_logprobs(logits, targets).sum() + vocab_parallel_entropy(logits).sum()).backward()
+        ref = logits.detach().clone().requires_grad_()
+        logp = torch.log_softmax(ref, -1)
+        (logp.gather(-1, targets[..., None]).sum() - (logp.exp() * logp).sum()).backward()
+        torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
