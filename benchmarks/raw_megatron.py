@@ -52,10 +52,11 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
         clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
     )  # fmt: skip
     optimizer = get_megatron_optimizer(opt_config, chunks)
-    if args.fused_adam:
-        from lightning_megatron.optim import use_fused_adam
+    from lightning_megatron.optim import use_foreach_clip_grads, use_fused_adam
 
-        use_fused_adam(optimizer)  # what MegatronStrategy does on GPU: torch's fused AdamW kernel
+    # What MegatronStrategy does on GPU: torch's fused AdamW kernel, multi-tensor gradient-norm kernels.
+    use_fused_adam(optimizer, fused=args.fused_adam)
+    use_foreach_clip_grads()
     chunks[0].config.finalize_model_grads_func = finalize_model_grads
     chunks[0].config.grad_scale_func = optimizer.scale_loss
 
@@ -77,6 +78,11 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
 
         return output, loss_fn
 
+    from benchmarks.throughput import SyncCounter
+
+    if args.pin_memory:
+        data = data.pin_memory()  # as DataLoader(pin_memory=True) in variants a and c: slices stay pinned
+    syncs = SyncCounter(args.sync_debug)
     stamps: list[float] = []  # wall clock at the end of the warm-up and of the last step, the GPU drained
     total = args.warmup + args.steps
     for step in range(total):
@@ -92,10 +98,13 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
             micro_batch_size=args.micro_batch_size, forward_only=False,
         )  # fmt: skip
         optimizer.step()
+        if step == total - 1:
+            syncs.stop()
         if step in (args.warmup - 1, total - 1):
             torch.cuda.synchronize()
             stamps.append(time.perf_counter())
         if step == args.warmup - 1:
+            syncs.start()
             torch.cuda.reset_peak_memory_stats()
             if args.profile:
                 from benchmarks.throughput import start_profiler
@@ -106,4 +115,4 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
 
         write_profile(profiler, f"{args.profile}.b")
     params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-    return {"elapsed": stamps[1] - stamps[0], "steps": args.steps, "params": params}
+    return {"elapsed": stamps[1] - stamps[0], "steps": args.steps, "params": params, "syncs": syncs.counts}

@@ -7,8 +7,11 @@
 Prints one JSON line per variant, each measured in its own torchrun job on the same GPUs:
 (a) ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule``; (b) a raw Megatron-Core loop with the same model,
 optimizer, batch and loss (benchmarks/raw_megatron.py); (c) ``Trainer`` + ``transformers`` ``LlamaForCausalLM``
-of the same shape (SDPA attention, ``precision="bf16-mixed"``, fused AdamW; 1 GPU or DDP only).
-All use bf16 compute with fp32 master weights, Adam, grad clipping 1.0, the same synthetic tokens.
+of the same shape (SDPA attention, ``precision="bf16-mixed"``, fused AdamW; 1 GPU or DDP only; it takes a step's
+sequences as one batch, where a and b run ``--micro-batches`` micro-batches).
+All use bf16 compute with fp32 master weights, Adam, grad clipping 1.0, the same synthetic tokens, pinned host
+batches unless ``--no-pin-memory``. ``--sync-debug`` counts each variant's host-GPU synchronisations per step by
+call site (``torch.cuda.set_sync_debug_mode``) instead of measuring speed.
 MFU = tokens/s x (6 N + 6 layers hidden seq) / (989e12 x GPUs): N all parameters, 989 TFLOP/s the dense bf16
 peak of an H100/H200. Timing: wall clock over ``--steps`` steps after ``--warmup`` steps, the GPU drained at
 both ends only.
@@ -17,11 +20,14 @@ both ends only.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from typing import Any
 
 import torch
@@ -54,6 +60,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", help="write each variant's torch.profiler kernel table to PROFILE.<variant>")
+    p.add_argument(
+        "--no-pin-memory", dest="pin_memory", action="store_false",
+        help="pageable batches (default: pinned, so that the host-to-device copy does not wait for the GPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--sync-debug", action="store_true",
+        help="count the host-GPU synchronisations of the timed steps by call site (slows the run: no timing)",
+    )  # fmt: skip
     return p.parse_args()
 
 
@@ -86,8 +100,11 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
         def __init__(self) -> None:
             self.stamps: list[float] = []
             self.profiler: Any = None
+            self.syncs = SyncCounter(args.sync_debug)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if trainer.global_step == args.warmup + args.steps:
+                self.syncs.stop()
             if trainer.global_step in (args.warmup, args.warmup + args.steps):
                 torch.cuda.synchronize()
                 self.stamps.append(time.perf_counter())
@@ -95,6 +112,7 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
                 torch.cuda.reset_peak_memory_stats()
                 if args.profile:
                     self.profiler = start_profiler()
+                self.syncs.start()
 
         def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
             if self.profiler is not None:
@@ -107,8 +125,8 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
         enable_model_summary=False, callbacks=[clock],
     )  # fmt: skip
     batch = args.micro_batch_size * args.micro_batches
-    trainer.fit(module, DataLoader(data, batch_size=batch))
-    return {"elapsed": clock.stamps[1] - clock.stamps[0], "steps": args.steps}
+    trainer.fit(module, DataLoader(data, batch_size=batch, pin_memory=args.pin_memory))
+    return {"elapsed": clock.stamps[1] - clock.stamps[0], "steps": args.steps, "syncs": clock.syncs.counts}
 
 
 def variant_a(args: argparse.Namespace) -> dict:
@@ -154,6 +172,45 @@ def variant_c(args: argparse.Namespace) -> dict:
     module = HFLlama()
     result = run_lightning(args, module, "auto", dataset(args, args.devices), args.devices)
     return {**result, "params": sum(p.numel() for p in module.parameters())}
+
+
+class SyncCounter:
+    """Host-GPU synchronisations (``torch.cuda.set_sync_debug_mode``) between ``start`` and ``stop``, counted by
+    the innermost call sites outside torch. Pageable host-to-device copies synchronise inside the driver, unseen."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._context: Any = None
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        self._context = warnings.catch_warnings()
+        self._context.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record  # restored by the context's exit
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def _record(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        if "synchroniz" not in str(message):
+            return  # another warning (e.g. a deprecation) that "always" let through
+        frames = [f for f in traceback.extract_stack()[:-1] if not _is_internal(f.filename)]
+        sites = " <- ".join(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno}" for f in reversed(frames[-4:]))
+        self.counts[sites] += 1
+
+    def stop(self) -> None:
+        if self._context is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _is_internal(filename: str) -> bool:
+    return filename.startswith(_TORCH_DIR) or filename == __file__ or filename.endswith("/warnings.py")
 
 
 def start_profiler() -> Any:
@@ -207,9 +264,16 @@ def child(args: argparse.Namespace) -> None:
             "step_time_s": round(result["elapsed"] / args.steps, 4),
             "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
             "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(),
+            "pinned_batches": args.pin_memory,
+            **(sync_report(result["syncs"], args.steps) if args.sync_debug else {}),
         }),
         flush=True,
     )  # fmt: skip
+
+
+def sync_report(counts: dict[str, int], steps: int) -> dict[str, Any]:
+    per_step = {site: count / steps for site, count in sorted(counts.items(), key=lambda kv: -kv[1])}
+    return {"syncs_per_step": per_step, "timing": "not comparable: --sync-debug slows every synchronising call"}
 
 
 def main() -> None:

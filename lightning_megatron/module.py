@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning as L
+import torch
 from torch import Tensor, nn
 
 from lightning_megatron.metrics import TokenPerplexity
@@ -135,19 +136,20 @@ class MegatronLightningModule(L.LightningModule):
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # The strategy's outputs are identical on every rank, so no sync is needed (and none is done).
-        self.log("train_loss", outputs["loss"], prog_bar=True)
+        # The strategy's outputs are identical on every rank, so no sync is needed (and none is done). The loss is
+        # logged from its host copy: the progress bar reads it every step.
+        self.log("train_loss", outputs["host_loss"].get(), prog_bar=True)
         stats = self.trainer.strategy.last_step  # type: ignore[attr-defined]
-        self.log("lr", stats.lr, prog_bar=True)
+        self.log("lr", _host(stats.lr), prog_bar=True)
         if stats.grad_norm is not None:
-            self.log("grad_norm", stats.grad_norm)
-        self.log("skipped_steps", float(self.trainer.strategy.skipped_steps))  # type: ignore[attr-defined]
+            self.log("grad_norm", _host(stats.grad_norm))
+        self.log("skipped_steps", _host(self.trainer.strategy.skipped_steps))  # type: ignore[attr-defined]
         # Input tokens of the global batch per second of this step (rank 0's clock). Counted on the host: reading
         # the loss's token count would wait for the GPU and stall the next step's launch.
         elapsed = time.perf_counter() - getattr(self, "_step_start", time.perf_counter())
         if elapsed > 0:
             tokens = as_batch(batch)["input_ids"].numel() * data_parallel_rank_and_size()[1]
-            self.log("tokens_per_s", tokens / elapsed, prog_bar=True)
+            self.log("tokens_per_s", _host(tokens / elapsed), prog_bar=True)
 
     def on_validation_epoch_start(self) -> None:
         if not hasattr(self, "val_perplexity"):  # a child module once created: moves with the LightningModule
@@ -162,3 +164,9 @@ class MegatronLightningModule(L.LightningModule):
         self.val_perplexity.update(outputs["loss"] * num_tokens, num_tokens)
         # metric_attribute: Lightning would otherwise look the Metric up in a cache built before it existed.
         self.log("val_ppl", self.val_perplexity, on_step=False, on_epoch=True, metric_attribute="val_perplexity")
+
+
+def _host(value: float) -> Tensor:
+    """A host-side number as a CPU tensor for ``self.log``: Lightning would copy a bare float to the GPU, a
+    synchronising copy that stops the host from queueing the next step while the optimizer's kernels run."""
+    return torch.tensor(float(value), dtype=torch.float32)

@@ -18,11 +18,11 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_megatron import checkpoint as ckpt
-from lightning_megatron import cpu, ddp, guards, parallel, saving, schedule
+from lightning_megatron import cpu, ddp, guards, optim, parallel, saving, schedule
 from lightning_megatron import offload as offload_state
 from lightning_megatron import precision as mixed
 from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
-from lightning_megatron.optim import LightningOptimizerAdapter, StepStats, build_scheduler, use_fused_adam
+from lightning_megatron.optim import LightningOptimizerAdapter, StepStats, build_scheduler
 from lightning_megatron.resume import ResumableLoader
 
 if TYPE_CHECKING:
@@ -283,7 +283,8 @@ class MegatronStrategy(DDPStrategy):
         )
         assert self._ddp_chunks is not None
         self._megatron_optimizer = get_megatron_optimizer(opt_config, self._ddp_chunks)
-        use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
+        optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
+        optim.use_foreach_clip_grads()
         self._scheduler = build_scheduler(self._megatron_optimizer, spec, trainer)
         # What Megatron's schedule calls around the step, read from the first chunk's config.
         config = self._ddp_chunks[0].config
@@ -326,7 +327,7 @@ class MegatronStrategy(DDPStrategy):
             forward_only=False,
         )  # fmt: skip
         loss, num_tokens = schedule.reduce_loss(records, self.root_device)
-        return {"loss": loss, "num_tokens": num_tokens}
+        return {"loss": loss, "num_tokens": num_tokens, "host_loss": schedule.HostScalar(loss)}
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -413,7 +414,7 @@ class MegatronStrategy(DDPStrategy):
         chunks = list(self.module.chunks)
         loaded = ckpt.load(chunks, self._megatron_optimizer, checkpoint_path, ckpt.model_config_dict(self.module))
         if self._megatron_optimizer is not None:  # the loaded param groups carry the writer's fused/foreach flags
-            use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
+            optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
         scheduler_state = loaded.pop("megatron_lr_scheduler", None)
         if self._scheduler is not None and scheduler_state is not None:
             try:
@@ -469,6 +470,7 @@ class MegatronStrategy(DDPStrategy):
         self._run_chunks = None
         self._megatron_optimizer = None
         self._scheduler = None
+        optim.restore_clip_grads()
         super().teardown()
         if _distributed_is_initialized():
             parallel.destroy()

@@ -112,6 +112,8 @@ class TokenFileDataModule(L.LightningDataModule):
         shuffle: shuffle the training windows each epoch (the same permutation on every rank, then sharded).
         seed: shuffling seed; ``None`` takes ``seed_everything``'s (``PL_GLOBAL_SEED``) or 0, as Lightning does.
         num_workers: DataLoader worker processes.
+        pin_memory: page-locked batches, whose copy to the GPU does not wait for the GPU's queued work (a
+            pageable copy does, and then exposes the host's per-step work); ``None``: when training on CUDA.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class TokenFileDataModule(L.LightningDataModule):
         shuffle: bool = True,
         seed: int | None = None,
         num_workers: int = 0,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("seq_length", seq_length), ("batch_size", batch_size)):
@@ -137,7 +140,7 @@ class TokenFileDataModule(L.LightningDataModule):
         _check_dtype(dtype)
         self.path, self.seq_length, self.batch_size, self.dtype = path, seq_length, batch_size, dtype
         self.val_fraction, self.num_val_batches = val_fraction, num_val_batches
-        self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
+        self.shuffle, self.seed, self.num_workers, self.pin_memory = shuffle, seed, num_workers, pin_memory
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
 
@@ -164,8 +167,14 @@ class TokenFileDataModule(L.LightningDataModule):
         sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         # drop_last: every batch must split into micro-batches of the strategy's micro_batch_size.
         return DataLoader(
-            dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers
-        )
+            dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers,
+            pin_memory=self._pin_memory(),
+        )  # fmt: skip
+
+    def _pin_memory(self) -> bool:
+        if self.pin_memory is not None:
+            return self.pin_memory
+        return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, self.shuffle)

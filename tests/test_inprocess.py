@@ -154,3 +154,13 @@ def test_resumable_loader_after_an_epoch_end_checkpoint() -> None:
     loader.load_state_dict({"batches_consumed": 2})
     assert list(loader) == [2, 3, 4]
     assert list(loader) == [0, 1, 2, 3, 4]  # only the first epoch after a restore is shortened
+
+
+def test_host_scalar_is_a_snapshot_on_the_host() -> None:
+    from lightning_megatron.schedule import HostScalar
+
+    value = torch.tensor(2.5)
+    host = HostScalar(value)
+    value += 1  # later work on the device value does not change what was logged
+    assert host.get().device.type == "cpu"
+    assert host.get() == torch.tensor(2.5)

@@ -129,7 +129,7 @@ def test_validate_and_predict_parity(name: str, evaluated: dict, tmp_path: Path)
 
 
 @pytest.mark.gpu(devices=2)
-@pytest.mark.parametrize("name", ["dp2", "tp2", "pp2", "pp2_vpp2"])
+@pytest.mark.parametrize("name", ["dp2", "tp2", "tp2_sp", "pp2", "pp2_vpp2"])
 def test_gpu_layout_continues_single_process_curve(name: str, reference: dict, tmp_path: Path) -> None:
     """Tier 2: the CPU reference checkpoint resumed over NCCL on GPUs continues the same curve."""
     resumed = _resume(LAYOUTS[name], reference, tmp_path, accelerator="gpu")

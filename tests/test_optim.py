@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron import MegatronLMModule, MegatronStrategy, optim, tiny_gpt
 from lightning_megatron.data import synthetic_tokens
+from tests.conftest import one_process_megatron
 
 
 def _torch_groups(trainer: L.Trainer) -> list[dict]:
@@ -29,6 +31,7 @@ class MarkFused(L.Callback):
 def _fit(tmp_path: Path, max_steps: int, callbacks: list, resume: str | None = None) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), max_steps=max_steps,
+        default_root_dir=tmp_path,
         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )  # fmt: skip
     data = DataLoader(synthetic_tokens(16, 32, 256), batch_size=4)
@@ -41,6 +44,9 @@ class Inspect(L.Callback):
         optimizer = trainer.strategy.megatron_optimizer
         self.fused = [g["fused"] for g in _torch_groups(trainer)]
         self.steps = [s["step"] for inner in optimizer.chained_optimizers for s in inner.optimizer.state.values()]
+        from megatron.core.optimizer import clip_grads
+
+        self.l2_norm_impl = clip_grads.l2_norm_impl
 
 
 def test_resume_of_a_gpu_checkpoint_on_cpu_uses_the_cpu_adam(tmp_path: Path) -> None:
@@ -53,3 +59,47 @@ def test_resume_of_a_gpu_checkpoint_on_cpu_uses_the_cpu_adam(tmp_path: Path) -> 
     assert not any(inspect.fused)  # the saved flags were GPU ones; on CPU the strategy turns fused off again
     assert inspect.steps
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in inspect.steps)
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    assert inspect.l2_norm_impl is optim._foreach_l2_norm  # while fitting (no TE/apex here)
+    assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm  # Megatron's own again after teardown
+
+
+def _params_with_grads() -> list[torch.nn.Parameter]:
+    params = []
+    for seed, shape in enumerate([(7, 3), (0,), (5,), (4, 4, 2)]):
+        param = torch.nn.Parameter(torch.zeros(shape))
+        param.grad = 10 * torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        params.append(param)
+    return params
+
+
+def _norm_and_clip(max_norm: float) -> tuple[float, list[torch.Tensor]]:
+    from megatron.core.optimizer import clip_grads
+
+    params = _params_with_grads()
+    norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm, norm)
+    return norm, [p.grad for p in params]
+
+
+def test_foreach_clip_grads_match_megatron_local_fallback() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    with one_process_megatron(port=29595):
+        assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm  # no TE/apex here: Megatron's fallback
+        local_norm, local_grads = _norm_and_clip(max_norm=1.0)
+        try:
+            assert optim.use_foreach_clip_grads()
+            assert clip_grads.l2_norm_impl is optim._foreach_l2_norm
+            norm, grads = _norm_and_clip(max_norm=1.0)
+        finally:
+            optim.restore_clip_grads()
+    assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
+    assert local_norm > 10  # so that the clip really rescales
+    assert norm == pytest.approx(local_norm, rel=1e-6)
+    for ours, megatron in zip(grads, local_grads, strict=True):
+        torch.testing.assert_close(ours, megatron)
+    assert sum(g.square().sum() for g in grads).sqrt() == pytest.approx(1.0, rel=1e-5)

@@ -36,6 +36,8 @@ def test_windows_pack_the_file_and_the_tail_is_validation(tmp_path: Path) -> Non
     assert torch.equal(torch.cat(list(train)), torch.cat([dm.train_set[i] for i in range(56)]).view(-1, 16))
     assert len(val) == 3
     assert train.drop_last
+    assert not train.pin_memory  # no Trainer on CUDA: pageable batches (pin_memory=True asks for pinned ones)
+    assert TokenFileDataModule(str(path), seq_length=16, pin_memory=True)._pin_memory()
     # Lightning keeps a DistributedSampler it finds (it would otherwise inject its own, always shuffled).
     assert isinstance(train.sampler, DistributedSampler)
     shuffled = TokenFileDataModule(str(path), seq_length=16, batch_size=2, val_fraction=0.1, seed=3)
