@@ -164,3 +164,14 @@ def test_host_scalar_is_a_snapshot_on_the_host() -> None:
     value += 1  # later work on the device value does not change what was logged
     assert host.get().device.type == "cpu"
     assert host.get() == torch.tensor(2.5)
+
+
+@pytest.mark.gpu
+def test_host_scalar_copies_a_cuda_value_without_later_work() -> None:
+    from lightning_megatron.schedule import HostScalar
+
+    value = torch.tensor(2.5, device="cuda")
+    host = HostScalar(value)
+    value += 1  # queued after the copy on the same stream
+    assert host.get().is_pinned()
+    assert host.get() == torch.tensor(2.5)
