@@ -461,11 +461,12 @@ class ModelConfig:
         from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+        final_norm: Any = TorchNorm
         if kernels == "te":
             from megatron.core.extensions.transformer_engine import TENorm
 
-            return TransformerBlockSubmodules(layer_specs=[self.layer_spec(kernels)] * num_layers, layer_norm=TENorm)
-        return TransformerBlockSubmodules(layer_specs=[self.layer_spec(kernels)] * num_layers, layer_norm=TorchNorm)
+            final_norm = TENorm
+        return TransformerBlockSubmodules(layer_specs=[self.layer_spec(kernels)] * num_layers, layer_norm=final_norm)
 
 
 def tiny_gpt(**overrides: Any) -> ModelConfig:

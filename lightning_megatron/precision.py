@@ -26,6 +26,11 @@ def lightning_precision(plugin: Any) -> str:
     return precision
 
 
+def megatron_dtype_fields(dtype: torch.dtype) -> dict[str, Any]:
+    """The dtype fields that Megatron's model-parallel config and its optimizer config share."""
+    return {"bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype}
+
+
 def wrap(chunks: list[nn.Module], dtype: torch.dtype) -> list[nn.Module]:
     """Megatron's Float16Module around each chunk for bf16/fp16: casts the weights and the first stage's inputs.
 

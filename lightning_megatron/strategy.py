@@ -158,9 +158,7 @@ class MegatronStrategy(DDPStrategy):
         dtype = self.compute_dtype
         return {
             **self._sizes.megatron_kwargs(),
-            "bf16": dtype == torch.bfloat16,
-            "fp16": dtype == torch.float16,
-            "params_dtype": dtype,
+            **mixed.megatron_dtype_fields(dtype),
             "pipeline_dtype": dtype,
             # With pp=2 the next and the previous stage are the same peer. The interleaved schedule's batched
             # send/recv then posts [send_prev, recv_prev, send_next, recv_next] on both ranks, so an activation
@@ -277,9 +275,7 @@ class MegatronStrategy(DDPStrategy):
         opt_config = replace(
             spec.config,
             use_distributed_optimizer=self.use_distributed_optimizer,
-            bf16=self.compute_dtype == torch.bfloat16,
-            fp16=self.compute_dtype == torch.float16,
-            params_dtype=self.compute_dtype,
+            **mixed.megatron_dtype_fields(self.compute_dtype),
         )
         assert self._ddp_chunks is not None
         self._megatron_optimizer = get_megatron_optimizer(opt_config, self._ddp_chunks)
