@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy
-from lightning_megatron.data import synthetic_tokens
+from lightning_megatron.data.corpus import synthetic_tokens
 
 
 def make_model(path: Path, shape: str) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig
-from lightning_megatron.data import synthetic_tokens
+from lightning_megatron.data.corpus import synthetic_tokens
 
 
 class Timer(L.Callback):

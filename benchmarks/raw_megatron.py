@@ -22,8 +22,11 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
-    from lightning_megatron.kernels import resolve, vocab_parallel_cross_entropy
-    from lightning_megatron.parallel import ParallelSizes, chunk_stages, initialize
+    from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
+    from lightning_megatron.kernels.resolve import resolve
+    from lightning_megatron.kernels.specs import block_spec
+    from lightning_megatron.parallel.sizes import ParallelSizes
+    from lightning_megatron.parallel.state import chunk_stages, initialize
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
@@ -41,7 +44,7 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
         )  # fmt: skip
         tc.calculate_per_token_loss = True
         model = GPTModel(
-            config=tc, transformer_layer_spec=config.block_spec(tc, vp, kernels), pre_process=first,
+            config=tc, transformer_layer_spec=block_spec(config, tc, vp, kernels), pre_process=first,
             post_process=last, vp_stage=vp, **config.gpt_model_kwargs(kernels),
         ).cuda()  # fmt: skip
         chunks.append(Float16Module(tc, model))
@@ -52,7 +55,8 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
         clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
     )  # fmt: skip
     optimizer = get_megatron_optimizer(opt_config, chunks)
-    from lightning_megatron.optim import use_foreach_clip_grads, use_fused_adam
+    from lightning_megatron.training.clip_grads import use_foreach_clip_grads
+    from lightning_megatron.training.optim import use_fused_adam
 
     # What MegatronStrategy does on GPU: torch's fused AdamW kernel, multi-tensor gradient-norm kernels.
     use_fused_adam(optimizer, fused=args.fused_adam)

@@ -83,7 +83,7 @@ def model_config(args: argparse.Namespace) -> Any:
 
 
 def dataset(args: argparse.Namespace, dp: int) -> torch.Tensor:
-    from lightning_megatron.data import synthetic_tokens
+    from lightning_megatron.data.corpus import synthetic_tokens
 
     batch = args.micro_batch_size * args.micro_batches
     return synthetic_tokens(batch * dp * (args.warmup + args.steps), args.seq_length, VOCAB)

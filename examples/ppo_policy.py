@@ -16,9 +16,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
-from lightning_megatron.data import synthetic_tokens
-from lightning_megatron.logprobs import vocab_parallel_logprobs
-from lightning_megatron.schedule import Batch
+from lightning_megatron.contract import Batch
+from lightning_megatron.data.corpus import synthetic_tokens
+from lightning_megatron.kernels.logprobs import vocab_parallel_logprobs
 
 
 class ClippedPolicy(MegatronLMModule):

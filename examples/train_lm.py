@@ -16,7 +16,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig
-from lightning_megatron.data import VOCAB_SIZE, demo_dataloaders
+from lightning_megatron.data.corpus import VOCAB_SIZE, demo_dataloaders
 
 
 class PrintLoss(L.Callback):

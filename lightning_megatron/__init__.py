@@ -1,16 +1,20 @@
 """lightning_megatron: Megatron-Core training (TP/PP/VPP/CP/EP/SP, pipeline schedules, distributed optimizer,
 sharded checkpoints) inside Lightning's ``Trainer``."""
 
-from lightning_megatron import presets  # noqa: F401  (registers Trainer(strategy="megatron_tp2") & co.)
+from lightning_megatron import presets  # noqa: F401  (registers Trainer(strategy="megatron") & co.)
+from lightning_megatron.callbacks import MegatronThroughput, SaveHF
 from lightning_megatron.config import ModelConfig, tiny_gpt
-from lightning_megatron.finetune import MegatronLMFromHF
-from lightning_megatron.lm import MegatronLMModule
-from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
-from lightning_megatron.strategy import MegatronStrategy, StepStats
-from lightning_megatron.throughput import MegatronThroughput
-from lightning_megatron.value import MegatronValueModule
+from lightning_megatron.contract import ChunkSpec, OptimizerSpec, StepStats
+from lightning_megatron.data.modules import ByteCorpusDataModule, TokenFileDataModule
+from lightning_megatron.modules.base import MegatronLightningModule
+from lightning_megatron.modules.hf_finetune import MegatronLMFromHF
+from lightning_megatron.modules.lm import MegatronLMModule
+from lightning_megatron.modules.value import MegatronValueModule
+from lightning_megatron.parallel.sizes import ParallelSizes
+from lightning_megatron.strategy import MegatronStrategy
 
 __all__ = [
+    "ByteCorpusDataModule",
     "ChunkSpec",
     "MegatronLMFromHF",
     "MegatronLMModule",
@@ -20,6 +24,9 @@ __all__ = [
     "MegatronValueModule",
     "ModelConfig",
     "OptimizerSpec",
+    "ParallelSizes",
+    "SaveHF",
     "StepStats",
+    "TokenFileDataModule",
     "tiny_gpt",
 ]

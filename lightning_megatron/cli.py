@@ -11,7 +11,7 @@ import lightning as L
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
-from lightning_megatron.module import MegatronLightningModule
+from lightning_megatron.modules.base import MegatronLightningModule
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:

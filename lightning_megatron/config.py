@@ -2,48 +2,26 @@
 
 `ModelConfig` is what a user writes (YAML / LightningCLI); the strategy decides TP/PP/VPP/CP/EP/SP
 and dtypes, checks them with `validate_parallel` *before* building anything, and only then calls
-`to_transformer_config(**parallel)`. Field names follow Megatron's `TransformerConfig` so that
-configs read the same as Megatron-LM's; the exception is `norm_epsilon` (Megatron-LM's CLI name,
-`layernorm_epsilon` on `TransformerConfig`).
+`to_transformer_config(**parallel)` (the layer specs come from `lightning_megatron.kernels.specs`). Field names
+follow Megatron's `TransformerConfig` so that configs read the same as Megatron-LM's; the exception is
+`norm_epsilon` (Megatron-LM's CLI name, `layernorm_epsilon` on `TransformerConfig`).
 """
 
-import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
 import torch.nn.functional as F
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.enums import AttnBackend
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from lightning_megatron.kernels import Kernels, Resolved, Rotary, SDPAttention
-from lightning_megatron.layers import TorchNorm, replace_modules, with_torch_norms
+from lightning_megatron.kernels.resolve import Kernels, Resolved
+from lightning_megatron.kernels.specs import LOCAL_BACKEND, kernel_fields
+from lightning_megatron.parallel.sizes import ParallelSizes
+from lightning_megatron.validation import check_choice, check_positive_int, divisors, next_multiple
 
 __all__ = ["ModelConfig", "tiny_gpt"]
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
-
-# We build with Megatron's torch-native "local" spec (no Transformer Engine / apex, also on CPU): select
-# the local implementations and turn off every fused path that needs TE or apex kernels. Defaults only:
-# the strategy's `parallel` kwargs may override them.
-_LOCAL_BACKEND_DEFAULTS: dict[str, Any] = {
-    "transformer_impl": "local",
-    "attention_backend": AttnBackend.local,
-    "apply_rope_fusion": False,
-    "masked_softmax_fusion": False,
-    "bias_activation_fusion": False,
-    "bias_dropout_fusion": False,
-    "gradient_accumulation_fusion": False,
-    "persist_layer_norm": False,
-    "moe_grouped_gemm": False,
-    # Megatron's default "full" means the same as None/[] but warns on every TransformerConfig.
-    "cuda_graph_modules": None,
-}
-
 
 # ModelConfig fields that TransformerConfig has under the same name. vocab_size, seq_length, position
 # embedding, rotary and tied-embedding settings are GPTModel arguments instead (see gpt_model_kwargs).
@@ -54,20 +32,6 @@ _SAME_NAME_FIELDS = (
     "recompute_granularity", "recompute_method", "recompute_num_layers", "num_moe_experts", "moe_router_topk",
     "moe_enable_routing_replay",
 )  # fmt: skip
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _next_multiple(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
-def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
-    # Literal annotations are only enforced by jsonargparse; plain Python construction is not.
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not supported; pick one of {list(choices)}")
 
 
 @dataclass(kw_only=True)
@@ -153,14 +117,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
-            self._check_positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("num_query_groups", "kv_channels", "ffn_hidden_size", "num_moe_experts", "moe_ffn_hidden_size"):
             if getattr(self, name) is not None:
-                self._check_positive(name, getattr(self, name))
-        _check_choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
-        _check_choice("activation", self.activation, tuple(_ACTIVATIONS))
-        _check_choice("position_embedding_type", self.position_embedding_type, ("rope", "learned_absolute", "none"))
-        _check_choice("kernels", self.kernels, ("auto", "torch", "te", "local"))
+                check_positive_int(name, getattr(self, name))
+        check_choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
+        check_choice("activation", self.activation, tuple(_ACTIVATIONS))
+        check_choice("position_embedding_type", self.position_embedding_type, ("rope", "learned_absolute", "none"))
+        check_choice("kernels", self.kernels, ("auto", "torch", "te", "local"))
         for name in ("norm_epsilon", "init_method_std", "rotary_base", "rope_scaling_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
@@ -178,13 +142,13 @@ class ModelConfig:
         if heads % groups != 0:
             raise ValueError(
                 f"num_attention_heads={heads} must be divisible by num_query_groups={groups}; "
-                f"pick num_query_groups among {_divisors(heads)}"
+                f"pick num_query_groups among {divisors(heads)}"
             )
         # Megatron silently floors hidden/heads; a non-integer head dim is almost always a typo.
         if self.kv_channels is None and self.hidden_size % heads != 0:
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={heads} when "
-                f"kv_channels is None; pick num_attention_heads among {_divisors(self.hidden_size)} "
+                f"kv_channels is None; pick num_attention_heads among {divisors(self.hidden_size)} "
                 "or set kv_channels explicitly"
             )
         self._check_recompute()
@@ -194,25 +158,20 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, **overrides: Any) -> Self:
         """The model of a Hugging Face config (a ``PretrainedConfig``, a config.json dict or a model directory).
 
-        Llama, Mistral, Qwen2 and Qwen3 causal LMs (:func:`lightning_megatron.hf.model_fields` says what maps to
+        Llama, Mistral, Qwen2 and Qwen3 causal LMs (:func:`lightning_megatron.hf.config.model_fields` says what maps to
         what). Keyword arguments override fields; ``seq_length`` defaults to ``max_position_embeddings`` (capped
         by a sliding attention window).
         """
-        from lightning_megatron.hf import model_fields
+        from lightning_megatron.hf.config import model_fields
 
         fields = model_fields(hf_config, seq_length=overrides.pop("seq_length", None))
         return cls(**{**fields, **overrides})
 
-    @staticmethod
-    def _check_positive(name: str, value: object) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-
     def _check_recompute(self) -> None:
         # Mirrors TransformerConfig.__post_init__, plus rejecting settings Megatron would ignore.
         gran, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        _check_choice("recompute_granularity", gran, ("full", "selective", None))
-        _check_choice("recompute_method", method, ("uniform", "block", None))
+        check_choice("recompute_granularity", gran, ("full", "selective", None))
+        check_choice("recompute_method", method, ("uniform", "block", None))
         if gran != "full":
             for name, value in (("recompute_method", method), ("recompute_num_layers", n)):
                 if value is not None:
@@ -232,7 +191,7 @@ class ModelConfig:
             )
 
     def _check_moe(self) -> None:
-        self._check_positive("moe_router_topk", self.moe_router_topk)
+        check_positive_int("moe_router_topk", self.moe_router_topk)
         experts = self.num_moe_experts
         if self.moe_enable_routing_replay and experts is None:
             raise ValueError(
@@ -277,38 +236,29 @@ class ModelConfig:
         """MLP hidden size actually built."""
         return self.ffn_hidden_size or 4 * self.hidden_size
 
-    def validate_parallel(
-        self, *, tp: int, pp: int, vpp: int | None, ep: int = 1, sequence_parallel: bool = False, cp: int = 1
-    ) -> None:
-        """Check that this model can be split by the given parallel sizes; raise ValueError otherwise."""
-        for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
-            self._check_positive(name, value)
-        if vpp is not None:
-            self._check_positive("vpp", vpp)
-            if vpp > 1 and pp == 1:
-                raise ValueError(f"vpp={vpp} needs pp > 1 (virtual stages interleave pipeline stages); set vpp=None")
-
-        self._check_tensor_split(tp)
-        self._check_stages(pp, vpp)
-        self._check_experts(ep, sequence_parallel)
-        self._check_sequence(tp, cp, sequence_parallel)
+    def validate_parallel(self, sizes: ParallelSizes) -> None:
+        """Check that this model can be split by ``sizes`` (which checked themselves); raise ValueError otherwise."""
+        self._check_tensor_split(sizes.tp)
+        self._check_stages(sizes.pp, sizes.vpp)
+        self._check_experts(sizes.ep, sizes.sequence_parallel)
+        self._check_sequence(sizes.tp, sizes.cp, sizes.sequence_parallel)
 
     def _check_tensor_split(self, tp: int) -> None:
         heads, groups = self.num_attention_heads, self.effective_num_query_groups
         if heads % tp != 0:
             raise ValueError(
-                f"num_attention_heads={heads} must be divisible by tp={tp}; pick tp among {_divisors(heads)}"
+                f"num_attention_heads={heads} must be divisible by tp={tp}; pick tp among {divisors(heads)}"
             )
         # Megatron also accepts tp a multiple of num_query_groups (KV heads replicated through an
         # all-gather); we require whole KV heads per rank so checkpoint conversion stays a plain split.
         if groups % tp != 0:
             raise ValueError(
-                f"num_query_groups={groups} (effective) must be divisible by tp={tp}; pick tp among {_divisors(groups)}"
+                f"num_query_groups={groups} (effective) must be divisible by tp={tp}; pick tp among {divisors(groups)}"
             )
         if self.vocab_size % tp != 0:
             raise ValueError(
                 f"vocab_size={self.vocab_size} must be divisible by tp={tp} (vocab-parallel embedding splits "
-                f"rows evenly); pad vocab_size to {_next_multiple(self.vocab_size, tp)}"
+                f"rows evenly); pad vocab_size to {next_multiple(self.vocab_size, tp)}"
             )
 
     def _check_stages(self, pp: int, vpp: int | None) -> None:
@@ -319,7 +269,7 @@ class ModelConfig:
             raise ValueError(
                 f"num_layers={self.num_layers} must be divisible by pp*vpp={pp}*{vpp or 1}={stages} (every "
                 f"model chunk gets the same number of layers); num_layers among {would_work} would work, "
-                f"or pick pp*vpp among {_divisors(self.num_layers)}"
+                f"or pick pp*vpp among {divisors(self.num_layers)}"
             )
         per_chunk = self.num_layers // stages
         n = self.recompute_num_layers
@@ -335,7 +285,7 @@ class ModelConfig:
             raise ValueError(f"ep={ep} needs an MoE model but num_moe_experts=None; set ep=1 or num_moe_experts")
         if experts is not None and experts % ep != 0:
             raise ValueError(
-                f"num_moe_experts={experts} must be divisible by ep={ep}; pick ep among {_divisors(experts)}"
+                f"num_moe_experts={experts} must be divisible by ep={ep}; pick ep among {divisors(experts)}"
             )
 
         if sequence_parallel and self.moe_enable_routing_replay:
@@ -345,14 +295,12 @@ class ModelConfig:
             )
 
     def _check_sequence(self, tp: int, cp: int, sequence_parallel: bool) -> None:
-        if sequence_parallel and tp == 1:
-            raise ValueError("sequence_parallel=True needs tp > 1 (it splits the sequence over the TP group)")
         # SP splits each CP shard over TP; CP load-balancing cuts the sequence into 2*cp chunks.
         multiple = math.lcm(tp * cp if sequence_parallel else 1, 2 * cp if cp > 1 else 1)
         if self.seq_length % multiple != 0:
             raise ValueError(
                 f"seq_length={self.seq_length} must be divisible by {multiple} (tp={tp}, cp={cp}, "
-                f"sequence_parallel={sequence_parallel}); use seq_length={_next_multiple(self.seq_length, multiple)}"
+                f"sequence_parallel={sequence_parallel}); use seq_length={next_multiple(self.seq_length, multiple)}"
             )
         if cp > 1:
             raise ValueError(
@@ -366,12 +314,12 @@ class ModelConfig:
     ) -> TransformerConfig:
         """Build Megatron's TransformerConfig; `parallel` (TP/PP/dtypes/...) is passed through unchanged.
 
-        ``kernels`` is the resolved kernel set (:func:`lightning_megatron.kernels.resolve`); with ``'torch'``,
+        ``kernels`` is the resolved kernel set (:func:`lightning_megatron.kernels.resolve.resolve`); with ``'torch'``,
         ``compile_fusions`` turns on Megatron's torch.compile'd activation and bias-dropout-add fusions (on GPU;
         on CPU compiling costs more than it saves).
         """
         model: dict[str, Any] = {name: getattr(self, name) for name in _SAME_NAME_FIELDS}
-        model.update(self._kernel_fields(kernels, compile_fusions))
+        model.update(kernel_fields(self, kernels, compile_fusions))
         model["layernorm_epsilon"] = self.norm_epsilon
         model["activation_func"] = _ACTIVATIONS[self.activation]
         if self.num_moe_experts is not None:
@@ -380,25 +328,7 @@ class ModelConfig:
         clash = sorted(model.keys() & parallel.keys())
         if clash:
             raise ValueError(f"{clash} are model fields; set them on ModelConfig, not as parallel settings")
-        return TransformerConfig(**{**_LOCAL_BACKEND_DEFAULTS, **model, **parallel})
-
-    def _kernel_fields(self, kernels: Resolved, compile_fusions: bool) -> dict[str, Any]:
-        if kernels == "te":
-            return {
-                "transformer_impl": "transformer_engine", "attention_backend": AttnBackend.auto,
-                "apply_rope_fusion": self.position_embedding_type == "rope", "bias_dropout_fusion": True,
-                "bias_activation_fusion": self._activation_fusable(),
-                # The output layer is Megatron's own ColumnParallelLinear, whose fused wgrad needs apex's extension.
-                "gradient_accumulation_fusion": importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
-            }  # fmt: skip
-        if kernels == "torch" and compile_fusions:
-            # Megatron's jit_fuser is torch.compile: these fusions need no TE/apex kernels.
-            return {"bias_activation_fusion": self._activation_fusable(), "bias_dropout_fusion": True}
-        return {}
-
-    def _activation_fusable(self) -> bool:
-        # Megatron fuses SwiGLU, GeGLU and bias+GeLU; plain GeLU without a bias has no fused path.
-        return self.gated_linear_unit or (self.activation == "gelu" and self.add_bias_linear)
+        return TransformerConfig(**{**LOCAL_BACKEND, **model, **parallel})
 
     def gpt_model_kwargs(self, kernels: Resolved = "local") -> dict[str, Any]:
         """Arguments of GPTModel(...) that live outside TransformerConfig.
@@ -423,50 +353,6 @@ class ModelConfig:
                 else {}
             ),
         }
-
-    def layer_spec(self, kernels: Resolved = "local") -> ModuleSpec:
-        """The GPT layer spec for a resolved kernel set: Megatron's torch-native ('local') spec with norms that
-        support SP ('local'), the same with SDPA core attention ('torch'), or the Transformer Engine spec."""
-        if kernels == "te":
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-            return get_gpt_layer_with_transformer_engine_spec(
-                num_experts=self.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=self.qk_layernorm
-            )
-        spec = get_gpt_layer_local_spec(
-            num_experts=self.num_moe_experts,
-            moe_grouped_gemm=False,
-            qk_layernorm=self.qk_layernorm,
-            normalization=self.normalization,
-        )
-        spec = with_torch_norms(spec)
-        if kernels == "torch":
-            from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-            attention: Any = SDPAttention
-            if self.position_embedding_type == "rope":
-                rotary = Rotary(
-                    rotary_percent=self.rotary_percent, rotary_base=self.rotary_base, rope_scaling=self.rope_scaling,
-                    rope_scaling_factor=self.rope_scaling_factor,
-                    seq_len_interpolation_factor=self.seq_len_interpolation_factor,
-                )  # fmt: skip
-                attention = functools.partial(SDPAttention, rotary=rotary)
-            spec = replace_modules(spec, {DotProductAttention: attention})
-        return spec
-
-    def block_spec(
-        self, config: TransformerConfig, vp_stage: int | None, kernels: Resolved = "local"
-    ) -> TransformerBlockSubmodules:
-        """The decoder layers of one pipeline stage / VPP chunk, and a final norm that supports SP."""
-        from megatron.core.transformer.transformer_block import get_num_layers_to_build
-
-        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-        final_norm: Any = TorchNorm
-        if kernels == "te":
-            from megatron.core.extensions.transformer_engine import TENorm
-
-            final_norm = TENorm
-        return TransformerBlockSubmodules(layer_specs=[self.layer_spec(kernels)] * num_layers, layer_norm=final_norm)
 
 
 def tiny_gpt(**overrides: Any) -> ModelConfig:

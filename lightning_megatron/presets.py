@@ -1,8 +1,8 @@
-"""Named layouts in Lightning's strategy registry: ``Trainer(strategy="megatron_tp2")`` and the like.
+"""Names in Lightning's strategy registry: ``Trainer(strategy="megatron")``, ``"megatron_tp2"`` and the like.
 
-Lightning discovers only its own strategies, so these names (like ``"megatron"`` itself, registered in
-``strategy.py``) are registered when ``lightning_megatron`` is imported. Each name is a ``MegatronStrategy`` with
-the listed keyword arguments; everything else keeps its default. Pass ``MegatronStrategy(...)`` for anything else.
+Lightning discovers only its own strategies, so these names are registered when ``lightning_megatron`` is imported.
+Each name is a ``MegatronStrategy`` with the listed keyword arguments; everything else keeps its default (data
+parallelism fills the rest of the world). Pass ``MegatronStrategy(...)`` for anything else.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_megatron.strategy import MegatronStrategy
 
 PRESETS: dict[str, dict[str, Any]] = {
+    MegatronStrategy.strategy_name: {},
     "megatron_tp2": {"tp": 2},
     "megatron_tp4": {"tp": 4},
     "megatron_tp8": {"tp": 8},
@@ -32,7 +33,8 @@ def register(registry: Any = StrategyRegistry) -> list[str]:
         if name in registry:
             continue
         layout = ", ".join(f"{key}={value}" for key, value in kwargs.items())
-        registry.register(name, MegatronStrategy, description=f"MegatronStrategy({layout})", **kwargs)
+        description = f"MegatronStrategy({layout})" if kwargs else "Megatron-Core TP/PP/VPP/CP/EP parallelism"
+        registry.register(name, MegatronStrategy, description=description, **kwargs)
         added.append(name)
     return added
 

@@ -10,25 +10,14 @@ whole global batch, and :func:`reduce_loss` does the same for the logged value.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-Batch = dict[str, Tensor]
-LossFn = Callable[[Tensor], tuple[Tensor, Tensor, dict[str, Tensor]]]
-"""``loss_fn(output) -> (loss_sum, num_tokens, logs)``: the summed loss of a micro-batch, its token count
-(an integer tensor) and extra tensors to log. Called on the last pipeline stage only."""
-
-
-class StepModule(Protocol):
-    """What the schedule needs from a LightningModule (see :class:`~lightning_megatron.MegatronLightningModule`)."""
-
-    def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]: ...
-
-    def forward_predict(self, batch: Batch, model: nn.Module) -> Tensor: ...
-
-    def predict_output(self, batch: Batch, output: Tensor) -> Any: ...
+from lightning_megatron.contract import Batch, LossFn, StepModule
+from lightning_megatron.parallel.state import data_parallel_rank_and_size
+from lightning_megatron.validation import divisors
 
 
 def as_batch(batch: Tensor | Mapping[str, Tensor]) -> Batch:
@@ -43,15 +32,28 @@ def as_batch(batch: Tensor | Mapping[str, Tensor]) -> Batch:
     )
 
 
+def global_batch_size(batch: Tensor | Mapping[str, Tensor]) -> tuple[int, int]:
+    """(samples, tokens) of the global batch this rank's DataLoader batch belongs to: data-parallel ranks each
+    hold as many; tensor-, pipeline- and context-parallel peers hold the same ones."""
+    input_ids = as_batch(batch)["input_ids"]
+    _, dp_size = data_parallel_rank_and_size()
+    return input_ids.shape[0] * dp_size, input_ids.numel() * dp_size
+
+
+def check_micro_batch_size(batch_size: int, micro_batch_size: int) -> None:
+    """Raise ``ValueError`` unless a DataLoader batch of ``batch_size`` splits into micro-batches."""
+    if batch_size % micro_batch_size != 0:
+        raise ValueError(
+            f"DataLoader batch_size={batch_size} is not divisible by micro_batch_size={micro_batch_size}: each batch "
+            f"is split into micro-batches; use a batch size that is a multiple of {micro_batch_size} (and "
+            f"drop_last=True), or pick micro_batch_size among {divisors(batch_size)}"
+        )
+
+
 def split_micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
     """Split every tensor of ``batch`` along dim 0 into micro-batches of ``micro_batch_size``."""
     size = batch["input_ids"].shape[0]
-    if size % micro_batch_size != 0:
-        raise ValueError(
-            f"DataLoader batch size {size} is not divisible by micro_batch_size={micro_batch_size}; "
-            f"use a batch size that is a multiple of {micro_batch_size} (and drop_last=True), or pick "
-            f"micro_batch_size among {[d for d in range(1, size + 1) if size % d == 0]}"
-        )
+    check_micro_batch_size(size, micro_batch_size)
     parts = {key: value.split(micro_batch_size) for key, value in batch.items()}
     return [{key: parts[key][i] for key in parts} for i in range(size // micro_batch_size)]
 

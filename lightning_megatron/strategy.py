@@ -12,25 +12,31 @@ import torch
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_megatron import checkpoint as ckpt
-from lightning_megatron import cpu, ddp, guards, optim, parallel, saving, schedule
-from lightning_megatron import offload as offload_state
-from lightning_megatron import precision as mixed
-from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
-from lightning_megatron.optim import LightningOptimizerAdapter, StepStats, build_scheduler
-from lightning_megatron.resume import ResumableLoader
+from lightning_megatron import cpu, schedule
+from lightning_megatron.checkpointing import sharded
+from lightning_megatron.checkpointing.resume import ResumableLoader
+from lightning_megatron.checkpointing.writer import CheckpointWriter
+from lightning_megatron.contract import ChunkSpec, MegatronRuntime, OptimizerSpec, StepStats
+from lightning_megatron.modules.base import MegatronLightningModule
+from lightning_megatron.parallel import ddp, state
+from lightning_megatron.parallel import precision as mixed
+from lightning_megatron.parallel.sizes import ParallelSizes
+from lightning_megatron.training import clip_grads, guards, optim
+from lightning_megatron.training import offload as offload_state
+from lightning_megatron.training.optim import LightningOptimizerAdapter, build_scheduler
+from lightning_megatron.validation import check_positive_int
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
     from megatron.core.distributed import DistributedDataParallelConfig
 
 
-class MegatronStrategy(DDPStrategy):
+class MegatronStrategy(DDPStrategy, MegatronRuntime):
     """Train a :class:`~lightning_megatron.MegatronLightningModule` with Megatron-Core.
 
     Args:
@@ -79,9 +85,8 @@ class MegatronStrategy(DDPStrategy):
         nonfinite: guards.NonFinite = "error",
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self._sizes = parallel.ParallelSizes(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
-        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a positive integer")
+        self._sizes = ParallelSizes(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
+        check_positive_int("micro_batch_size", micro_batch_size)
         self.micro_batch_size = micro_batch_size
         self.use_distributed_optimizer = use_distributed_optimizer
         if ddp_config is not None and ddp_config.overlap_param_gather and not use_distributed_optimizer:
@@ -99,14 +104,13 @@ class MegatronStrategy(DDPStrategy):
         self._offloaded: offload_state.Offloaded | None = None
         guards.check_policy(nonfinite)
         self._nonfinite = nonfinite
-        self.skipped_steps = 0
-        """Optimizer steps skipped because of a non-finite loss/gradient (or a Megatron overflow) by this strategy."""
-        self._writer = saving.CheckpointWriter(async_save)
+        self._skipped_steps = 0
+        self._writer = CheckpointWriter(async_save)
         self._failed = False
 
     # ------------------------------------------------------------------ state
     @property
-    def parallel(self) -> parallel.ParallelSizes:
+    def parallel(self) -> ParallelSizes:
         """The parallel layout (tp, pp, vpp, cp, ep, sequence_parallel)."""
         return self._sizes
 
@@ -118,6 +122,7 @@ class MegatronStrategy(DDPStrategy):
         return self._megatron_optimizer
 
     @property
+    @override
     def last_step(self) -> StepStats:
         """LR and gradient norm of the last optimizer step."""
         if self._last_step is None:
@@ -125,13 +130,20 @@ class MegatronStrategy(DDPStrategy):
         return self._last_step
 
     @property
+    @override
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because of a non-finite loss/gradient (or a Megatron overflow) by this strategy."""
+        return self._skipped_steps
+
+    @property
     def module(self) -> MegatronLightningModule:
         return _check_module(self.lightning_module)
 
+    @override
     def chunk_specs(self) -> list[ChunkSpec]:
         """One spec per model chunk this rank holds (one per VPP stage)."""
         config = self.megatron_config_kwargs()
-        stages = parallel.chunk_stages(self._sizes.num_chunks)
+        stages = state.chunk_stages(self._sizes.num_chunks)
         vpp = self._sizes.vpp
         return [
             ChunkSpec(
@@ -145,6 +157,7 @@ class MegatronStrategy(DDPStrategy):
         ]
 
     @property
+    @override
     def compute_dtype(self) -> torch.dtype:
         """Weights' and activations' dtype: bf16 (``"bf16-mixed"``), fp16 (``"16-mixed"``) or fp32 (``"32-true"``).
 
@@ -171,17 +184,14 @@ class MegatronStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Tensor-, pipeline- and context-parallel peers must see the same samples.
-        rank, size = parallel.data_parallel_rank_and_size()
+        rank, size = state.data_parallel_rank_and_size()
         return {"num_replicas": size, "rank": rank}
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         batch_size = getattr(dataloader, "batch_size", None)
-        if isinstance(batch_size, int) and batch_size % self.micro_batch_size != 0:
-            raise ValueError(
-                f"DataLoader batch_size={batch_size} is not divisible by micro_batch_size={self.micro_batch_size}: "
-                "each batch is split into micro-batches; use a batch size that is a multiple of micro_batch_size"
-            )
+        if isinstance(batch_size, int):
+            schedule.check_micro_batch_size(batch_size, self.micro_batch_size)
         trainer = self.module.trainer
         if not trainer.training:
             return dataloader
@@ -218,15 +228,11 @@ class MegatronStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def connect(self, model: L.LightningModule) -> None:
-        _check_module(model)
+        module = _check_module(model)
         super().connect(model)
-        trainer = model.trainer
-        guards.check_trainer(trainer)
+        guards.check_trainer(model.trainer)
         mixed.lightning_precision(self.precision_plugin)  # raises for precisions Megatron is not set up for here
-        validate = getattr(getattr(model, "config", None), "validate_parallel", None)
-        if callable(validate):
-            s = self._sizes
-            validate(tp=s.tp, pp=s.pp, vpp=s.vpp, ep=s.ep, sequence_parallel=s.sequence_parallel, cp=s.cp)
+        module.validate_parallel(self._sizes)
 
     @override
     def set_world_ranks(self) -> None:
@@ -241,7 +247,7 @@ class MegatronStrategy(DDPStrategy):
         if self.root_device.type == "cpu":
             cpu.enable()
         super().setup_environment()  # default process group
-        parallel.initialize(self._sizes, seed=parallel.resolve_seed(self._seed), timeout=self._timeout)
+        state.initialize(self._sizes, seed=state.resolve_seed(self._seed), timeout=self._timeout)
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -280,7 +286,7 @@ class MegatronStrategy(DDPStrategy):
         assert self._ddp_chunks is not None
         self._megatron_optimizer = get_megatron_optimizer(opt_config, self._ddp_chunks)
         optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
-        optim.use_foreach_clip_grads()
+        clip_grads.use_foreach_clip_grads()
         self._scheduler = build_scheduler(self._megatron_optimizer, spec, trainer)
         # What Megatron's schedule calls around the step, read from the first chunk's config.
         config = self._ddp_chunks[0].config
@@ -299,7 +305,7 @@ class MegatronStrategy(DDPStrategy):
 
     def _record_step(self, stats: StepStats) -> None:
         self._last_step = stats
-        self.skipped_steps += int(stats.skipped)
+        self._skipped_steps += int(stats.skipped)
         if self._nonfinite == "error":
             # Megatron's own gradient norm (reduced over all ranks, read on the host by its clipping anyway): no
             # extra synchronisation in the default policy. Raised before any callback could save this step.
@@ -355,6 +361,7 @@ class MegatronStrategy(DDPStrategy):
                 forward_only=True, predict=predict,
             )  # fmt: skip
 
+    @override
     def sync_params(self) -> None:
         """Finish a parameter all-gather that ``overlap_param_gather`` deferred to the next forward, so the chunks
         hold the last update (done for checkpoints, HF export and at the end of training; a no-op otherwise)."""
@@ -395,20 +402,20 @@ class MegatronStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"MegatronStrategy.save_checkpoint takes no storage_options, got {storage_options!r}")
-        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        saved = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if self._scheduler is not None:
-            state["megatron_lr_scheduler"] = self._scheduler.state_dict()
+            saved["megatron_lr_scheduler"] = self._scheduler.state_dict()
         # The unwrapped chunks: the DDP wrappers' state-dict keys carry a "module." prefix.
-        state[ckpt.MODEL_CONFIG_KEY] = ckpt.model_config_dict(self.module)
+        saved[sharded.MODEL_CONFIG_KEY] = sharded.model_config_dict(self.module)
         self.sync_params()  # with overlapped param gather the last step's update may be pending
-        state.update(ckpt.sharded_state_dict(list(self.module.chunks), self._megatron_optimizer))
-        self._writer.save(state, filepath)
+        saved.update(sharded.sharded_state_dict(list(self.module.chunks), self._megatron_optimizer))
+        self._writer.save(saved, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._writer.finalize()  # a checkpoint still being written by this run is published first
         chunks = list(self.module.chunks)
-        loaded = ckpt.load(chunks, self._megatron_optimizer, checkpoint_path, ckpt.model_config_dict(self.module))
+        loaded = sharded.load(chunks, self._megatron_optimizer, checkpoint_path, sharded.model_config_dict(self.module))
         if self._megatron_optimizer is not None:  # the loaded param groups carry the writer's fused/foreach flags
             optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
         scheduler_state = loaded.pop("megatron_lr_scheduler", None)
@@ -466,10 +473,10 @@ class MegatronStrategy(DDPStrategy):
         self._run_chunks = None
         self._megatron_optimizer = None
         self._scheduler = None
-        optim.restore_clip_grads()
+        clip_grads.restore_clip_grads()
         super().teardown()
         if _distributed_is_initialized():
-            parallel.destroy()
+            state.destroy()
         cpu.disable()
 
 
@@ -480,10 +487,3 @@ def _check_module(module: object) -> MegatronLightningModule:
             f"got {type(module).__name__}"
         )
     return module
-
-
-# Third-party strategies are not discovered by Lightning: register the name at import time.
-if MegatronStrategy.strategy_name not in StrategyRegistry:
-    StrategyRegistry.register(
-        MegatronStrategy.strategy_name, MegatronStrategy, description="Megatron-Core TP/PP/VPP/CP/EP parallelism"
-    )

@@ -59,7 +59,8 @@ def one_process_megatron(port: int) -> Iterator[None]:
     import torch
 
     from lightning_megatron import cpu
-    from lightning_megatron.parallel import ParallelSizes, destroy, initialize
+    from lightning_megatron.parallel.sizes import ParallelSizes
+    from lightning_megatron.parallel.state import destroy, initialize
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))

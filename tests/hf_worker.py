@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy
-from lightning_megatron import hf as hf_module
+from lightning_megatron.hf import load as hf_load
 
 
 class CountingSafeOpen:
@@ -57,8 +57,8 @@ class CountingSafeOpen:
         return Counted()
 
 
-_SAFE_OPEN = hf_module.safe_open
-hf_module.safe_open = CountingSafeOpen  # type: ignore[assignment,misc]
+_SAFE_OPEN = hf_load.safe_open
+hf_load.safe_open = CountingSafeOpen  # type: ignore[assignment,misc]
 
 
 class ExportCheck(L.Callback):

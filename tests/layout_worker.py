@@ -14,9 +14,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
-from lightning_megatron.data import synthetic_tokens
-from lightning_megatron.value import MegatronValueModule
+from lightning_megatron import MegatronLMModule, MegatronStrategy, MegatronValueModule, tiny_gpt
+from lightning_megatron.data.corpus import synthetic_tokens
 
 GLOBAL_BATCH = 8
 

@@ -20,11 +20,12 @@ from lightning_megatron import (
     MegatronLMModule,
     MegatronStrategy,
     ModelConfig,
-    parallel,
+    ParallelSizes,
     tiny_gpt,
 )
-from lightning_megatron.data import synthetic_tokens
-from lightning_megatron.guards import check_token_batch
+from lightning_megatron.data.corpus import synthetic_tokens
+from lightning_megatron.parallel import state as parallel_state
+from lightning_megatron.training.guards import check_token_batch
 
 
 def _trainer(strategy: MegatronStrategy | None = None, devices: int = 1, **kwargs: object) -> L.Trainer:
@@ -39,9 +40,8 @@ def _fit(trainer: L.Trainer | None = None, data: object = None, batch_size: int 
     (trainer or _trainer()).fit(MegatronLMModule(tiny_gpt(**model)), loader)
 
 
-def _layout(config: dict, **parallel: object) -> Callable[[], None]:
-    sizes = {"tp": 1, "pp": 1, "vpp": None, **parallel}
-    return lambda: tiny_gpt(**config).validate_parallel(**sizes)
+def _layout(config: dict, **sizes: object) -> Callable[[], None]:
+    return lambda: tiny_gpt(**config).validate_parallel(ParallelSizes(**sizes))
 
 
 def _batch(**fields: torch.Tensor) -> Callable[[], None]:
@@ -283,7 +283,7 @@ def test_invalid_configuration(
         raise AssertionError("something was built before the error")
 
     # Configuration errors come before Megatron's groups or any model chunk exist.
-    monkeypatch.setattr(parallel, "initialize", built)
+    monkeypatch.setattr(parallel_state, "initialize", built)
     monkeypatch.setattr(MegatronLightningModule, "configure_model", built)
     with pytest.raises(error, match=match):
         make()

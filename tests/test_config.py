@@ -16,6 +16,8 @@ with warnings.catch_warnings():
 
     from lightning_megatron import config as config_module
     from lightning_megatron.config import ModelConfig, tiny_gpt
+    from lightning_megatron.kernels.specs import layer_spec
+    from lightning_megatron.parallel.sizes import ParallelSizes
 
 
 def test_tiny_gpt_defaults_are_llama_style() -> None:
@@ -105,7 +107,7 @@ def test_valid_recompute_settings() -> None:
     [
         ({}, {"tp": 0, "pp": 1, "vpp": None}, r"tp=0"),
         ({}, {"tp": 1, "pp": 1, "vpp": 0}, r"vpp=0"),
-        ({}, {"tp": 1, "pp": 1, "vpp": 2}, r"vpp=2 needs pp > 1"),
+        ({}, {"tp": 1, "pp": 1, "vpp": 2}, r"vpp=2 needs pipeline parallelism, but pp=1"),
         ({}, {"tp": 8, "pp": 1, "vpp": None}, r"num_attention_heads=4 must be divisible by tp=8.*\[1, 2, 4\]"),
         ({"num_query_groups": 2}, {"tp": 4, "pp": 1, "vpp": None}, r"num_query_groups=2.*tp=4.*\[1, 2\]"),
         ({"vocab_size": 250}, {"tp": 4, "pp": 1, "vpp": None}, r"vocab_size=250.*tp=4.*252"),
@@ -118,7 +120,11 @@ def test_valid_recompute_settings() -> None:
         ),
         ({}, {"tp": 1, "pp": 1, "vpp": None, "ep": 2}, r"ep=2.*num_moe_experts=None"),
         ({"num_moe_experts": 6}, {"tp": 1, "pp": 1, "vpp": None, "ep": 4}, r"num_moe_experts=6.*ep=4.*\[1, 2, 3, 6\]"),
-        ({}, {"tp": 1, "pp": 1, "vpp": None, "sequence_parallel": True}, r"sequence_parallel=True needs tp > 1"),
+        (
+            {},
+            {"tp": 1, "pp": 1, "vpp": None, "sequence_parallel": True},
+            r"sequence_parallel=True.*but tp=1; set tp>=2",
+        ),
         ({"seq_length": 30}, {"tp": 4, "pp": 1, "vpp": None, "sequence_parallel": True}, r"seq_length=30.*tp=4.*32"),
         ({"seq_length": 30}, {"tp": 1, "pp": 1, "vpp": None, "cp": 2}, r"seq_length=30.*divisible by 4.*cp=2.*32"),
         (
@@ -131,18 +137,18 @@ def test_valid_recompute_settings() -> None:
 def test_invalid_parallel(cfg_overrides: dict, parallel: dict, match: str) -> None:
     cfg = tiny_gpt(**cfg_overrides)
     with pytest.raises(ValueError, match=match):
-        cfg.validate_parallel(**parallel)
+        cfg.validate_parallel(ParallelSizes(**parallel))
 
 
 def test_valid_parallel() -> None:
-    tiny_gpt().validate_parallel(tp=4, pp=2, vpp=2, sequence_parallel=True)
+    tiny_gpt().validate_parallel(ParallelSizes(tp=4, pp=2, vpp=2, sequence_parallel=True))
 
 
 def test_context_parallel_needs_an_attention_that_splits_sequences() -> None:
     with pytest.raises(ValueError, match=r"cp=2: context parallelism"):
-        tiny_gpt().validate_parallel(tp=1, pp=1, vpp=None, cp=2)
-    tiny_gpt(num_moe_experts=4).validate_parallel(tp=2, pp=1, vpp=None, ep=4)
-    tiny_gpt(num_query_groups=2).validate_parallel(tp=2, pp=4, vpp=1)
+        tiny_gpt().validate_parallel(ParallelSizes(cp=2))
+    tiny_gpt(num_moe_experts=4).validate_parallel(ParallelSizes(tp=2, ep=4))
+    tiny_gpt(num_query_groups=2).validate_parallel(ParallelSizes(tp=2, pp=4, vpp=1))
 
 
 def test_to_transformer_config_maps_fields() -> None:
@@ -252,9 +258,9 @@ def test_gpt_model_kwargs() -> None:
 
 
 def test_layer_spec() -> None:
-    spec = tiny_gpt().layer_spec()
+    spec = layer_spec(tiny_gpt())
     assert isinstance(spec, ModuleSpec)
-    moe_spec = tiny_gpt(num_moe_experts=4, qk_layernorm=True).layer_spec()
+    moe_spec = layer_spec(tiny_gpt(num_moe_experts=4, qk_layernorm=True))
     assert isinstance(moe_spec, ModuleSpec)
     assert moe_spec.submodules.mlp is not spec.submodules.mlp
 

@@ -14,7 +14,7 @@ import yaml
 
 from lightning_megatron import MegatronLMFromHF, MegatronStrategy
 from lightning_megatron.cli import build_cli
-from lightning_megatron.tokens import write_token_file
+from lightning_megatron.data.tokens import write_token_file
 from tests.test_hf import hf_forward, make_hf_model
 
 CONFIGS = sorted((Path(__file__).parent.parent / "examples" / "configs").glob("*.yaml"))
@@ -36,7 +36,7 @@ def _print_config(args: list[str], capsys: pytest.CaptureFixture) -> str:
     ("flag", "name", "documented"),
     [
         ("--trainer.strategy.help", "MegatronStrategy", "virtual-pipeline chunks per pipeline rank"),
-        ("--data.help", "lightning_megatron.tokens.TokenFileDataModule", "tail fraction of the windows held out"),
+        ("--data.help", "lightning_megatron.TokenFileDataModule", "tail fraction of the windows held out"),
         ("--model.help", "MegatronLMFromHF", "a local HF model directory"),
     ],
 )
@@ -81,10 +81,7 @@ def test_config_prints_round_trips_and_builds(
         )
     assert cli.trainer.world_size == raw["trainer"]["devices"]
     assert cli.trainer.precision == raw["trainer"].get("precision", "32-true")
-    sizes = strategy.parallel
-    cli.model.config.validate_parallel(
-        tp=sizes.tp, pp=sizes.pp, vpp=sizes.vpp, sequence_parallel=sizes.sequence_parallel
-    )
+    cli.model.config.validate_parallel(strategy.parallel)
     assert cli.datamodule.seq_length == cli.model.config.seq_length
     assert cli.datamodule.batch_size % strategy.micro_batch_size == 0
 

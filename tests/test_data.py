@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import Subset
 
-from lightning_megatron.data import (
+from lightning_megatron.data.corpus import (
     VOCAB_SIZE,
     PackedByteDataset,
     build_corpus,

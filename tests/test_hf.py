@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig, tiny_gpt
-from lightning_megatron.hf import check_exportable, hf_weight_shapes
+from lightning_megatron.hf.config import check_exportable
+from lightning_megatron.hf.mapping import hf_weight_shapes
 from tests.conftest import child_env
 
 WORKER = Path(__file__).parent / "hf_worker.py"

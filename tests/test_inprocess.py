@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, cpu, tiny_gpt
-from lightning_megatron.data import synthetic_tokens
+from lightning_megatron.data.corpus import synthetic_tokens
 
 
 def _data(n: int = 64) -> torch.Tensor:
@@ -145,7 +145,7 @@ def test_progress_metrics_tokens_per_second_and_perplexity() -> None:
 
 
 def test_resumable_loader_after_an_epoch_end_checkpoint() -> None:
-    from lightning_megatron.resume import ResumableLoader
+    from lightning_megatron.checkpointing.resume import ResumableLoader
 
     loader = ResumableLoader(list(range(5)), consumed=lambda: 5)
     assert loader.state_dict() == {"batches_consumed": 5}

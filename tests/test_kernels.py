@@ -7,7 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from lightning_megatron import kernels, tiny_gpt
+from lightning_megatron import tiny_gpt
+from lightning_megatron.kernels import attention, cross_entropy, resolve, specs
+from lightning_megatron.kernels.compile import for_device
 from tests.conftest import one_process_megatron
 
 
@@ -22,7 +24,9 @@ def _gpt(config, kernel_set: str, compile_fusions: bool = False):
 
     tc = config.to_transformer_config(kernels=kernel_set, compile_fusions=compile_fusions, params_dtype=torch.float32)
     return GPTModel(
-        config=tc, transformer_layer_spec=config.block_spec(tc, None, kernel_set), **config.gpt_model_kwargs(kernel_set)
+        config=tc,
+        transformer_layer_spec=specs.block_spec(config, tc, None, kernel_set),
+        **config.gpt_model_kwargs(kernel_set),
     )
 
 
@@ -65,11 +69,11 @@ def test_sdpa_honours_an_explicit_mask(megatron_state: None) -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     tc = tiny_gpt().to_transformer_config(kernels="torch", params_dtype=torch.float32)
-    attention = kernels.SDPAttention(tc, 1, AttnMaskType.causal, "self")
+    sdpa = attention.SDPAttention(tc, 1, AttnMaskType.causal, "self")
     q, k, v = (torch.randn(6, 2, 4, 16) for _ in range(3))  # [S, B, heads, d]
-    causal = attention(q, k, v, None)
+    causal = sdpa(q, k, v, None)
     mask = torch.ones(6, 6, dtype=torch.bool).triu(1)  # Megatron's convention: True = masked out
-    torch.testing.assert_close(attention(q, k, v, mask), causal)
+    torch.testing.assert_close(sdpa(q, k, v, mask), causal)
     assert causal.shape == (6, 2, 64)
 
 
@@ -80,11 +84,11 @@ def test_fused_cross_entropy_matches_megatron(megatron_state: None, dtype: torch
     logits = (3 * torch.randn(3, 7, 50)).to(dtype).requires_grad_()
     targets = torch.randint(0, 50, (3, 7))
     weights = torch.rand(3, 7)
-    (kernels.vocab_parallel_cross_entropy(logits, targets) * weights).sum().backward()
+    (cross_entropy.vocab_parallel_cross_entropy(logits, targets) * weights).sum().backward()
     ref = logits.detach().clone().requires_grad_()
     want = vocab_parallel_cross_entropy(ref.float(), targets)
     (want * weights).sum().backward()
-    got = kernels.vocab_parallel_cross_entropy(logits.detach(), targets)
+    got = cross_entropy.vocab_parallel_cross_entropy(logits.detach(), targets)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(got, want.detach(), **tol)
     assert logits.grad.dtype == dtype  # gradient written in the logits' dtype, no float32 copy kept
@@ -93,40 +97,43 @@ def test_fused_cross_entropy_matches_megatron(megatron_state: None, dtype: torch
 
 def test_compiled_cross_entropy_kernels_match_eager() -> None:
     # On GPU these kernels run torch.compile'd; inductor compiles for CPU too, so check it gives the same.
+    def _compiled(fn):  # what for_device returns for a CUDA device
+        return for_device(fn, torch.device("cuda"))
+
     torch.manual_seed(0)
     logits = torch.randn(16, 40)
     target = torch.randint(0, 40, (16,))
     in_range = target < 30  # as if the rest lived on another tensor-parallel rank
     local = torch.where(in_range, target, 0)
     logits_max = logits.amax(-1)
-    want = kernels._ce_stats(logits, logits_max, local, in_range)
-    got = kernels._compiled(kernels._ce_stats)(logits, logits_max, local, in_range)
+    want = cross_entropy._ce_stats(logits, logits_max, local, in_range)
+    got = _compiled(cross_entropy._ce_stats)(logits, logits_max, local, in_range)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
     lse, grad = logits.logsumexp(-1), torch.rand(16)
     torch.testing.assert_close(
-        kernels._compiled(kernels._ce_grad)(logits, lse, local, in_range, grad),
-        kernels._ce_grad(logits, lse, local, in_range, grad),
+        _compiled(cross_entropy._ce_grad)(logits, lse, local, in_range, grad),
+        cross_entropy._ce_grad(logits, lse, local, in_range, grad),
     )
     # RoPE (forward and backward through the compiled graph), half the head dims rotated
     t = torch.randn(6, 2, 3, 8, requires_grad=True)
     angles = torch.rand(6, 1, 1, 4) * 6
-    want = kernels._rope(t, angles.cos(), angles.sin())
+    want = attention._rope(t, angles.cos(), angles.sin())
     want.square().sum().backward()
     want_grad, t.grad = t.grad, None
-    got = kernels._compiled(kernels._rope)(t, angles.cos(), angles.sin())
+    got = _compiled(attention._rope)(t, angles.cos(), angles.sin())
     got.square().sum().backward()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(t.grad, want_grad)
 
 
 def test_kernel_choice() -> None:
-    assert kernels.resolve("auto", "cpu") == "local"
-    assert kernels.resolve("torch", "cpu") == "torch"
-    assert kernels.resolve("auto", "cuda") == ("te" if kernels.te_available() else "torch")
-    if not kernels.te_available():
+    assert resolve.resolve("auto", "cpu") == "local"
+    assert resolve.resolve("torch", "cpu") == "torch"
+    assert resolve.resolve("auto", "cuda") == ("te" if resolve.te_available() else "torch")
+    if not resolve.te_available():
         with pytest.raises(ValueError, match="needs Transformer Engine"):
-            kernels.resolve("te", "cuda")
+            resolve.resolve("te", "cuda")
     with pytest.raises(ValueError, match="kernels='bogus'"):
         tiny_gpt(kernels="bogus")
 

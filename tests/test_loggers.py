@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_megatron.tokens import write_token_file
+from lightning_megatron.data.tokens import write_token_file
 from tests.conftest import child_env
 from tests.test_multinode import WORKER, _launch
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
-from lightning_megatron.data import synthetic_tokens
+from lightning_megatron.data.corpus import synthetic_tokens
 from tests.conftest import one_process_megatron, run_worker
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -61,7 +61,7 @@ def test_compute_logprobs_inside_a_hook_and_gradients_flow() -> None:
     assert torch.all(seen["logprobs"][:, -1] == 0)
 
     # tp=1 formulas against autograd of the reference (the TP>1 reductions are checked by the layout test).
-    from lightning_megatron.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+    from lightning_megatron.kernels.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 
     with one_process_megatron(port=29593):
         logits = torch.randn(2, 5, 11, requires_grad=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_megatron import MegatronStrategy, tiny_gpt
+from lightning_megatron import MegatronStrategy, ParallelSizes, tiny_gpt
 from tests.conftest import run_worker
 
 MOE = {"model": {"num_moe_experts": 4, "moe_router_topk": 2}}
@@ -37,8 +37,8 @@ def test_expert_parallel_trains(tmp_path: Path) -> None:
 
 def test_expert_parallel_errors() -> None:
     with pytest.raises(ValueError, match=r"num_moe_experts=4 must be divisible by ep=3"):
-        tiny_gpt(num_moe_experts=4).validate_parallel(tp=1, pp=1, vpp=None, ep=3)
+        tiny_gpt(num_moe_experts=4).validate_parallel(ParallelSizes(ep=3))
     with pytest.raises(ValueError, match=r"ep=2"):
-        tiny_gpt().validate_parallel(tp=1, pp=1, vpp=None, ep=2)  # a dense model has no experts to split
+        tiny_gpt().validate_parallel(ParallelSizes(ep=2))  # a dense model has no experts to split
     with pytest.raises(ValueError, match=r"world size 2 is not divisible by tp\*pp\*ep"):
         MegatronStrategy(tp=2, ep=2)._sizes.data_parallel_size(2)

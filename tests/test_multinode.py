@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_megatron.tokens import write_token_file
+from lightning_megatron.data.tokens import write_token_file
 from tests.conftest import child_env
 
 WORKER = Path(__file__).parent / "ux_worker.py"

@@ -10,8 +10,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, optim, tiny_gpt
-from lightning_megatron.data import synthetic_tokens
+from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron.data.corpus import synthetic_tokens
+from lightning_megatron.training import clip_grads as foreach_clip
 from tests.conftest import one_process_megatron
 
 
@@ -62,7 +63,7 @@ def test_resume_of_a_gpu_checkpoint_on_cpu_uses_the_cpu_adam(tmp_path: Path) -> 
     from megatron.core.optimizer import clip_grads
     from megatron.core.utils import local_multi_tensor_l2_norm
 
-    assert inspect.l2_norm_impl is optim._foreach_l2_norm  # while fitting (no TE/apex here)
+    assert inspect.l2_norm_impl is foreach_clip._foreach_l2_norm  # while fitting (no TE/apex here)
     assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm  # Megatron's own again after teardown
 
 
@@ -92,11 +93,11 @@ def test_foreach_clip_grads_match_megatron_local_fallback() -> None:
         assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm  # no TE/apex here: Megatron's fallback
         local_norm, local_grads = _norm_and_clip(max_norm=1.0)
         try:
-            assert optim.use_foreach_clip_grads()
-            assert clip_grads.l2_norm_impl is optim._foreach_l2_norm
+            assert foreach_clip.use_foreach_clip_grads()
+            assert clip_grads.l2_norm_impl is foreach_clip._foreach_l2_norm
             norm, grads = _norm_and_clip(max_norm=1.0)
         finally:
-            optim.restore_clip_grads()
+            foreach_clip.restore_clip_grads()
     assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
     assert local_norm > 10  # so that the clip really rescales
     assert norm == pytest.approx(local_norm, rel=1e-6)

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, OptimizerSpec, tiny_gpt
-from lightning_megatron.data import synthetic_tokens
+from lightning_megatron.data.corpus import synthetic_tokens
 from tests.conftest import run_worker
 
 

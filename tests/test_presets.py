@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torchmetrics.text import Perplexity
 
 from lightning_megatron import MegatronStrategy
-from lightning_megatron.metrics import TokenPerplexity
+from lightning_megatron.modules.metrics import TokenPerplexity
 from lightning_megatron.presets import PRESETS
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
-from lightning_megatron.data import synthetic_tokens
+from lightning_megatron.data.corpus import synthetic_tokens
 
 
 def _data(n: int = 32) -> Tensor:
@@ -234,7 +234,7 @@ def _pickled_hf(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_pickled_hf_weights_need_an_explicit_opt_in(tmp_path: Path) -> None:
-    from lightning_megatron.hf import HFCheckpoint
+    from lightning_megatron.hf.load import HFCheckpoint
 
     safe, pickled = _pickled_hf(tmp_path)
     with pytest.raises(ValueError, match=r"pytorch_model\.bin.*only safetensors.*allow_pickle=True"):

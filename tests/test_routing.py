@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
-from lightning_megatron.data import synthetic_tokens
+from lightning_megatron import MegatronLMModule, MegatronStrategy, ParallelSizes, tiny_gpt
+from lightning_megatron.data.corpus import synthetic_tokens
 from tests.conftest import run_worker
 
 EXPERTS, TOPK = 4, 2
@@ -94,7 +94,7 @@ def test_routing_replay_errors() -> None:
         MegatronLMModule(tiny_gpt(num_moe_experts=4)).record_routing(torch.zeros(1, 32, dtype=torch.long))
     with pytest.raises(ValueError, match=r"sequence_parallel=True"):
         tiny_gpt(num_moe_experts=4, moe_enable_routing_replay=True).validate_parallel(
-            tp=2, pp=1, vpp=None, sequence_parallel=True
+            ParallelSizes(tp=2, sequence_parallel=True)
         )
 
 

@@ -13,7 +13,7 @@ def test_throughput_callback_logs_lightning_metric_names() -> None:
     from torch.utils.data import DataLoader
 
     from lightning_megatron import MegatronLMModule, MegatronStrategy, MegatronThroughput
-    from lightning_megatron.data import synthetic_tokens
+    from lightning_megatron.data.corpus import synthetic_tokens
 
     class Capture(DummyLogger):
         def __init__(self) -> None:

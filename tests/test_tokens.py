@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_megatron import tokens
-from lightning_megatron.tokens import TokenFileDataModule, open_tokens, write_token_file
-from lightning_megatron.tokens import main as tokens_main
+from lightning_megatron import TokenFileDataModule
+from lightning_megatron.data import modules as data_modules
+from lightning_megatron.data.tokens import main as tokens_main
+from lightning_megatron.data.tokens import open_tokens, write_token_file
 
 
 def _file(tmp_path: Path, n: int, dtype: str = "uint16", name: str = "tokens.bin") -> Path:
@@ -56,7 +57,7 @@ def test_shards_by_data_parallel_rank(tmp_path: Path, monkeypatch: pytest.Monkey
     path = _file(tmp_path, 16 * 103)  # 103 windows: 93 train, 10 val; odd counts, so each rank drops one
     seen = {}
     for global_rank in range(4):
-        monkeypatch.setattr(tokens, "data_parallel_rank_and_size", lambda r=global_rank: (r // 2, 2))
+        monkeypatch.setattr(data_modules, "data_parallel_rank_and_size", lambda r=global_rank: (r // 2, 2))
         dm = TokenFileDataModule(str(path), seq_length=16, batch_size=2, val_fraction=0.1, shuffle=shuffle)
         dm.setup("fit")
         seen[global_rank] = [[int(b[0]) // 16 for b in loader_batches] for loader_batches in (
@@ -96,7 +97,7 @@ def test_errors_name_field_value_and_fix(tmp_path: Path) -> None:
         TokenFileDataModule(str(path), seq_length=8, val_fraction=1.0)
     with pytest.raises(ValueError, match=r"12 windows of seq_length=8: 11 train and 1 val .* batch_size=2 x 1 data"):
         TokenFileDataModule(str(path), seq_length=8, batch_size=2, val_fraction=0.1).setup("fit")
-    with pytest.raises(ValueError, match=r"is not a file; write one with python -m lightning_megatron.tokens"):
+    with pytest.raises(ValueError, match=r"is not a file; write one with python -m lightning_megatron.data.tokens"):
         open_tokens(tmp_path / "missing.bin")
     (tmp_path / "odd.bin").write_bytes(b"x" * 201)
     with pytest.raises(ValueError, match=r"201 bytes is not a multiple of 2 \(dtype='uint16'\)"):
@@ -112,7 +113,7 @@ def test_errors_name_field_value_and_fix(tmp_path: Path) -> None:
 
 
 def test_token_file_script_writes_byte_ids(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch) -> None:
-    # main() is what python -m lightning_megatron.tokens runs; called in-process (a subprocess costs ~7 s of imports).
+    # main() is what python -m lightning_megatron.data.tokens runs; in-process (a subprocess costs ~7 s of imports).
     (tmp_path / "a.txt").write_bytes(b"hello")
     (tmp_path / "b.txt").write_bytes(b"world")
     monkeypatch.chdir(tmp_path)

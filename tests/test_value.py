@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronStrategy, tiny_gpt
-from lightning_megatron.data import synthetic_tokens
-from lightning_megatron.value import MegatronValueModule
+from lightning_megatron import MegatronStrategy, MegatronValueModule, tiny_gpt
+from lightning_megatron.data.corpus import synthetic_tokens
 from tests.conftest import run_worker
 
 REL = 2e-4

@@ -16,8 +16,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
-from lightning_megatron.tokens import TokenFileDataModule
+from lightning_megatron import MegatronLMModule, MegatronStrategy, TokenFileDataModule, tiny_gpt
 
 
 class Record(L.Callback):

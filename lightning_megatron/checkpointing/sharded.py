@@ -5,17 +5,15 @@ its checkpoint dict (loops, callbacks, LR schedule, hyper-parameters) are saved 
 tensors keyed by their *global* names (layer numbers include the pipeline/VPP offset), the rest as Megatron's
 common state. Loading at another TP/PP/VPP/DP layout reads the same global tensors with other shards.
 
-The three megatron-core 0.19 workarounds for the torch-native Adam path (no Transformer Engine / apex) live
-here: :func:`_init_adam_state`, :func:`_keep_step_on_load` and :func:`_untie_adam_steps`. The layout tests fail
-when any of them stops being right (cross-layout resume must be exact).
+The three megatron-core 0.19 workarounds that loading needs on the torch-native Adam path (no Transformer Engine /
+apex) live in :mod:`lightning_megatron.checkpointing.mcore_fixes`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from lightning_megatron import ckpt_checks
-from lightning_megatron.optim import inner_optimizers
+from lightning_megatron.checkpointing import checks, mcore_fixes
 
 # Reshardable across TP, PP, VPP and DP: the optimizer state is gathered per parameter on save.
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -50,7 +47,7 @@ def sharded_state_dict(
     }
     if optimizer is not None:
         if is_loading:
-            _init_adam_state(optimizer)
+            mcore_fixes.init_adam_state(optimizer)
         state[_OPTIMIZER_KEY] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_METADATA)
     return state
 
@@ -145,7 +142,7 @@ def load(
     state = sharded_state_dict(chunks, optimizer, is_loading=True)
     _raise_on_every_rank(lambda: _check(path, state, model_config))
     try:
-        with ckpt_checks.weights_only():
+        with checks.weights_only():
             loaded = dist_checkpointing.load(state, str(path))
     except (Exception, CheckpointException) as error:
         raise ValueError(
@@ -158,9 +155,9 @@ def load(
         chunk.load_state_dict(loaded.pop(chunk_key(i)))
     if optimizer is not None:
         # Copying into fp32 main params that require grad must not be recorded by autograd.
-        with torch.no_grad(), _keep_step_on_load():
+        with torch.no_grad(), mcore_fixes.keep_step_on_load():
             optimizer.load_state_dict(loaded.pop(_OPTIMIZER_KEY))
-        _untie_adam_steps(optimizer)
+        mcore_fixes.untie_adam_steps(optimizer)
     else:
         loaded.pop(_OPTIMIZER_KEY, None)
     return loaded
@@ -177,21 +174,21 @@ def _check(path: Path, state: dict[str, Any], model_config: dict[str, Any] | Non
             f"{path} is not a complete Megatron sharded checkpoint (no metadata.json); checkpoints written by "
             "MegatronStrategy are directories"
         )
-    metadata = ckpt_checks.read_metadata(path)
-    ckpt_checks.check_files(path, metadata)
+    metadata = checks.read_metadata(path)
+    checks.check_files(path, metadata)
     saved_config = None
     if model_config is not None:
         try:
-            with ckpt_checks.weights_only():
+            with checks.weights_only():
                 saved_config = dist_checkpointing.load_common_state_dict(str(path)).get(MODEL_CONFIG_KEY)
         except (Exception, CheckpointException) as error:
             raise ValueError(
                 f"the common state of checkpoint {path} cannot be read safely ({type(error).__name__}: {error}); only "
                 "tensors, containers and numbers are unpickled; is the checkpoint damaged or from an untrusted source?"
             ) from error
-    diff = ckpt_checks.config_mismatch(saved_config, model_config)
+    diff = checks.config_mismatch(saved_config, model_config)
     model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
-    ckpt_checks.check_shapes(path, metadata, model_state, diff)
+    checks.check_shapes(path, metadata, model_state, diff)
 
 
 def _raise_on_every_rank(check: Callable[[], None]) -> None:
@@ -210,61 +207,3 @@ def _raise_on_every_rank(check: Callable[[], None]) -> None:
         raise error
     if int(flag.item()):
         raise ValueError("another rank found the checkpoint unusable (see its error); nothing was loaded")
-
-
-def _init_adam_state(optimizer: Any) -> None:
-    """Give a fresh torch Adam the state it has after a step, so ``sharded_state_dict(is_loading=True)`` works.
-
-    megatron-core 0.19's ``DistributedOptimizer.state_dict`` asserts exactly one ``step`` value among the torch
-    optimizer's per-parameter states, which a fresh torch Adam does not have yet.
-    """
-    for megatron_optimizer in inner_optimizers(optimizer):
-        torch_optimizer = megatron_optimizer.optimizer
-        if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in torch_optimizer.param_groups:
-            for param in group["params"]:
-                state = torch_optimizer.state[param]
-                if len(state) == 0:
-                    device = param.device if group.get("fused") else None  # see optim.place_adam_steps
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-
-
-def _untie_adam_steps(optimizer: Any) -> None:
-    """Give every parameter its own Adam ``step`` tensor after loading.
-
-    megatron-core 0.19's ``DistributedOptimizer.load_state_dict`` (torch-native path) assigns *one* ``step``
-    tensor to every parameter's state; torch Adam increments it in place once per parameter, so the bias
-    correction of every step after a resume would be wrong.
-    """
-    # Where each counter lives (host, or the device for fused Adam) is decided by the strategy's use_fused_adam,
-    # which runs after every load because Megatron also restores the saved groups' fused/foreach flags.
-    for megatron_optimizer in inner_optimizers(optimizer):
-        for state in megatron_optimizer.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-
-@contextlib.contextmanager
-def _keep_step_on_load() -> Iterator[None]:
-    """Let ``fully_reshardable`` loading skip torch Adam's ``step`` tensor.
-
-    megatron-core 0.19's ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every tensor of
-    the torch optimizer state from the checkpoint, ``step`` included, but the checkpoint restores ``step``
-    through the param groups instead and has no per-parameter entry (``KeyError: 'step'``). Megatron already
-    skips entries whose source is not a tensor, so we hand it ``step=None`` for the duration of the load.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
-        original(self, model_param, {"step": None, **tensors})
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DistributedOptimizer._set_main_param_and_optimizer_states = original  # type: ignore[method-assign]

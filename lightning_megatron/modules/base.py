@@ -19,52 +19,18 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron.metrics import TokenPerplexity
-from lightning_megatron.parallel import data_parallel_rank_and_size
-from lightning_megatron.schedule import Batch, LossFn, as_batch
+from lightning_megatron.contract import Batch, ChunkSpec, LossFn, MegatronRuntime, OptimizerSpec
+from lightning_megatron.modules.metrics import TokenPerplexity
+from lightning_megatron.schedule import global_batch_size
 
 if TYPE_CHECKING:
-    from megatron.core.optimizer import OptimizerConfig
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChunkSpec:
-    """Where one model chunk sits in the pipeline, and the Megatron config fields the strategy decided."""
-
-    pre_process: bool
-    """The chunk holds the input embedding (first pipeline stage, first virtual chunk)."""
-    post_process: bool
-    """The chunk holds the output head and computes the loss (last stage, last virtual chunk)."""
-    vp_stage: int | None
-    """Index of the chunk among this rank's virtual-pipeline chunks; ``None`` without VPP."""
-    parallel: dict[str, Any] = field(default_factory=dict)
-    """``ModelParallelConfig`` fields to pass into the chunk's ``TransformerConfig``/``ModelParallelConfig``:
-    parallel sizes, ``sequence_parallel``, dtypes and p2p settings."""
-    device_type: str = "cpu"
-    """Where the chunk will run (``"cuda"`` or ``"cpu"``): decides which kernels are worth building."""
-
-
-@dataclass(kw_only=True)
-class OptimizerSpec:
-    """Megatron's optimizer config plus the LR schedule (Megatron's ``OptimizerParamScheduler``)."""
-
-    config: OptimizerConfig
-    """Megatron's ``OptimizerConfig`` (optimizer, lr, min_lr, weight_decay, betas, clip_grad, ...). The strategy
-    sets its precision fields and ``use_distributed_optimizer``."""
-    lr_warmup_steps: int = 0
-    """Linear warm-up from 0 to ``config.lr`` over this many optimizer steps."""
-    lr_decay_steps: int | None = None
-    """Steps over which the LR decays to ``config.min_lr``; ``None`` means the Trainer's total steps
-    (``trainer.estimated_stepping_batches``)."""
-    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
-    """Shape of the decay."""
+    from lightning_megatron.parallel.sizes import ParallelSizes
 
 
 class MegatronLightningModule(L.LightningModule):
@@ -104,18 +70,23 @@ class MegatronLightningModule(L.LightningModule):
         """Turn the last stage's output of one micro-batch into what ``trainer.predict`` returns (on every rank)."""
         return output
 
+    def validate_parallel(self, sizes: ParallelSizes) -> None:
+        """Raise ``ValueError`` if this module cannot be split by ``sizes``. The strategy calls it in ``connect``,
+        before any process group or model exists; the default accepts every layout."""
+
     def configure_model(self) -> None:
         """Build this rank's chunks once; the strategy says which stages they are."""
         if hasattr(self, "chunks"):
             return
-        from lightning_megatron.strategy import MegatronStrategy
+        self.chunks = nn.ModuleList(self.build_chunk(spec) for spec in self._runtime().chunk_specs())
 
+    def _runtime(self) -> MegatronRuntime:
         strategy = self.trainer.strategy
-        if not isinstance(strategy, MegatronStrategy):
+        if not isinstance(strategy, MegatronRuntime):
             raise TypeError(
                 f"{type(self).__name__} must be trained with MegatronStrategy, got strategy={type(strategy).__name__}"
             )
-        self.chunks = nn.ModuleList(self.build_chunk(spec) for spec in strategy.chunk_specs())
+        return strategy
 
     def _not_called(self, hook: str) -> Any:
         raise RuntimeError(
@@ -139,16 +110,17 @@ class MegatronLightningModule(L.LightningModule):
         # The strategy's outputs are identical on every rank, so no sync is needed (and none is done). The loss is
         # logged from its host copy: the progress bar reads it every step.
         self.log("train_loss", outputs["host_loss"].get(), prog_bar=True)
-        stats = self.trainer.strategy.last_step  # type: ignore[attr-defined]
+        runtime = self._runtime()
+        stats = runtime.last_step
         self.log("lr", _host(stats.lr), prog_bar=True)
         if stats.grad_norm is not None:
             self.log("grad_norm", _host(stats.grad_norm))
-        self.log("skipped_steps", _host(self.trainer.strategy.skipped_steps))  # type: ignore[attr-defined]
+        self.log("skipped_steps", _host(runtime.skipped_steps))
         # Input tokens of the global batch per second of this step (rank 0's clock). Counted on the host: reading
         # the loss's token count would wait for the GPU and stall the next step's launch.
         elapsed = time.perf_counter() - getattr(self, "_step_start", time.perf_counter())
         if elapsed > 0:
-            tokens = as_batch(batch)["input_ids"].numel() * data_parallel_rank_and_size()[1]
+            _, tokens = global_batch_size(batch)
             self.log("tokens_per_s", _host(tokens / elapsed), prog_bar=True)
 
     def on_validation_epoch_start(self) -> None:

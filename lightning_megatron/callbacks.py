@@ -1,4 +1,5 @@
-"""MegatronThroughput: tokens/s, model TFLOP/s per GPU and MFU of Megatron training, in Lightning's names.
+"""Callbacks for Megatron training: :class:`MegatronThroughput` (tokens/s, TFLOP/s per GPU, MFU) and
+:class:`SaveHF` (write the trained model as a Hugging Face directory).
 
 Lightning's own ``ThroughputMonitor`` counts every rank as a data-parallel replica (wrong under TP/PP, where the
 ranks of a model replica see the same samples), needs a ``flops_per_batch`` and synchronises the GPU each step.
@@ -12,13 +13,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, override
+from typing import Any, Literal, override
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 
-from lightning_megatron import parallel, schedule
+from lightning_megatron.contract import MegatronRuntime
+from lightning_megatron.modules.lm import MegatronLMModule
+from lightning_megatron.schedule import as_batch, global_batch_size
 
 
 class MegatronThroughput(L.Callback):
@@ -56,24 +59,23 @@ class MegatronThroughput(L.Callback):
             )
         self._shape = (config.num_layers, config.hidden_size)
         self._params = model_parameters(pl_module)
-        if self.peak_flops is None and trainer.strategy.root_device.type == "cuda":
-            dtype = trainer.strategy.compute_dtype  # type: ignore[attr-defined]
-            self.peak_flops = get_available_flops(trainer.strategy.root_device, dtype)
+        strategy = trainer.strategy
+        if self.peak_flops is None and strategy.root_device.type == "cuda" and isinstance(strategy, MegatronRuntime):
+            self.peak_flops = get_available_flops(strategy.root_device, strategy.compute_dtype)
         self._ends.clear()
         self._tokens.clear()
         self._samples.clear()
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
-        input_ids = schedule.as_batch(batch)["input_ids"]
-        _, dp = parallel.data_parallel_rank_and_size()
+        samples, tokens = global_batch_size(batch)
         self._ends.append(time.perf_counter())
-        self._samples.append(input_ids.shape[0] * dp)  # the global batch
-        self._tokens.append(input_ids.numel() * dp)
+        self._samples.append(samples)
+        self._tokens.append(tokens)
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if len(self._ends) < 2 or trainer.global_step % every != 0 or trainer.global_rank != 0:
             return
-        self.last = self.compute(trainer.world_size, seq_length=input_ids.shape[1])
+        self.last = self.compute(trainer.world_size, seq_length=as_batch(batch)["input_ids"].shape[1])
         for logger in trainer.loggers:
             logger.log_metrics(self.last, step=trainer.global_step)
 
@@ -113,3 +115,24 @@ def model_parameters(module: Any) -> int:
     if parallel_state.get_model_parallel_group().size() > 1:
         torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
     return round(total.item())
+
+
+class SaveHF(L.Callback):
+    """Write the trained model as an HF directory when training ends (``MegatronLMModule.save_hf``, collective).
+
+    For configs: ``callbacks: [{class_path: lightning_megatron.SaveHF, init_args: {path: out/hf}}]``.
+
+    Args:
+        path: the directory to write (config.json + safetensors; the source's tokenizer files when fine-tuned
+            from an HF directory).
+        dtype: dtype of the written tensors; ``None`` keeps the parameters' (bf16 under ``bf16-mixed``).
+    """
+
+    def __init__(self, path: str, dtype: Literal["bfloat16", "float16", "float32"] | None = None) -> None:
+        self.path = path
+        self.dtype = getattr(torch, dtype) if dtype else None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not isinstance(pl_module, MegatronLMModule):
+            raise TypeError(f"SaveHF saves a MegatronLMModule, got {type(pl_module).__name__}")
+        pl_module.save_hf(self.path, dtype=self.dtype)  # every rank: the export gathers over TP and PP

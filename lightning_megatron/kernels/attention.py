@@ -1,68 +1,25 @@
-"""The torch-native fast path: flash/SDPA core attention and a fused vocabulary-parallel cross entropy.
+"""Megatron's core attention on ``F.scaled_dot_product_attention``, with rotary embeddings applied inside.
 
 Megatron-Core's "local" spec (what runs without Transformer Engine) computes attention as baddbmm + softmax + bmm,
-materialising the [B, heads, S, S] scores, and its cross entropy converts the whole micro-batch's logits to
-float32. The modules here are drop-in replacements built on PyTorch alone:
-
-* :class:`SDPAttention` -- Megatron's core-attention interface on ``F.scaled_dot_product_attention`` (flash or
-  cuDNN kernels on GPU, the math kernel on CPU). With rotary position embeddings it also applies RoPE to the
-  queries and keys, as one compiled kernel each on GPU (Megatron's own fused RoPE needs Transformer Engine;
-  unfused it is ~8 elementwise kernels per tensor). The GPTModel is then built without its own rotary step
-  (``position_embedding_type="none"``: same parameters, same checkpoints, see ``ModelConfig.gpt_model_kwargs``);
-* :func:`vocab_parallel_cross_entropy` -- the cross entropy of vocabulary-parallel logits whose reductions and
-  gradient are single compiled kernels on GPU: float32 only in registers, the gradient written in the logits'
-  dtype (eager PyTorch, with the same math, on CPU).
-
-``ModelConfig.kernels`` chooses between them, Megatron's reference local spec and the Transformer Engine spec.
+materialising the [B, heads, S, S] scores. :class:`SDPAttention` is a drop-in replacement on PyTorch alone (flash
+or cuDNN kernels on GPU, the math kernel on CPU). With rotary position embeddings it also applies RoPE to the
+queries and keys, as one compiled kernel each on GPU (Megatron's own fused RoPE needs Transformer Engine; unfused
+it is ~8 elementwise kernels per tensor). The GPTModel is then built without its own rotary step
+(``position_embedding_type="none"``: same parameters, same checkpoints, see ``ModelConfig.gpt_model_kwargs``).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-Kernels = Literal["auto", "torch", "te", "local"]
-Resolved = Literal["torch", "te", "local"]
-
-
-@functools.cache
-def te_available() -> bool:
-    """Whether Transformer Engine's PyTorch extension imports (it needs a CUDA toolchain to install)."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # a broken install (missing CUDA libraries) counts as absent
-        return False
-    return True
-
-
-def resolve(kernels: Kernels, device_type: str) -> Resolved:
-    """The concrete kernel set for ``kernels`` on ``device_type`` ("cuda" or "cpu").
-
-    ``"auto"``: Transformer Engine's spec when it imports, else the torch-native fast path, on GPU; Megatron's
-    reference local spec on CPU, where compiled kernels buy nothing and only cost compile time.
-    """
-    if kernels == "auto":
-        if device_type != "cuda":
-            return "local"
-        return "te" if te_available() else "torch"
-    if kernels == "te":
-        if not te_available():
-            raise ValueError(
-                "ModelConfig(kernels='te') needs Transformer Engine (`import transformer_engine.pytorch` failed); "
-                "use kernels='torch' (torch-native fast path) or 'auto'"
-            )
-        if device_type != "cuda":
-            raise ValueError("ModelConfig(kernels='te') runs on GPUs only; use kernels='torch' or 'local' on CPU")
-    return kernels
+from lightning_megatron.kernels.compile import for_device
 
 
 @dataclass(frozen=True)
@@ -133,7 +90,7 @@ class SDPAttention(MegatronModule):
             if key.shape[0] != seq:  # e.g. a KV cache: positions would no longer be 0..S-1 for both
                 raise ValueError("SDPAttention applies RoPE at positions 0..S-1: query and key lengths must match")
             cos, sin = self.rope.cos_sin(seq, query.device)  # [S, 1, 1, rotary dims], float32
-            rope = _kernel(_rope, query.device)
+            rope = for_device(_rope, query.device)
             query, key = rope(query, cos, sin), rope(key, cos, sin)
         # [S, B, n, d] -> [B, n, S, d]: SDPA's layout (a strided view; the kernels accept it)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -196,74 +153,3 @@ def _rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = x * cos + torch.cat((-x2, x1), dim=-1) * sin
     return torch.cat((rotated.to(t.dtype), t[..., rot:]), dim=-1)
-
-
-# ---------------------------------------------------------------- cross entropy
-def _ce_stats(logits: Tensor, logits_max: Tensor, local_target: Tensor, in_range: Tensor) -> tuple[Tensor, Tensor]:
-    """Per position: sum(exp(logit - max)) over this rank's vocabulary slice, and the target's logit (0 if the
-    target lies in another rank's slice). Float32 math on ``logits`` of any dtype."""
-    shifted = logits.float() - logits_max.unsqueeze(-1)
-    sum_exp = shifted.exp().sum(dim=-1)
-    target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float()
-    return sum_exp, torch.where(in_range, target_logit, 0.0)
-
-
-def _ce_grad(logits: Tensor, lse: Tensor, local_target: Tensor, in_range: Tensor, grad: Tensor) -> Tensor:
-    """d loss / d logits = (softmax - onehot(target)) * grad, in the logits' dtype."""
-    softmax = (logits.float() - lse.unsqueeze(-1)).exp()
-    vocab = torch.arange(logits.shape[-1], device=logits.device)
-    onehot = (vocab == local_target.unsqueeze(-1)) & in_range.unsqueeze(-1)
-    return ((softmax - onehot.float()) * grad.unsqueeze(-1)).to(logits.dtype)
-
-
-@functools.cache
-def _compiled(fn: Any) -> Any:
-    # Default dynamic-shape handling: static for the first shape, one dynamic recompile when shapes vary
-    # (predict/log-probs over variable lengths), instead of a compile per shape up to dynamo's limit.
-    return torch.compile(fn)
-
-
-def _kernel(fn: Any, device: torch.device) -> Any:
-    # Compiled on GPU (one fused kernel per function, no float32 copy of the logits); eager elsewhere.
-    return _compiled(fn) if device.type == "cuda" else fn
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, logits: Tensor, targets: Tensor, group: Any) -> Tensor:  # type: ignore[override]
-        rank = torch.distributed.get_rank(group) if group is not None else 0
-        size = group.size() if group is not None else 1
-        vocab = logits.shape[-1]
-        start = rank * vocab
-        in_range = (targets >= start) & (targets < start + vocab)
-        local_target = torch.where(in_range, targets - start, 0)
-        logits_max = logits.detach().amax(dim=-1).float()
-        if size > 1:
-            torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=group)
-        sum_exp, target_logit = _kernel(_ce_stats, logits.device)(logits, logits_max, local_target, in_range)
-        if size > 1:
-            stats = torch.stack([sum_exp, target_logit])  # one all-reduce for both
-            torch.distributed.all_reduce(stats, group=group)
-            sum_exp, target_logit = stats[0], stats[1]
-        lse = logits_max + sum_exp.log()
-        ctx.save_for_backward(logits, lse, local_target, in_range)
-        return lse - target_logit
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        logits, lse, local_target, in_range = ctx.saved_tensors
-        return _kernel(_ce_grad, logits.device)(logits, lse, local_target, in_range, grad.float()), None, None
-
-
-def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    """Cross entropy ``[...]`` of vocabulary-parallel logits ``[..., V/tp]`` (any float dtype) and ``targets``.
-
-    Equal to Megatron's ``tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)`` (value and
-    gradient), without a float32 copy of the logits on GPU.
-    """
-    from megatron.core import parallel_state
-
-    group = None
-    if parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1:
-        group = parallel_state.get_tensor_model_parallel_group()
-    return _VocabParallelCrossEntropy.apply(logits, targets, group)

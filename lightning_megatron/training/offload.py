@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_megatron.optim import inner_optimizers
+from lightning_megatron.training.optim import torch_optimizers
 
 
 @dataclass
@@ -45,8 +45,7 @@ def _unique_storages(tensors: Iterable[torch.Tensor | None]) -> list[torch.Untyp
 def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
     """Main (fp32) parameters and state tensors of every torch optimizer inside a Megatron optimizer."""
     tensors: list[torch.Tensor] = []
-    for megatron_optimizer in inner_optimizers(optimizer):
-        torch_optimizer = megatron_optimizer.optimizer
+    for torch_optimizer in torch_optimizers(optimizer):
         for group in torch_optimizer.param_groups:
             tensors.extend(group["params"])
         for state in torch_optimizer.state.values():

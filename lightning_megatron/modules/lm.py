@@ -9,15 +9,19 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron import guards, routing
 from lightning_megatron.config import ModelConfig
-from lightning_megatron.kernels import Resolved, resolve, vocab_parallel_cross_entropy
-from lightning_megatron.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-from lightning_megatron.module import ChunkSpec, MegatronLightningModule, OptimizerSpec
-from lightning_megatron.schedule import Batch, LossFn
+from lightning_megatron.contract import Batch, ChunkSpec, LossFn, OptimizerSpec
+from lightning_megatron.kernels import specs
+from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
+from lightning_megatron.kernels.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from lightning_megatron.kernels.resolve import Resolved, resolve
+from lightning_megatron.modules import routing
+from lightning_megatron.modules.base import MegatronLightningModule
+from lightning_megatron.training import guards
 
 if TYPE_CHECKING:
-    from lightning_megatron.hf import HFCheckpoint
+    from lightning_megatron.hf.load import HFCheckpoint
+    from lightning_megatron.parallel.sizes import ParallelSizes
 
 IGNORE_INDEX = guards.IGNORE_INDEX
 
@@ -102,11 +106,11 @@ class MegatronLMModule(MegatronLightningModule):
                 for trusted directories (read with ``torch.load(weights_only=True)``). Off: such weights raise.
             module_kwargs: the module's arguments (``lr``, ``warmup_steps``, ...).
         """
-        from lightning_megatron.hf import HFCheckpoint
+        from lightning_megatron.hf.load import open_pretrained
 
-        checkpoint = HFCheckpoint.open(path, allow_pickle=allow_pickle)
-        config = ModelConfig.from_hf(checkpoint.config, seq_length=seq_length, **(config_overrides or {}))
-        checkpoint.check(config)
+        checkpoint, config = open_pretrained(
+            path, seq_length=seq_length, config_overrides=config_overrides, allow_pickle=allow_pickle
+        )
         module = cls(config, **module_kwargs)
         module.hf_checkpoint = checkpoint
         return module
@@ -148,6 +152,9 @@ class MegatronLMModule(MegatronLightningModule):
             "decay_style": decay_style,
         }  # fmt: skip
 
+    def validate_parallel(self, sizes: ParallelSizes) -> None:
+        self.config.validate_parallel(sizes)
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # On the host, before the batch reaches the accelerator: bad token ids fail here with the field and
         # value named, not as an index error inside an embedding kernel (or silently, on some devices).
@@ -170,14 +177,14 @@ class MegatronLMModule(MegatronLightningModule):
         )
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=self.config.block_spec(config, spec.vp_stage, self.kernels),
+            transformer_layer_spec=specs.block_spec(self.config, config, spec.vp_stage, self.kernels),
             pre_process=spec.pre_process,
             post_process=spec.post_process,
             vp_stage=spec.vp_stage,
             **self.config.gpt_model_kwargs(self.kernels),
         )
         if self.hf_checkpoint is not None:
-            from lightning_megatron.hf import load_chunk
+            from lightning_megatron.hf.load import load_chunk
 
             load_chunk(chunk, self.hf_checkpoint, self.config, spec.vp_stage)
         return chunk
@@ -191,7 +198,7 @@ class MegatronLMModule(MegatronLightningModule):
         ``include_tied=False`` leaves out ``lm_head.weight`` (as ``save_pretrained`` files do). Call it while the
         strategy is set up (any hook of ``fit``/``validate``/``predict``).
         """
-        from lightning_megatron.hf_export import check_running, export_weights
+        from lightning_megatron.hf.export import check_running, export_weights
 
         check_running(self)  # now, not at the generator's first step
         return export_weights(list(self.chunks), self.config, include_tied=include_tied)
@@ -204,7 +211,7 @@ class MegatronLMModule(MegatronLightningModule):
         with an index when there are several) and, from an HF source directory, its tokenizer and generation
         files. ``dtype`` (default: the parameters' dtype) is the dtype of the written tensors.
         """
-        from lightning_megatron.hf_export import save_pretrained
+        from lightning_megatron.hf.export import save_pretrained
 
         save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
 

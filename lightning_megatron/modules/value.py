@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron.lm import MegatronLMModule, token_mask
-from lightning_megatron.module import ChunkSpec
-from lightning_megatron.schedule import Batch, LossFn
+from lightning_megatron.contract import Batch, ChunkSpec, LossFn
+from lightning_megatron.modules.lm import MegatronLMModule, token_mask
 
 
 class ValueHead(nn.Linear):

@@ -1,4 +1,4 @@
-"""Hugging Face out: stream or write the full HF state dict of a running model (see :mod:`lightning_megatron.hf`).
+"""Hugging Face out: stream or write the full HF state dict of a running model.
 
 :func:`export_weights` yields full HF tensors one at a time (gathered over tensor parallelism, broadcast from the
 pipeline stage that owns them); :func:`save_pretrained` writes them as an HF model directory with rank 0.
@@ -18,18 +18,10 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lightning_megatron.config import ModelConfig
-from lightning_megatron.hf import (
-    _INDEX,
-    _SINGLE,
-    _SPLIT_DIM,
-    HFCheckpoint,
-    _chunk_params,
-    _Param,
-    _split_local,
-    check_exportable,
-    hf_config_dict,
-    hf_weight_shapes,
-)
+from lightning_megatron.contract import MegatronRuntime
+from lightning_megatron.hf.config import check_exportable, hf_config_dict
+from lightning_megatron.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint
+from lightning_megatron.hf.mapping import SPLIT_DIM, Param, chunk_params, hf_weight_shapes, split_local
 
 _NOT_RUNNING = (
     "HF export needs the built model and Megatron's parallel state: call it from a hook while the Trainer runs "
@@ -55,13 +47,13 @@ def check_running(module: nn.Module) -> None:
             "differently. Build the model with ModelConfig(kernels='torch') to export it"
         )
     # With the parameter all-gather overlapped with the next forward, the last update may still be pending.
-    sync = getattr(getattr(getattr(module, "trainer", None), "strategy", None), "sync_params", None)
-    if callable(sync):
-        sync()
+    strategy = module.trainer.strategy
+    if isinstance(strategy, MegatronRuntime):
+        strategy.sync_params()
 
 
 # ---------------------------------------------------------------------------------------------------- export
-def _owners(chunks: Sequence[nn.Module], config: ModelConfig) -> list[tuple[int, int, _Param]]:
+def _owners(chunks: Sequence[nn.Module], config: ModelConfig) -> list[tuple[int, int, Param]]:
     """(pipeline rank, chunk index on that rank, param) for every HF tensor of the model, in HF order."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -73,7 +65,7 @@ def _owners(chunks: Sequence[nn.Module], config: ModelConfig) -> list[tuple[int,
         for rank in range(pp):
             offset = get_transformer_layer_offset(tconfig, vp if vpp else None, pp_rank=rank)
             pre, post = rank == 0 and vp == 0, rank == pp - 1 and vp == (vpp or 1) - 1
-            params = _chunk_params(config, pre=pre, post=post, offset=offset, num_layers=per_chunk)
+            params = chunk_params(config, pre=pre, post=post, offset=offset, num_layers=per_chunk)
             stages.append((offset, rank, vp, params))
     owners, seen = [], set()
     for _, rank, vp, params in sorted(stages, key=lambda s: s[0]):
@@ -108,19 +100,19 @@ def export_weights(
         del tensors
 
 
-def _gather(chunk: nn.Module, p: _Param, config: ModelConfig) -> list[Tensor]:
+def _gather(chunk: nn.Module, p: Param, config: ModelConfig) -> list[Tensor]:
     """Full HF tensors of p from this tensor-parallel group's shards."""
     from megatron.core import parallel_state as ps
 
     local = chunk.get_parameter(p.megatron).detach()
-    dim, tp = _SPLIT_DIM[p.kind], ps.get_tensor_model_parallel_world_size()
+    dim, tp = SPLIT_DIM[p.kind], ps.get_tensor_model_parallel_world_size()
     if dim is None:
         return [local.clone()]
     shards = [local]
     if tp > 1:
         shards = [torch.empty_like(local) for _ in range(tp)]
         torch.distributed.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-    per_rank = [_split_local(p, shard, config, tp) for shard in shards]  # [tp][HF tensors of p]
+    per_rank = [split_local(p, shard, config, tp) for shard in shards]  # [tp][HF tensors of p]
     full = [torch.cat([parts[i] for parts in per_rank], dim=dim) for i in range(len(p.hf))]
     for tensor, (name, shape) in zip(full, p.hf, strict=True):
         assert tuple(tensor.shape) == shape, f"{name}: exported {tuple(tensor.shape)}, expected {shape}"
@@ -138,11 +130,12 @@ def save_pretrained(
     shapes = hf_weight_shapes(config, include_tied=False)
     shards = _plan_shards(shapes, dtype.itemsize, max_shard_size)
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    names = names if len(shards) > 1 else [_SINGLE]
+    names = names if len(shards) > 1 else [SAFETENSORS_FILE]
     path = Path(path)
     if is_writer:
         path.mkdir(parents=True, exist_ok=True)
-        for old in [*path.glob("model*.safetensors"), path / _INDEX]:  # an earlier save's shards would mix in
+        # An earlier save's shards would mix in.
+        for old in [*path.glob("model*.safetensors"), path / SAFETENSORS_INDEX]:
             old.unlink(missing_ok=True)
     shard, bucket = 0, {}
     for name, tensor in export_weights(list(module.chunks), config, include_tied=False):
@@ -191,4 +184,4 @@ def _write_metadata(
         total = sum(dtype.itemsize * int(torch.Size(s).numel()) for s in shapes.values())
         weight_map = {name: names[i] for i, shard in enumerate(shards) for name in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (path / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")

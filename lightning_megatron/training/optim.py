@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, override
 
 import lightning as L
 import torch
 
-from lightning_megatron.module import OptimizerSpec
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What the last optimizer step reported."""
-
-    lr: float
-    grad_norm: float | None
-    skipped: bool
+from lightning_megatron.contract import OptimizerSpec, StepStats
 
 
 class LightningOptimizerAdapter(torch.optim.Optimizer):
@@ -103,10 +93,15 @@ def build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> 
     )
 
 
-def inner_optimizers(optimizer: Any) -> list[Any]:
-    """The Megatron optimizers inside ``optimizer`` (a ``ChainedOptimizer``'s parts, else itself); each holds a torch
-    optimizer as ``.optimizer``."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer: one per part of a ``ChainedOptimizer`` (e.g. the dense
+    and the expert-parallel parameters), else the one it wraps."""
+    return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def torch_adams(optimizer: Any) -> list[torch.optim.Adam | torch.optim.AdamW]:
+    """The torch Adam/AdamW optimizers among :func:`torch_optimizers` (those whose state the workarounds touch)."""
+    return [opt for opt in torch_optimizers(optimizer) if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))]
 
 
 def use_fused_adam(optimizer: Any, fused: bool) -> int:
@@ -120,10 +115,7 @@ def use_fused_adam(optimizer: Any, fused: bool) -> int:
     kernel wants the ``step`` counters on the parameters' device.
     """
     switched = 0
-    for inner in inner_optimizers(optimizer):
-        torch_optimizer = inner.optimizer
-        if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
+    for torch_optimizer in torch_adams(optimizer):
         for group in torch_optimizer.param_groups:
             on_gpu = all(p.is_cuda and p.is_floating_point() for p in group["params"])
             group["fused"] = fused and on_gpu
@@ -142,54 +134,3 @@ def place_adam_steps(torch_optimizer: torch.optim.Optimizer) -> None:
             if isinstance(step, torch.Tensor):
                 device = param.device if group.get("fused") else torch.device("cpu")
                 torch_optimizer.state[param]["step"] = step.to(device=device, dtype=torch.float32)
-
-
-_LOCAL_CLIP_GRADS: dict[str, Any] = {}  # megatron-core's own fallbacks while ours are installed
-
-
-def use_foreach_clip_grads() -> bool:
-    """Give megatron-core's gradient clipping torch's multi-tensor kernels where it fell back to per-tensor loops.
-
-    Without Transformer Engine or apex, ``megatron.core.optimizer.clip_grads`` computes the gradient norm with one
-    ``torch.norm`` and one host read per parameter tensor -- a GPU synchronisation each, ~100 per step for a
-    16-layer model -- and rescales clipped gradients one tensor at a time. ``torch._foreach_norm`` and
-    ``torch._foreach_mul_`` (what ``torch.nn.utils.clip_grad_norm_`` uses) do the same arithmetic in a few kernels,
-    leaving Megatron's single read of the total norm. Process-wide until :func:`restore_clip_grads`; does nothing
-    (returns False) when Transformer Engine's or apex's kernels are in use.
-    """
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads
-
-    if _LOCAL_CLIP_GRADS or clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
-        return bool(_LOCAL_CLIP_GRADS)
-    _LOCAL_CLIP_GRADS.update(
-        l2_norm_impl=clip_grads.l2_norm_impl, multi_tensor_scale_impl=clip_grads.multi_tensor_scale_impl
-    )
-    clip_grads.l2_norm_impl = _foreach_l2_norm
-    clip_grads.multi_tensor_scale_impl = _foreach_scale
-    return True
-
-
-def restore_clip_grads() -> None:
-    """Put megatron-core's own fallbacks back (see :func:`use_foreach_clip_grads`)."""
-    from megatron.core.optimizer import clip_grads
-
-    for name, fn in _LOCAL_CLIP_GRADS.items():
-        setattr(clip_grads, name, fn)
-    _LOCAL_CLIP_GRADS.clear()
-
-
-def _foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], *args: Any) -> tuple:
-    # Same contract as apex's amp_C.multi_tensor_l2norm (through Megatron's local multi_tensor_applier):
-    # the L2 norm of all tensors together as a float32 tensor of shape [1], left on the device.
-    norms = torch._foreach_norm(tensor_lists[0])
-    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
-
-
-def _foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
-    # amp_C.multi_tensor_scale's contract: dst = src * scale, tensor by tensor.
-    src, dst = tensor_lists
-    if all(s is d for s, d in zip(src, dst, strict=True)):
-        torch._foreach_mul_(dst, scale)
-    else:
-        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))

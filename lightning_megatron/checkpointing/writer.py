@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron import checkpoint as ckpt
+from lightning_megatron.checkpointing import sharded
 
 
 class CheckpointWriter:
@@ -37,8 +37,8 @@ class CheckpointWriter:
         """Collective. Synchronous, or asynchronous after publishing any earlier pending save."""
         self.finalize()
         if self.async_save and self._queue is None:
-            self._queue = ckpt.async_queue()
-        ckpt.save(state, path, async_queue=self._queue if self.async_save else None)
+            self._queue = sharded.async_queue()
+        sharded.save(state, path, async_queue=self._queue if self.async_save else None)
 
     def remove(self, path: str | Path) -> None:
         """Remove a checkpoint directory (rank 0), or queue the removal until pending saves are published."""

@@ -1,0 +1,69 @@
+"""megatron-core 0.19 workarounds for loading the distributed optimizer's torch-native Adam state (no Transformer
+Engine / apex), each a small documented function. The layout tests fail when any of them stops being right
+(cross-layout resume must be exact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lightning_megatron.training.optim import torch_adams, torch_optimizers
+
+
+def init_adam_state(optimizer: Any) -> None:
+    """Give a fresh torch Adam the state it has after a step, so ``sharded_state_dict(is_loading=True)`` works.
+
+    megatron-core 0.19's ``DistributedOptimizer.state_dict`` asserts exactly one ``step`` value among the torch
+    optimizer's per-parameter states, which a fresh torch Adam does not have yet.
+    """
+    for torch_optimizer in torch_adams(optimizer):
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                state = torch_optimizer.state[param]
+                if len(state) == 0:
+                    device = param.device if group.get("fused") else None  # see training.optim.place_adam_steps
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def untie_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own Adam ``step`` tensor after loading.
+
+    megatron-core 0.19's ``DistributedOptimizer.load_state_dict`` (torch-native path) assigns *one* ``step``
+    tensor to every parameter's state; torch Adam increments it in place once per parameter, so the bias
+    correction of every step after a resume would be wrong.
+    """
+    # Where each counter lives (host, or the device for fused Adam) is decided by the strategy's use_fused_adam,
+    # which runs after every load because Megatron also restores the saved groups' fused/foreach flags.
+    for torch_optimizer in torch_optimizers(optimizer):
+        for state in torch_optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+@contextlib.contextmanager
+def keep_step_on_load() -> Iterator[None]:
+    """Let ``fully_reshardable`` loading skip torch Adam's ``step`` tensor.
+
+    megatron-core 0.19's ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every tensor of
+    the torch optimizer state from the checkpoint, ``step`` included, but the checkpoint restores ``step``
+    through the param groups instead and has no per-parameter entry (``KeyError: 'step'``). Megatron already
+    skips entries whose source is not a tensor, so we hand it ``step=None`` for the duration of the load.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        original(self, model_param, {"step": None, **tensors})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original  # type: ignore[method-assign]

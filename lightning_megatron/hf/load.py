@@ -1,0 +1,164 @@
+"""Hugging Face in: read a local HF directory's config and, per rank, only the weight slices its chunks need.
+
+:class:`HFCheckpoint` opens a directory (config.json and the safetensors headers only); :func:`open_pretrained`
+turns it into a checked ``(HFCheckpoint, ModelConfig)`` pair, which is what every ``from_hf`` path builds on. When
+the strategy builds a chunk, :func:`load_chunk` reads from the safetensors files only the slices of each tensor that
+this rank's tensor-parallel shard and pipeline / virtual-pipeline layers need (``safe_open(...).get_slice``), so no
+rank materialises the full model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from lightning_megatron.config import ModelConfig
+from lightning_megatron.hf import pickled
+from lightning_megatron.hf.config import architecture
+from lightning_megatron.hf.mapping import SPLIT_DIM, chunk_params, combine, hf_weight_shapes
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """A local HF model directory: its config.json and which safetensors file holds each tensor."""
+
+    path: Path
+    """The directory."""
+    config: dict[str, Any]
+    """config.json as written."""
+    files: dict[str, str]
+    """Tensor name -> safetensors (or, opted in, PyTorch pickle) file name in ``path``."""
+
+    @classmethod
+    def open(cls, path: str | Path, allow_pickle: bool = False) -> HFCheckpoint:
+        """Read config.json and the safetensors index (or the single file's header).
+
+        Pickled ``.bin`` weights are refused unless ``allow_pickle=True``; even then they are read with
+        ``torch.load(weights_only=True)``, which builds tensors and containers only, never arbitrary objects.
+        """
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no config.json")
+        if (path / SAFETENSORS_INDEX).is_file():
+            files = dict(json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"])
+        elif (path / SAFETENSORS_FILE).is_file():
+            with safe_open(path / SAFETENSORS_FILE, framework="pt") as f:
+                files = dict.fromkeys(f.keys(), SAFETENSORS_FILE)
+        else:
+            pickles = sorted(p.name for p in path.iterdir() if p.suffix in pickled.SUFFIXES)
+            if pickles and allow_pickle:
+                return cls(path=path, config=json.loads((path / "config.json").read_text()), files=pickled.files(path))
+            if pickles:
+                raise ValueError(
+                    f"{path} holds PyTorch pickle weights ({', '.join(pickles[:3])}); only safetensors are read by "
+                    "default (pickles are read whole on every rank and can run code when loaded). Convert once with "
+                    "transformers: AutoModelForCausalLM.from_pretrained(path).save_pretrained(new_path), or pass "
+                    "allow_pickle=True for a trusted directory (read with torch.load(weights_only=True))"
+                )
+            raise FileNotFoundError(f"{path} has no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX}")
+        return cls(path=path, config=json.loads((path / "config.json").read_text()), files=files)
+
+    def check(self, config: ModelConfig) -> None:
+        """Raise ValueError unless the files hold exactly the tensors ``config`` needs, with the right shapes."""
+        want = hf_weight_shapes(config, include_tied=False)
+        missing = [name for name in want if name not in self.files]
+        if missing:
+            where = SAFETENSORS_INDEX if (self.path / SAFETENSORS_INDEX).is_file() else SAFETENSORS_FILE
+            raise ValueError(
+                f"{len(missing)} tensor(s) that {architecture(self.config)} with this config.json needs are missing "
+                f"from {self.path / where}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+            )
+        # Tied checkpoints may still store lm_head; rotary caches are recomputed.
+        extra = [n for n in self.files if n not in want and n != "lm_head.weight" and not n.endswith("inv_freq")]
+        if extra:
+            raise ValueError(
+                f"{self.path} has tensors this config.json does not explain: {', '.join(sorted(extra)[:4])}; "
+                "is config.json from another model?"
+            )
+        with self.lazy_tensors() as lazy:
+            for name, expected in want.items():  # in model order: the first wrong tensor is the one reported
+                if (shape := tuple(lazy(name).get_shape())) != expected:
+                    where = self.path / self.files[name]
+                    raise ValueError(f"{name} in {where} has shape {shape}, but config.json implies {expected}")
+
+    @contextmanager
+    def lazy_tensors(self) -> Iterator[Callable[[str], Any]]:
+        """``lazy(name)``: a tensor's lazy safetensors slice (index it to read); each file is opened once."""
+        with ExitStack() as stack:
+            handles: dict[str, Any] = {}
+
+            def lazy(name: str) -> Any:
+                file = self.files[name]
+                if file not in handles and file.endswith(pickled.SUFFIXES):
+                    handles[file] = pickled.load(self.path / file)
+                elif file not in handles:
+                    handles[file] = stack.enter_context(safe_open(self.path / file, framework="pt"))
+                if isinstance(handles[file], dict):
+                    return pickled.Slice(handles[file][name])
+                return handles[file].get_slice(name)
+
+            yield lazy
+
+
+def load_chunk(chunk: nn.Module, checkpoint: HFCheckpoint, config: ModelConfig, vp_stage: int | None) -> None:
+    """Copy this rank's shard of the HF tensors into a freshly built ``GPTModel`` chunk (lazy slice reads)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    params = chunk_params(
+        config, pre=chunk.pre_process, post=chunk.post_process,
+        offset=get_transformer_layer_offset(chunk.config, vp_stage), num_layers=len(chunk.decoder.layers),
+    )  # fmt: skip
+    own = dict(chunk.named_parameters())
+    unmapped = sorted(set(own) - {p.megatron for p in params})
+    if unmapped:  # a parameter left at its random init would silently break parity
+        raise RuntimeError(f"no HF tensor maps to {unmapped}; the HF mapping does not cover this model")
+    with checkpoint.lazy_tensors() as lazy, torch.no_grad():
+        for p in params:
+            local = combine(p, [_read_shard(lazy(name), SPLIT_DIM[p.kind], rank, tp) for name, _ in p.hf], config, tp)
+            target = own[p.megatron]
+            if local.shape != target.shape:
+                raise ValueError(f"{[n for n, _ in p.hf]} make {p.megatron} {tuple(local.shape)}, not {target.shape}")
+            target.copy_(local)
+
+
+def _read_shard(lazy: Any, dim: int | None, rank: int, tp: int) -> Tensor:
+    """Read only rank's contiguous 1/tp block along ``dim`` (all of it when ``dim`` is None)."""
+    if dim is None:
+        return lazy[:]
+    size = lazy.get_shape()[dim] // tp
+    block = slice(rank * size, (rank + 1) * size)
+    return lazy[block] if dim == 0 else lazy[:, block]
+
+
+def open_pretrained(
+    path: str | Path, *, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+) -> tuple[HFCheckpoint, ModelConfig]:  # fmt: skip
+    """The HF directory at ``path`` and the :class:`~lightning_megatron.ModelConfig` of its model, checked against
+    each other (names and shapes) before any process starts. Every ``from_hf`` constructor starts here.
+
+    Args:
+        path: the model directory (config.json + safetensors).
+        seq_length: longest sequence to train on; default ``max_position_embeddings`` (capped by a sliding window).
+        config_overrides: other ``ModelConfig`` fields to change (dropout, recompute, ...); architecture fields
+            must keep matching the weights.
+        allow_pickle: read PyTorch pickle weights when there are no safetensors (see :meth:`HFCheckpoint.open`).
+    """
+    checkpoint = HFCheckpoint.open(path, allow_pickle=allow_pickle)
+    config = ModelConfig.from_hf(checkpoint.config, seq_length=seq_length, **(config_overrides or {}))
+    checkpoint.check(config)
+    return checkpoint, config

@@ -1,0 +1,31 @@
+"""A torch-native norm that Megatron's local (no Transformer Engine / apex) spec lacks: one that works under SP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+class TorchNorm:
+    """Megatron's ``WrappedTorchNorm`` (torch ``LayerNorm``/``RMSNorm``) that also works with sequence parallelism.
+
+    Under sequence parallelism each tensor-parallel rank normalises its own slice of the sequence, so the norm's
+    weight gets a partial gradient per rank; marking the parameters ``sequence_parallel`` makes Megatron's
+    ``finalize_model_grads`` all-reduce them over the tensor-parallel group (what apex/TE norms do). Query/key
+    norms act on full sequences of local heads and are built with ``sequence_parallel_region=False``.
+    """
+
+    def __new__(  # a factory, like WrappedTorchNorm: returns the torch module itself
+        cls,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        sequence_parallel_region: bool = True,
+        **unused: Any,
+    ) -> nn.Module:
+        norm_cls = {"LayerNorm": nn.LayerNorm, "RMSNorm": nn.RMSNorm}[config.normalization]
+        norm = norm_cls(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel and sequence_parallel_region)
+        return norm

@@ -1,0 +1,151 @@
+"""Megatron layer specs for a resolved kernel set, and the ``TransformerConfig`` fields each set needs.
+
+``'local'``: Megatron's torch-native spec with norms that support sequence parallelism; ``'torch'``: the same with
+:class:`~lightning_megatron.kernels.attention.SDPAttention` as core attention (RoPE inside it) and, on GPU,
+Megatron's torch.compile'd activation and bias-dropout-add fusions; ``'te'``: Megatron's Transformer Engine spec.
+All build the same parameters under the same names, hence the same checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+from megatron.core.transformer.enums import AttnBackend
+
+from lightning_megatron.kernels.attention import Rotary, SDPAttention
+from lightning_megatron.kernels.norms import TorchNorm
+from lightning_megatron.kernels.resolve import Resolved
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from lightning_megatron.config import ModelConfig
+
+# We build with Megatron's torch-native "local" spec (no Transformer Engine / apex, also on CPU): select the local
+# implementations and turn off every fused path that needs TE or apex kernels. Defaults only: kernel_fields and the
+# strategy's parallel fields may override them.
+LOCAL_BACKEND: dict[str, Any] = {
+    "transformer_impl": "local",
+    "attention_backend": AttnBackend.local,
+    "apply_rope_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "persist_layer_norm": False,
+    "moe_grouped_gemm": False,
+    # Megatron's default "full" means the same as None/[] but warns on every TransformerConfig.
+    "cuda_graph_modules": None,
+}
+
+
+def kernel_fields(config: ModelConfig, kernels: Resolved, compile_fusions: bool) -> dict[str, Any]:
+    """``TransformerConfig`` fields that switch on a kernel set's fused paths (on top of :data:`LOCAL_BACKEND`).
+
+    ``compile_fusions`` turns on Megatron's torch.compile'd activation and bias-dropout-add fusions with
+    ``'torch'`` (on GPU; on CPU compiling costs more than it saves).
+    """
+    if kernels == "te":
+        return {
+            "transformer_impl": "transformer_engine", "attention_backend": AttnBackend.auto,
+            "apply_rope_fusion": config.position_embedding_type == "rope", "bias_dropout_fusion": True,
+            "bias_activation_fusion": _activation_fusable(config),
+            # The output layer is Megatron's own ColumnParallelLinear, whose fused wgrad needs apex's extension.
+            "gradient_accumulation_fusion": importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        }  # fmt: skip
+    if kernels == "torch" and compile_fusions:
+        # Megatron's jit_fuser is torch.compile: these fusions need no TE/apex kernels.
+        return {"bias_activation_fusion": _activation_fusable(config), "bias_dropout_fusion": True}
+    return {}
+
+
+def _activation_fusable(config: ModelConfig) -> bool:
+    # Megatron fuses SwiGLU, GeGLU and bias+GeLU; plain GeLU without a bias has no fused path.
+    return config.gated_linear_unit or (config.activation == "gelu" and config.add_bias_linear)
+
+
+def layer_spec(config: ModelConfig, kernels: Resolved = "local") -> ModuleSpec:
+    """The GPT layer spec of ``config`` for a resolved kernel set (see the module docstring)."""
+    if kernels == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    spec = with_torch_norms(spec)
+    if kernels == "torch":
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        attention: Any = SDPAttention
+        if config.position_embedding_type == "rope":
+            rotary = Rotary(
+                rotary_percent=config.rotary_percent, rotary_base=config.rotary_base, rope_scaling=config.rope_scaling,
+                rope_scaling_factor=config.rope_scaling_factor,
+                seq_len_interpolation_factor=config.seq_len_interpolation_factor,
+            )  # fmt: skip
+            attention = functools.partial(SDPAttention, rotary=rotary)
+        spec = replace_modules(spec, {DotProductAttention: attention})
+    return spec
+
+
+def block_spec(
+    config: ModelConfig, transformer_config: TransformerConfig, vp_stage: int | None, kernels: Resolved = "local"
+) -> TransformerBlockSubmodules:
+    """The decoder layers of one pipeline stage / VPP chunk, and a final norm that supports SP."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    num_layers = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
+    final_norm: Any = TorchNorm
+    if kernels == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(config, kernels)] * num_layers, layer_norm=final_norm)
+
+
+def with_torch_norms(spec: Any) -> Any:
+    """Copy of a Megatron layer spec with every ``WrappedTorchNorm`` replaced by :class:`TorchNorm`."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def swap(value: Any, name: str) -> Any:
+        if value is not WrappedTorchNorm:
+            return value
+        qk = name in ("q_layernorm", "k_layernorm", "kv_layernorm")
+        return functools.partial(TorchNorm, sequence_parallel_region=False) if qk else TorchNorm
+
+    return _map_spec(spec, swap)
+
+
+def replace_modules(spec: Any, mapping: dict[type, Any]) -> Any:
+    """Copy of a Megatron layer spec with the module classes in ``mapping`` replaced."""
+    return _map_spec(spec, lambda value, name: mapping.get(value, value) if isinstance(value, type) else value)
+
+
+def _map_spec(spec: Any, fn: Any) -> Any:
+    """Apply ``fn(value, field_name)`` to every module class of a spec tree (ModuleSpecs and submodule dataclasses)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    def swap(value: Any, name: str) -> Any:
+        value = fn(value, name)
+        if isinstance(value, ModuleSpec):
+            return dataclasses.replace(value, module=fn(value.module, name), submodules=swap(value.submodules, name))
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(
+                value, **{f.name: swap(getattr(value, f.name), f.name) for f in dataclasses.fields(value) if f.init}
+            )
+        return value
+
+    return swap(spec, "")

@@ -1,0 +1,3 @@
+"""The LightningModules: the base contract (``base``), the causal LM (``lm``), the value model (``value``), the
+fine-tune-from-HF module (``hf_finetune``), and what they use: MoE routing replay (``routing``), perplexity
+(``metrics``)."""

@@ -1,0 +1,51 @@
+"""Fine-tuning from a Hugging Face checkpoint, spelled as a class that LightningCLI configs can name
+(:class:`MegatronLMFromHF`); the callback that writes the result back as an HF directory is
+:class:`~lightning_megatron.callbacks.SaveHF`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Self
+
+from lightning_megatron.hf.load import open_pretrained
+from lightning_megatron.modules.lm import MegatronLMModule
+
+
+class MegatronLMFromHF(MegatronLMModule):
+    """:meth:`MegatronLMModule.from_hf` as a constructor: ``class_path: lightning_megatron.MegatronLMFromHF``.
+
+    LightningCLI builds modules from ``class_path`` + ``init_args``, so a classmethod cannot be named in a YAML
+    config; this subclass takes the HF directory instead of a ``ModelConfig`` and is otherwise the same module
+    (every other argument is ``MegatronLMModule``'s). Only ``config.json`` and the safetensors headers are read
+    here; each rank reads its shard of the weights when the strategy builds the model.
+
+    Args:
+        hf_path: a local HF model directory (config.json + safetensors): Llama, Mistral, Qwen2 or Qwen3.
+        seq_length: longest sequence to train on; default ``max_position_embeddings`` (capped by a sliding window).
+        config_overrides: other ``ModelConfig`` fields to change (dropout, recompute, ...); architecture fields
+            must keep matching the weights.
+        allow_pickle: read PyTorch pickle weights (``pytorch_model.bin``) when there are no safetensors; only for
+            trusted directories (read with ``torch.load(weights_only=True)``).
+        kwargs: ``MegatronLMModule``'s arguments (``lr``, ``warmup_steps``, ``clip_grad``, ...).
+    """
+
+    def __init__(
+        self, hf_path: str, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
+        allow_pickle: bool = False, **kwargs: Any,
+    ) -> None:  # fmt: skip
+        checkpoint, config = open_pretrained(
+            hf_path, seq_length=seq_length, config_overrides=config_overrides, allow_pickle=allow_pickle
+        )
+        super().__init__(config, **kwargs)
+        self.hf_checkpoint = checkpoint
+
+    @classmethod
+    def from_hf(
+        cls, path: str | Path, *, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
+        allow_pickle: bool = False, **module_kwargs: Any,
+    ) -> Self:  # fmt: skip
+        """The same as the constructor (the parent's classmethod would pass a ``ModelConfig`` as ``hf_path``)."""
+        return cls(
+            str(path), seq_length=seq_length, config_overrides=config_overrides, allow_pickle=allow_pickle,
+            **module_kwargs,
+        )  # fmt: skip

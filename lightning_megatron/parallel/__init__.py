@@ -1,0 +1,1 @@
+"""Parallel layout: sizes and their validation, Megatron's parallel state, DDP wrapping and mixed precision."""
