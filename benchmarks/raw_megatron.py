@@ -26,13 +26,14 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
     from lightning_megatron.kernels.resolve import resolve
     from lightning_megatron.kernels.specs import block_spec
     from lightning_megatron.parallel.sizes import ParallelSizes
-    from lightning_megatron.parallel.state import chunk_stages, initialize
+    from lightning_megatron.parallel.state import chunk_stages, initialize, seed
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     sizes = ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp)
-    initialize(sizes, seed=1234)
+    initialize(sizes)
+    seed(1234)
     kernels = resolve(config.kernels, "cuda")
     p2p = {"batch_p2p_comm": not (args.pp == 2 and args.vpp is not None)}  # see MegatronStrategy
     chunks = []

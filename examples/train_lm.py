@@ -54,7 +54,7 @@ def main() -> None:
         num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=352,
         vocab_size=VOCAB_SIZE, seq_length=args.seq_length,
     )  # fmt: skip
-    model = MegatronLMModule(config, lr=2e-3, min_lr=2e-4, warmup_steps=10)
+    model = MegatronLMModule(config, lr=2e-3, min_lr=2e-4, warmup_steps=min(10, args.max_steps // 5))
     strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size)
     callbacks: list[L.Callback] = [PrintLoss(every=10)]
     if args.ckpt_dir:

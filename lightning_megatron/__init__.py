@@ -1,17 +1,20 @@
 """lightning_megatron: Megatron-Core training (TP/PP/VPP/CP/EP/SP, pipeline schedules, distributed optimizer,
 sharded checkpoints) inside Lightning's ``Trainer``."""
 
-from lightning_megatron import presets  # noqa: F401  (registers Trainer(strategy="megatron") & co.)
-from lightning_megatron.callbacks import MegatronThroughput, SaveHF
-from lightning_megatron.config import ModelConfig, tiny_gpt
-from lightning_megatron.contract import ChunkSpec, OptimizerSpec, StepStats
-from lightning_megatron.data.modules import ByteCorpusDataModule, TokenFileDataModule
-from lightning_megatron.modules.base import MegatronLightningModule
-from lightning_megatron.modules.hf_finetune import MegatronLMFromHF
-from lightning_megatron.modules.lm import MegatronLMModule
-from lightning_megatron.modules.value import MegatronValueModule
-from lightning_megatron.parallel.sizes import ParallelSizes
-from lightning_megatron.strategy import MegatronStrategy
+from lightning_megatron import quiet
+
+with quiet.importing():  # megatron-core's import-time notices about Transformer Engine/apex (see quiet.py)
+    from lightning_megatron import presets  # noqa: F401  (registers Trainer(strategy="megatron") & co.)
+    from lightning_megatron.callbacks import MegatronThroughput, SaveHF
+    from lightning_megatron.config import ModelConfig, tiny_gpt
+    from lightning_megatron.contract import ChunkSpec, OptimizerSpec, StepStats
+    from lightning_megatron.data.modules import ByteCorpusDataModule, TokenFileDataModule
+    from lightning_megatron.modules.base import MegatronLightningModule
+    from lightning_megatron.modules.hf_finetune import MegatronLMFromHF
+    from lightning_megatron.modules.lm import MegatronLMModule
+    from lightning_megatron.modules.value import MegatronValueModule
+    from lightning_megatron.parallel.sizes import ParallelSizes
+    from lightning_megatron.strategy import MegatronStrategy
 
 __all__ = [
     "ByteCorpusDataModule",

@@ -30,8 +30,9 @@ class MegatronThroughput(L.Callback):
     Args:
         window: steps the rates are averaged over (timings are host clocks between step ends; Megatron's
             optimizer step waits for the gradient norm, so the host runs at most one step ahead of the GPUs).
-        peak_flops: dense peak FLOP/s of one GPU at the training dtype; default: Lightning's table
-            (``get_available_flops``; 989 TFLOP/s bf16 on an H100/H200 SXM). Needed for ``mfu``.
+        peak_flops: dense peak FLOP/s of one GPU at the training dtype; default: this module's table for H200,
+            H100 and A100 SXM parts (989 TFLOP/s bf16 on an H100/H200), else Lightning's (``get_available_flops``).
+            Needed for ``mfu``.
         log_every_n_steps: how often to log; default the Trainer's ``log_every_n_steps``.
     """
 
@@ -61,7 +62,9 @@ class MegatronThroughput(L.Callback):
         self._params = model_parameters(pl_module)
         strategy = trainer.strategy
         if self.peak_flops is None and strategy.root_device.type == "cuda" and isinstance(strategy, MegatronRuntime):
-            self.peak_flops = get_available_flops(strategy.root_device, strategy.compute_dtype)
+            self.peak_flops = peak_flops(torch.cuda.get_device_name(strategy.root_device), strategy.compute_dtype)
+            if self.peak_flops is None:
+                self.peak_flops = get_available_flops(strategy.root_device, strategy.compute_dtype)
         self._ends.clear()
         self._tokens.clear()
         self._samples.clear()
@@ -98,6 +101,31 @@ class MegatronThroughput(L.Callback):
         if self.peak_flops:
             metrics["train/device/mfu"] = device_flops / self.peak_flops
         return metrics
+
+
+# Dense peak FLOP/s from NVIDIA's datasheets for the names CUDA reports for SXM parts, which Lightning's table does
+# not match (an H200 reports "NVIDIA H200"). "tf32" is fp32 with TF32 matmuls allowed.
+_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "h200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "h100": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "a100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    """Dense peak FLOP/s of an H200/H100/A100 SXM GPU at ``dtype``; ``None`` for other names (PCIe and NVL parts
+    included: Lightning's own table knows those)."""
+    name = device_name.lower()
+    if "pcie" in name or "nvl" in name:
+        return None
+    chip = next((chip for chip in _PEAK_FLOPS if chip in name), None)
+    if chip is None or dtype not in _DTYPE_NAMES:
+        return None
+    key = _DTYPE_NAMES[dtype]
+    if key == "fp32" and torch.get_float32_matmul_precision() != "highest":
+        key = "tf32"
+    return _PEAK_FLOPS[chip][key]
 
 
 def model_parameters(module: Any) -> int:

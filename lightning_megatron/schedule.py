@@ -4,18 +4,21 @@ One DataLoader batch is one optimizer step for this data-parallel rank: it is sp
 micro-batches of ``micro_batch_size`` and fed to the schedule (no pipelining, 1F1B, or interleaved 1F1B with
 VPP, as Megatron picks from the parallel state). Losses are token-weighted: the module's loss function returns
 a *sum* and a token count, Megatron's ``calculate_per_token_loss`` divides gradients by the token count of the
-whole global batch, and :func:`reduce_loss` does the same for the logged value.
+whole global batch, and :func:`reduce_step` does the same for the logged value.
 """
 
 from __future__ import annotations
 
+import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron.contract import Batch, LossFn, StepModule
+from lightning_megatron.contract import Batch, LossFn, StepModule, StepStats
 from lightning_megatron.parallel.state import data_parallel_rank_and_size
 from lightning_megatron.validation import divisors
 
@@ -97,11 +100,11 @@ def run(
 
 
 def _recording(loss_fn: LossFn) -> LossFn:
-    """Wrap ``loss_fn`` so that the (sum, count) pair is kept for :func:`reduce_loss`."""
+    """Wrap ``loss_fn`` so that the (sum, count) pair and its logs are kept for :func:`reduce_step`."""
 
-    def wrapped(output: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def wrapped(output: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
         loss_sum, num_tokens, logs = loss_fn(output)
-        record = {"loss_sum": loss_sum.detach().float(), "num_tokens": num_tokens.detach().float(), **logs}
+        record = {"loss_sum": loss_sum.detach().float(), "num_tokens": num_tokens.detach().float(), "logs": logs}
         return loss_sum, num_tokens, record
 
     return wrapped
@@ -115,29 +118,136 @@ def _prediction_fn(module: StepModule, micro_batch: Batch) -> Callable:
     return wrapped
 
 
-def reduce_loss(records: list[dict[str, Any]], device: torch.device) -> tuple[Tensor, Tensor]:
-    """Token-weighted mean loss of the global batch and its token count, identical on every rank.
+@dataclass
+class StepLoss:
+    """One global batch's loss (and ``loss_fn`` logs), reduced: identical on every rank."""
 
-    Sums (loss, tokens) over micro-batches, all-reduces over data-parallel (x context-parallel) ranks, then
-    broadcasts from the last pipeline stage, where alone the loss exists.
+    loss: Tensor
+    """Token-weighted mean loss (a device scalar)."""
+    num_tokens: Tensor
+    """Tokens the loss counts, over all micro-batches and data-parallel ranks (a device scalar)."""
+    header: HostScalar
+    """Host copy, queued without waiting, of ``[loss_sum, num_tokens, number of logs, hash of their names, that hash
+    summed over data-parallel ranks, (sum, count) of each log whose names the other stages know]``."""
+    log_names: list[str] = field(default_factory=list)
+    """The ``loss_fn`` logs' names, sorted (last pipeline stage only)."""
+    log_totals: Tensor | None = None
+    """``[len(log_names), 2]`` (sum, count) per log over micro-batches and data-parallel ranks (last stage only)."""
+
+
+class LogNames:
+    """The ``loss_fn`` log names every pipeline stage knows (sent again only when they change)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.hash = _names_hash([])
+
+
+def reduce_step(records: list[dict[str, Any]], device: torch.device, known: LogNames) -> StepLoss:
+    """Reduce what the loss functions returned: the token-weighted loss and each log's (sum, count).
+
+    Sums over micro-batches, all-reduces over data-parallel (x context-parallel) ranks in one collective, then
+    broadcasts a header from the last pipeline stage, where alone the loss exists. The header carries the logs'
+    values too while their names are the ones every stage already knows (``known``), so steady-state logging
+    costs no extra collective and no extra synchronisation (:func:`step_logs`).
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    names, totals = _log_totals(records, device)
+    # [loss_sum, num_tokens, names hash, totals...]; new_full is a fill kernel, where torch.tensor([...], device=...)
+    # or item assignment would copy from the host and synchronise with the GPU.
+    sums = torch.cat([_loss_sums(records, device), totals.new_full((1,), _names_hash(names)), totals.flatten()])
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        torch.distributed.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
+    pipelined = ps.get_pipeline_model_parallel_world_size() > 1
+    # The other stages receive a header sized for the names they know: the values ride along only for those.
+    known_totals = sums[3:] if not pipelined or names == known.names else sums.new_zeros(2 * len(known.names))
+    count, names_hash = sums.new_full((1,), len(names)), sums.new_full((1,), _names_hash(names))
+    header = torch.cat([sums[:2], count, names_hash, sums[2:3], known_totals])
+    if pipelined:
+        src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+        torch.distributed.broadcast(header, src=src, group=group)
+    loss = (header[0] / header[1].clamp(min=1)).float()
+    reduced = sums[3:].reshape(-1, 2) if names else None
+    return StepLoss(loss, header[1], HostScalar(header), log_names=names, log_totals=reduced)
+
+
+def _loss_sums(records: list[dict[str, Any]], device: torch.device) -> Tensor:
+    """``[sum of loss_sum, sum of num_tokens]`` over the micro-batches' records, in float64."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
     for record in records:
-        totals[0] += record["loss_sum"].double()
-        totals[1] += record["num_tokens"].double()
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        torch.distributed.all_reduce(totals, group=dp_group)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(
-            totals,
-            src=parallel_state.get_pipeline_model_parallel_last_rank(),
-            group=parallel_state.get_pipeline_model_parallel_group(),
+        sums[0] += record["loss_sum"].double()
+        sums[1] += record["num_tokens"].double()
+    return sums
+
+
+def _log_totals(records: list[dict[str, Any]], device: torch.device) -> tuple[list[str], Tensor]:
+    """(sorted names, [K, 2] sums and counts) of the micro-batches' ``logs``: a scalar counts 1, a (sum, count) pair
+    as is. Sorted: every rank must all-reduce the same logs in the same order."""
+    pairs: dict[str, list[Tensor]] = {}
+    for record in records:
+        for name, value in record["logs"].items():
+            pairs.setdefault(name, []).append(_sum_and_count(name, value, device))
+    names = sorted(pairs)
+    if not names:
+        return [], torch.zeros(0, 2, dtype=torch.float64, device=device)
+    return names, torch.stack([torch.stack(pairs[name]).sum(0) for name in names])
+
+
+def _sum_and_count(name: str, value: Any, device: torch.device) -> Tensor:
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return torch.stack([value.detach().reshape(()).double(), torch.ones((), dtype=torch.float64, device=device)])
+    if isinstance(value, tuple | list) and len(value) == 2:
+        return torch.stack([_scalar(v, device) for v in value])
+    raise TypeError(
+        f"loss_fn logs[{name!r}] is {type(value).__name__}; a log is a scalar tensor (averaged over micro-batches and "
+        "data-parallel ranks) or a (sum, count) pair of scalars (summed, then divided)"
+    )
+
+
+def _scalar(value: Any, device: torch.device) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.detach().reshape(()).double()
+    return torch.full((), float(value), dtype=torch.float64, device=device)  # a fill: no host-to-device copy
+
+
+def _names_hash(names: list[str]) -> int:
+    return zlib.crc32("\0".join(names).encode())
+
+
+def step_logs(step: StepLoss, known: LogNames, device: torch.device) -> dict[str, Tensor]:
+    """The step's ``loss_fn`` logs, ``{name: sum / count}`` as host tensors, on every rank.
+
+    Reads the header's host copy, which waits only for the step's own reduction. Only when the names are new to the
+    other pipeline stages (the first step with logs, or a change) does it broadcast them and the values, a
+    collective over the pipeline group: every rank calls this function after every :func:`reduce_step`.
+    """
+    from megatron.core import parallel_state as ps
+
+    header = step.header.get()
+    count, names_hash = int(header[2]), int(header[3])
+    if count == 0:
+        return {}
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    if int(header[4]) != dp * names_hash:
+        raise ValueError(
+            "loss_fn returned different log names on different data-parallel ranks; every rank and micro-batch must "
+            "return the same names (log a (0, 0) pair where a value does not apply)"
         )
-    loss = (totals[0] / totals[1].clamp(min=1)).float()
-    return loss, totals[1]
+    names, values = step.log_names, header[5:].reshape(-1, 2)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        if names_hash != known.hash:  # new names: send them, and this step's values, once
+            group, src = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
+            message = [names]
+            torch.distributed.broadcast_object_list(message, src=src, group=group, device=device)
+            known.names, known.hash = message[0], names_hash
+            totals = step.log_totals
+            if totals is None:
+                totals = torch.empty(count, 2, dtype=torch.float64, device=device)
+            torch.distributed.broadcast(totals, src=src, group=group)
+            values = totals.cpu()
+        names = known.names
+    return {name: (values[i, 0] / values[i, 1]).float() for i, name in enumerate(names)}
 
 
 def gather_predictions(records: list[dict[str, Any]], device: torch.device) -> Tensor | dict[str, Tensor]:
@@ -166,6 +276,40 @@ def gather_predictions(records: list[dict[str, Any]], device: torch.device) -> T
         out[key] = tensors[key] if tensors is not None else torch.empty(shape, dtype=dtype, device=device)
         torch.distributed.broadcast(out[key], src=src, group=group)
     return out if is_dict else out[""]
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """One training step between the strategy's ``training_step`` and its logging after the optimizer step."""
+
+    loss: StepLoss
+    start: float
+    """``time.perf_counter()`` when the step began."""
+    tokens: int
+    """Input tokens of the global batch."""
+
+
+def train_metrics(step: TrainStep, stats: StepStats, skipped_steps: int, known: LogNames) -> dict[str, Tensor]:
+    """What a training step logs, as host tensors (identical on every rank but ``tokens_per_s``, each rank's clock):
+    ``train_loss``, ``lr``, ``grad_norm``, ``skipped_steps``, ``tokens_per_s`` and the loss_fn logs. Collective like
+    :func:`step_logs`."""
+    header = step.loss.header.get()  # host copy: waits for the reduction only, not for the optimizer's kernels
+    # Input tokens of the global batch per second of the step's own work (schedule and optimizer, this rank's clock),
+    # not of the callbacks around it.
+    elapsed = max(time.perf_counter() - step.start, 1e-9)
+    metrics = {"train_loss": header[0] / header[1].clamp(min=1), "lr": _host(stats.lr)}
+    if stats.grad_norm is not None:
+        metrics["grad_norm"] = _host(stats.grad_norm)
+    metrics["skipped_steps"] = _host(skipped_steps)
+    metrics["tokens_per_s"] = _host(step.tokens / elapsed)
+    metrics.update(step_logs(step.loss, known, step.loss.loss.device))
+    return {name: value.float() for name, value in metrics.items()}
+
+
+def _host(value: float) -> Tensor:
+    """A host-side number as a CPU tensor for ``self.log``: Lightning would copy a bare float to the GPU, a
+    synchronising copy that stops the host from queueing the next step while the optimizer's kernels run."""
+    return torch.tensor(float(value), dtype=torch.float64)
 
 
 class HostScalar:

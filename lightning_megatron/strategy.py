@@ -2,38 +2,42 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Mapping
-from dataclasses import replace
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, override
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_megatron import cpu, schedule
+from lightning_megatron import cpu, quiet, schedule
 from lightning_megatron.checkpointing import sharded
 from lightning_megatron.checkpointing.resume import ResumableLoader
 from lightning_megatron.checkpointing.writer import CheckpointWriter
 from lightning_megatron.contract import ChunkSpec, MegatronRuntime, OptimizerSpec, StepStats
-from lightning_megatron.modules.base import MegatronLightningModule
+from lightning_megatron.modules.base import MegatronLightningModule, check_overrides, megatron_module
 from lightning_megatron.parallel import ddp, state
 from lightning_megatron.parallel import precision as mixed
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.training import clip_grads, guards, optim
 from lightning_megatron.training import offload as offload_state
-from lightning_megatron.training.optim import LightningOptimizerAdapter, build_scheduler
+from lightning_megatron.training.grad_norms import grad_norms
+from lightning_megatron.training.optim import LightningOptimizerAdapter
+from lightning_megatron.training.retained import Retained, run_all
 from lightning_megatron.validation import check_positive_int
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
     from megatron.core.distributed import DistributedDataParallelConfig
+
+_PATH = str | os.PathLike
 
 
 class MegatronStrategy(DDPStrategy, MegatronRuntime):
@@ -49,18 +53,16 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         micro_batch_size: samples per micro-batch; each DataLoader batch is split into micro-batches of this
             size and run through Megatron's pipeline schedule as one optimizer step.
         use_distributed_optimizer: shard optimizer state across data-parallel ranks (ZeRO-1).
-        ddp_config: Megatron's ``DistributedDataParallelConfig`` (``overlap_grad_reduce``, ``overlap_param_gather``,
-            bucket size, ...), used as given (the default is ``grad_reduce_in_fp32=True``; Megatron's own default
-            is False); ``use_distributed_optimizer`` above wins over its field of the same name. The overlap hooks
-            are handed to Megatron's schedule as Megatron-LM does.
+        ddp_config: Megatron's ``DistributedDataParallelConfig`` (overlap, bucket size, ...), used as given (default:
+            ``grad_reduce_in_fp32=True``; Megatron's is False); ``use_distributed_optimizer`` above wins over its
+            field of the same name. The overlap hooks go to Megatron's schedule as Megatron-LM hands them.
         seed: base seed of Megatron's model-parallel RNG; ``None`` takes Lightning's ``seed_everything`` seed
             (``PL_GLOBAL_SEED``) or 1234.
         timeout: timeout of every collective (Lightning's default group and Megatron's groups; sub-minute values
             work): a rank that stops answering makes the others fail with an error after this long.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on GPU by default.
-        async_save: write checkpoints in background processes (Megatron's async dist-checkpointing); a checkpoint
-            is published once every rank has written it, at the latest before the next save and at the end of
-            training. Off by default.
+        async_save: write checkpoints in background processes (Megatron's async dist-checkpointing), each published
+            once every rank has written it, at the latest before the next save and at the end of training.
         nonfinite: what a non-finite loss or gradient does: ``"error"`` (default) stops with an error naming the
             step, ``"skip"`` leaves the weights unchanged for that step and counts it in ``skipped_steps``.
     """
@@ -107,6 +109,13 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._skipped_steps = 0
         self._writer = CheckpointWriter(async_save)
         self._failed = False
+        self._collective_timeout = timeout
+        self._groups: state.Groups | None = None  # Megatron's groups of this strategy's last run
+        self._rng: dict[str, Any] | None = None  # the global RNG states before this run seeded them
+        self._step: schedule.TrainStep | None = None
+        self._log_names = schedule.LogNames()
+        self._retained: Retained | None = None  # what a finished run keeps for trainer.save_checkpoint
+        self._quiet = quiet.RunFilters()
 
     # ------------------------------------------------------------------ state
     @property
@@ -137,48 +146,19 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @property
     def module(self) -> MegatronLightningModule:
-        return _check_module(self.lightning_module)
+        return megatron_module(self.lightning_module)
 
     @override
     def chunk_specs(self) -> list[ChunkSpec]:
         """One spec per model chunk this rank holds (one per VPP stage)."""
-        config = self.megatron_config_kwargs()
-        stages = state.chunk_stages(self._sizes.num_chunks)
-        vpp = self._sizes.vpp
-        return [
-            ChunkSpec(
-                pre_process=first,
-                post_process=last,
-                vp_stage=i if vpp else None,
-                parallel=config,
-                device_type=self.root_device.type,
-            )  # fmt: skip
-            for i, (first, last) in enumerate(stages)
-        ]
+        return state.chunk_specs(self._sizes, self.compute_dtype, self.root_device.type)
 
     @property
     @override
     def compute_dtype(self) -> torch.dtype:
-        """Weights' and activations' dtype: bf16 (``"bf16-mixed"``), fp16 (``"16-mixed"``) or fp32 (``"32-true"``).
-
-        The mixed precisions are Megatron's own: Float16Module, fp32 main weights in the optimizer, gradients
-        reduced in fp32, dynamic loss scaling for fp16 -- no autocast.
-        """
+        """Weights' and activations' dtype: bf16 (``"bf16-mixed"``), fp16 (``"16-mixed"``) or fp32 (``"32-true"``);
+        Megatron's own mixed precision (Float16Module, fp32 main weights and gradient reduction, no autocast)."""
         return mixed.PRECISIONS[mixed.lightning_precision(self.precision_plugin)]
-
-    def megatron_config_kwargs(self) -> dict[str, Any]:
-        """``ModelParallelConfig`` fields the strategy decides: sizes, dtypes, p2p settings."""
-        dtype = self.compute_dtype
-        return {
-            **self._sizes.megatron_kwargs(),
-            **mixed.megatron_dtype_fields(dtype),
-            "pipeline_dtype": dtype,
-            # With pp=2 the next and the previous stage are the same peer. The interleaved schedule's batched
-            # send/recv then posts [send_prev, recv_prev, send_next, recv_next] on both ranks, so an activation
-            # is received as a gradient and vice versa (same shape: no error, silently wrong losses after the
-            # warm-up; seen on gloo and NCCL). Unbatched p2p orders the ops so they match.
-            "batch_p2p_comm": not (self._sizes.pp == 2 and self._sizes.vpp is not None),
-        }
 
     @property
     @override
@@ -192,12 +172,10 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         batch_size = getattr(dataloader, "batch_size", None)
         if isinstance(batch_size, int):
             schedule.check_micro_batch_size(batch_size, self.micro_batch_size)
-        trainer = self.module.trainer
-        if not trainer.training:
+        if not self.module.trainer.training:
             return dataloader
         guards.check_dataloader(dataloader, "training")
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        return ResumableLoader(dataloader, consumed=lambda: progress.current.ready)
+        return ResumableLoader.of_training(dataloader, self.module.trainer)
 
     @property
     @override
@@ -228,10 +206,11 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     # ------------------------------------------------------------------ setup
     @override
     def connect(self, model: L.LightningModule) -> None:
-        module = _check_module(model)
+        module = megatron_module(model)
         super().connect(model)
         guards.check_trainer(model.trainer)
         mixed.lightning_precision(self.precision_plugin)  # raises for precisions Megatron is not set up for here
+        check_overrides(module, model.trainer.callbacks)
         module.validate_parallel(self._sizes)
 
     @override
@@ -244,23 +223,23 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def setup_environment(self) -> None:
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
+        self._quiet.enter(self.root_device.type)  # third-party notices of the torch-native path (quiet.py)
         if self.root_device.type == "cpu":
             cpu.enable()
         super().setup_environment()  # default process group
-        state.initialize(self._sizes, seed=state.resolve_seed(self._seed), timeout=self._timeout)
+        if self._groups is None or not self._groups.alive():  # a later fit/validate/... of this strategy reuses them
+            self._megatron_optimizer = self._scheduler = self._retained = None  # an earlier run's, for its groups
+            self._groups = state.initialize(self._sizes, timeout=self._collective_timeout)
+        self._rng = state.seed(state.resolve_seed(self._seed))
+        self._log_names = schedule.LogNames()
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        module = self.module
         self.model_to_device()
-        for chunk in module.chunks:
-            # Loss functions return sums; Megatron then divides gradients by the global batch's token count.
-            # Set here (not through ChunkSpec) because it is a TransformerConfig field that the schedule and DDP
-            # read from any chunk config, a bare ModelParallelConfig included.
-            chunk.config.calculate_per_token_loss = True
-        self._run_chunks = mixed.wrap(list(module.chunks), self.compute_dtype)
+        guards.check_per_token_loss(self.module.chunks)
+        self._run_chunks = mixed.wrap(list(self.module.chunks), self.compute_dtype)
         if trainer.state.fn == TrainerFn.FITTING:
             self._ddp_chunks = ddp.wrap(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
             self._run_chunks = self._ddp_chunks
@@ -269,38 +248,24 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
-        from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer import get_megatron_optimizer
-
         spec = self.module.configure_optimizers()
         if not isinstance(spec, OptimizerSpec):
             raise TypeError(
                 f"{type(self.module).__name__}.configure_optimizers must return lightning_megatron.OptimizerSpec, "
                 f"got {type(spec).__name__}"
             )
-        opt_config = replace(
-            spec.config,
-            use_distributed_optimizer=self.use_distributed_optimizer,
-            **mixed.megatron_dtype_fields(self.compute_dtype),
-        )
         assert self._ddp_chunks is not None
-        self._megatron_optimizer = get_megatron_optimizer(opt_config, self._ddp_chunks)
-        optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
+        if self._retained is not None:  # an earlier fit's optimizer, kept for save_checkpoint, is replaced
+            self._retained.forget_optimizer()
+        self._megatron_optimizer, self._scheduler = optim.build(
+            spec, self._ddp_chunks, trainer, dtype=self.compute_dtype, distributed=self.use_distributed_optimizer,
+            fused=self.root_device.type == "cuda",
+        )  # fmt: skip
         clip_grads.use_foreach_clip_grads()
-        self._scheduler = build_scheduler(self._megatron_optimizer, spec, trainer)
-        # What Megatron's schedule calls around the step, read from the first chunk's config.
-        config = self._ddp_chunks[0].config
-        config.finalize_model_grads_func = finalize_model_grads
-        config.grad_scale_func = self._megatron_optimizer.scale_loss
-        ddp.set_overlap_hooks(config, self._ddp_chunks)
-        self.optimizers = [
-            LightningOptimizerAdapter(
-                self._megatron_optimizer,
-                self._scheduler,
-                self._record_step,
-                self._should_step if self._nonfinite == "skip" else None,
-            )  # fmt: skip
-        ]
+        ddp.set_schedule_hooks(self._ddp_chunks, self._megatron_optimizer)
+        should_step = self._should_step if self._nonfinite == "skip" else None
+        adapter = LightningOptimizerAdapter(self._megatron_optimizer, self._scheduler, self._record_step, should_step)
+        self.optimizers = [adapter]
         self.lr_scheduler_configs = []
 
     def _record_step(self, stats: StepStats) -> None:
@@ -321,19 +286,22 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]
         assert self._ddp_chunks is not None
+        start = time.perf_counter()
         for chunk in self._ddp_chunks:
             chunk.zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
-        records = schedule.run(
-            self.module, self._ddp_chunks, schedule.as_batch(batch), micro_batch_size=self.micro_batch_size,
-            forward_only=False,
-        )  # fmt: skip
-        loss, num_tokens = schedule.reduce_loss(records, self.root_device)
-        return {"loss": loss, "num_tokens": num_tokens, "host_loss": schedule.HostScalar(loss)}
+        with self.module.running_schedule():
+            records = schedule.run(
+                self.module, self._ddp_chunks, schedule.as_batch(batch), micro_batch_size=self.micro_batch_size,
+                forward_only=False,
+            )  # fmt: skip
+        loss = schedule.reduce_step(records, self.root_device, self._log_names)
+        self._step = schedule.TrainStep(loss, start, schedule.global_batch_size(batch)[1])
+        return {"loss": loss.loss, "num_tokens": loss.num_tokens}
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        return closure_loss  # Megatron's schedule already ran the backward pass
+        return closure_loss  # Megatron's schedule ran the backward pass
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -341,13 +309,33 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         # optimizer owns the loss scale (and skips steps whose gradients overflow), so run the plain precision
         # step: the closure, on_before_optimizer_step, then our optimizer's step.
         plugin = self.precision_plugin
-        return Precision.optimizer_step(plugin, optimizer, model or self.lightning_module, closure, **kwargs)
+        result = Precision.optimizer_step(plugin, optimizer, model or self.lightning_module, closure, **kwargs)
+        # Logged here, before any callback's on_train_batch_end of this step reads trainer.callback_metrics.
+        assert self._step is not None
+        metrics = schedule.train_metrics(self._step, self.last_step, self.skipped_steps, self._log_names)
+        self.module.log_train_step(metrics)
+        self._step = None  # grad_norms() outside a step raises instead of reading stale buffers
+        return result
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:  # type: ignore[override]
-        records = self._forward_only(batch, predict=False)
-        loss, num_tokens = schedule.reduce_loss(records, self.root_device)
-        return {"loss": loss, "num_tokens": num_tokens}
+        return self._evaluation_step("val", batch)
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:  # type: ignore[override]
+        return self._evaluation_step("test", batch)
+
+    def _evaluation_step(self, stage: str, batch: Any) -> dict[str, Tensor]:
+        loss = self.forward_loss(batch)
+        self.module.log_eval_step(stage, loss["loss"], loss["num_tokens"], loss["logs"])
+        return {"loss": loss["loss"], "num_tokens": loss["num_tokens"]}
+
+    def forward_loss(self, batch: Any) -> dict[str, Any]:
+        """Collective: ``{"loss", "num_tokens", "logs"}`` of ``batch`` forward-only, as validation computes them
+        (identical on every rank), without logging anything: for any hook while the strategy is set up."""
+        step = schedule.reduce_step(self._forward_only(batch, predict=False), self.root_device, self._log_names)
+        logs = schedule.step_logs(step, self._log_names, self.root_device)
+        return {"loss": step.loss, "num_tokens": step.num_tokens, "logs": logs}
 
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:  # type: ignore[override]
@@ -355,11 +343,32 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     def _forward_only(self, batch: Any, *, predict: bool) -> list[dict[str, Any]]:
         chunks = self._run_chunks or list(self.module.chunks)
-        with torch.no_grad():
+        with torch.no_grad(), self.module.running_schedule():
             return schedule.run(
                 self.module, chunks, schedule.as_batch(batch), micro_batch_size=self.micro_batch_size,
                 forward_only=True, predict=predict,
             )  # fmt: skip
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """``self.log(..., sync_dist=True)`` and ``strategy.reduce`` reduce over the data-parallel (x context-parallel)
+        group by default: tensor- and pipeline-parallel peers hold copies of the same values, not more samples."""
+        from megatron.core import parallel_state
+
+        if group is None and parallel_state.model_parallel_is_initialized():
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Decisions (ModelCheckpoint's "is this the best?", EarlyStopping) bind every rank: all of the world votes.
+        votes = super().reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum")
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    def grad_norms(self) -> dict[str, Tensor]:
+        """Collective, in ``on_before_optimizer_step``: the step's gradient norms, named as Lightning's
+        ``grad_norm(module, 2)`` does, from Megatron's gradient buffers (``p.grad`` is None under Megatron)."""
+        return grad_norms(self._ddp_chunks if self._step is not None else None, self.module)
 
     @override
     def sync_params(self) -> None:
@@ -369,12 +378,10 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     # ------------------------------------------------------------------ offload (GPU shared with inference)
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
-        """Release the accelerator memory of parameters, gradients and optimizer state (main params included).
-
-        Parameters and optimizer state are copied to pinned host memory first; gradients are dropped and come
-        back zeroed (offload between optimizer steps). Every tensor object stays valid, so :meth:`reload` makes
-        training continue exactly as if nothing happened. Returns the number of bytes released.
-        """
+        """Release the accelerator memory of parameters, gradients and optimizer state (main params included);
+        return the bytes released. Parameters and optimizer state go to pinned host memory first, gradients come
+        back zeroed (offload between optimizer steps); every tensor stays valid, so after :meth:`reload` training
+        continues exactly as if nothing happened."""
         if self._offloaded is not None:
             raise RuntimeError("MegatronStrategy.offload called twice without reload()")
         self._offloaded = offload_state.offload(
@@ -389,54 +396,49 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         offload_state.reload(self._offloaded)
         self._offloaded = None
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (sharded: save/load_checkpoint)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the model is saved sharded in save_checkpoint
+        return {}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Tensor]:
-        return {}  # the optimizer is saved sharded in save_checkpoint
+        return {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"MegatronStrategy.save_checkpoint takes no storage_options, got {storage_options!r}")
-        saved = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        if self._scheduler is not None:
-            saved["megatron_lr_scheduler"] = self._scheduler.state_dict()
-        # The unwrapped chunks: the DDP wrappers' state-dict keys carry a "module." prefix.
-        saved[sharded.MODEL_CONFIG_KEY] = sharded.model_config_dict(self.module)
-        self.sync_params()  # with overlapped param gather the last step's update may be pending
-        saved.update(sharded.sharded_state_dict(list(self.module.chunks), self._megatron_optimizer))
-        self._writer.save(saved, filepath)
+        # During a run nothing is needed; after it, what the run kept comes back for the save.
+        after_run = self._run_chunks is None and self._retained is not None  # set up from setup to teardown
+        with self._retained.restored(self.module.chunks, self._megatron_optimizer) if after_run else nullcontext():
+            self.sync_params()  # with overlapped param gather the last step's update may be pending
+            # The unwrapped chunks: the DDP wrappers' state-dict keys carry a "module." prefix.
+            state_to_save = sharded.checkpoint_state(
+                checkpoint, list(self.module.chunks), self._megatron_optimizer, self._scheduler,
+                sharded.model_config_dict(self.module),
+            )  # fmt: skip
+            self._writer.save(state_to_save, filepath)
+            if self._ddp_chunks is None:  # after fit/validate: no later hook would publish an async save
+                self._writer.finalize()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._writer.finalize()  # a checkpoint still being written by this run is published first
-        chunks = list(self.module.chunks)
-        loaded = sharded.load(chunks, self._megatron_optimizer, checkpoint_path, sharded.model_config_dict(self.module))
+        chunks, config = list(self.module.chunks), sharded.model_config_dict(self.module)
+        loaded = sharded.load(chunks, self._megatron_optimizer, checkpoint_path, config, scheduler=self._scheduler)
         if self._megatron_optimizer is not None:  # the loaded param groups carry the writer's fused/foreach flags
             optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
-        scheduler_state = loaded.pop("megatron_lr_scheduler", None)
-        if self._scheduler is not None and scheduler_state is not None:
-            try:
-                self._scheduler.load_state_dict(scheduler_state)
-            except AssertionError as error:  # Megatron asserts that the schedule settings match
-                raise ValueError(
-                    f"the LR schedule saved in {checkpoint_path} differs from this run's ({error}); keep lr, min_lr, "
-                    "warmup_steps and decay_steps (or Trainer(max_steps) when decay_steps=None) as they were"
-                ) from error
         loaded.setdefault("state_dict", {})
         return loaded
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
+        pass
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded in load_checkpoint
+        pass
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -456,34 +458,37 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         super().on_exception(exception)
         self._failed = True  # peers may be dead: teardown must not wait for them
 
-    # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        if self._failed:
-            self._writer.abort()
-        else:
-            self._writer.finalize()  # e.g. trainer.save_checkpoint after fit
-        self._failed = False
-        if self._offloaded is not None:  # never leave a module with released storages behind
-            self.reload()
-        self._last_step = None
-        if self._ddp_chunks:
-            ddp.clear_hooks(self._ddp_chunks[0].config)
-        self._ddp_chunks = None
-        self._run_chunks = None
-        self._megatron_optimizer = None
-        self._scheduler = None
-        clip_grads.restore_clip_grads()
-        super().teardown()
-        if _distributed_is_initialized():
-            state.destroy()
-        cpu.disable()
-
-
-def _check_module(module: object) -> MegatronLightningModule:
-    if not isinstance(module, MegatronLightningModule):
-        raise TypeError(
-            "MegatronStrategy trains a lightning_megatron.MegatronLightningModule (e.g. MegatronLMModule), "
-            f"got {type(module).__name__}"
+        failed, self._failed = self._failed, False
+        # Every step runs even if an earlier one raises: no global patch (CPU mode, clip-grads, the RNG) may
+        # outlive the run. The first error is raised at the end.
+        run_all(
+            self._writer.abort if failed else self._writer.finalize,  # finalize: e.g. save_checkpoint after fit
+            lambda: self.reload() if self._offloaded is not None else None,  # never leave released storages behind
+            self._drop_step_state,
+            clip_grads.restore_clip_grads,
+            super().teardown,
+            lambda: self._keep_for_saving(failed),
+            cpu.disable,
+            lambda: state.restore_rng(self._rng),
+            self._quiet.exit,
+            raise_errors=not failed,  # after a failure the user's exception is the one to see
         )
-    return module
+        self._rng = None
+
+    def _drop_step_state(self) -> None:
+        ddp_chunks, self._ddp_chunks, self._run_chunks = self._ddp_chunks, None, None
+        self._last_step, self._step = None, None
+        if ddp_chunks:
+            ddp.clear_hooks(ddp_chunks[0].config)
+
+    def _keep_for_saving(self, failed: bool) -> None:
+        # After a run its groups and optimizer stay for trainer.save_checkpoint (training/retained.py); after a
+        # failure (peers may be gone) everything goes.
+        if failed or self._groups is None:
+            self._megatron_optimizer = self._scheduler = self._groups = self._retained = None
+            state.destroy()
+            return
+        self._retained = self._retained or Retained(self._groups, self.root_device.type)
+        self._retained.keep(self.module.chunks, self._megatron_optimizer)

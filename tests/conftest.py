@@ -60,18 +60,28 @@ def one_process_megatron(port: int) -> Iterator[None]:
 
     from lightning_megatron import cpu
     from lightning_megatron.parallel.sizes import ParallelSizes
-    from lightning_megatron.parallel.state import destroy, initialize
+    from lightning_megatron.parallel.state import destroy, initialize, seed
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     with cpu.cpu_mode():
-        initialize(ParallelSizes(), seed=0)
+        initialize(ParallelSizes())
+        seed(0)
         try:
             yield
         finally:
             destroy()
+
+
+@pytest.fixture
+def fresh_megatron_state() -> None:
+    """For tests that check a failing run leaves no Megatron state: start as a fresh process would, without the
+    groups that an earlier in-process run kept for a trainer.save_checkpoint after it (training/retained.py)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
 
 
 def cuda_devices() -> int:

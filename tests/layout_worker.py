@@ -12,6 +12,7 @@ import sys
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from logged_module import Logged  # tests/ is this script's directory
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, MegatronValueModule, tiny_gpt
@@ -21,13 +22,23 @@ GLOBAL_BATCH = 8
 
 
 class Recorder(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, logs: bool = False) -> None:
         self.train: dict[int, float] = {}
-
         self.val: dict[int, float] = {}
+        self.logs = logs
+        self.contract: dict[int, dict[str, float]] = {}  # with logs: what callbacks see of the step
+        self._norm = 0.0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        if self.logs:
+            self._norm = float(trainer.strategy.grad_norms()["grad_2.0_norm_total"])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.train[trainer.global_step] = float(outputs["loss"])
+        if self.logs:
+            metrics = trainer.callback_metrics
+            seen = {name: float(metrics[name]) for name in ("train_loss", "mean_loss", "ones", "grad_norm")}
+            self.contract[trainer.global_step] = {**seen, "norm_total": self._norm}
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:  # noqa: ANN001
         key = -1 if trainer.sanity_checking else trainer.global_step
@@ -56,12 +67,14 @@ def main(args: dict) -> None:
     data[:, 16:] = data[:, :16]
     val = synthetic_tokens(16, 32, 256, seed=2)
     config = tiny_gpt(**args.get("model", {}))
-    module_cls = MegatronValueModule if args.get("module") == "value" else MegatronLMModule
+    module_cls = (
+        MegatronValueModule if args.get("module") == "value" else Logged if args.get("logs") else MegatronLMModule
+    )
     extra = {"prediction": args["prediction"]} if "prediction" in args else {}
     model = module_cls(config, lr=args.get("lr", 3e-3), warmup_steps=1, decay_steps=16, **extra)
     if args.get("module") == "value":  # per-token value targets derived from the tokens
         data, val = value_items(data), value_items(val)
-    recorder = Recorder()
+    recorder = Recorder(logs=bool(args.get("logs")))
     callbacks: list = [recorder]
     if args.get("ckpt_dir"):
         callbacks.append(
@@ -108,6 +121,7 @@ def main(args: dict) -> None:
         trainer.fit(model, train_loader, val_loader, ckpt_path=args.get("resume"))
         result["train"] = recorder.train
         result["val"] = recorder.val
+        result["contract"] = recorder.contract
         result["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     elif mode in ("validate", "validate+predict"):
         out = trainer.validate(model, val_loader, ckpt_path=args.get("resume"))

@@ -27,6 +27,9 @@ from lightning_megatron.data.corpus import synthetic_tokens
 from lightning_megatron.parallel import state as parallel_state
 from lightning_megatron.training.guards import check_token_batch
 
+# These tests check that a failing run builds nothing and leaves nothing: start without an earlier run's groups.
+pytestmark = pytest.mark.usefixtures("fresh_megatron_state")
+
 
 def _trainer(strategy: MegatronStrategy | None = None, devices: int = 1, **kwargs: object) -> L.Trainer:
     return L.Trainer(
@@ -71,6 +74,9 @@ CASES = [
         lambda: MegatronStrategy(vpp=2), ValueError, r"vpp=2 needs pipeline.*pp=1.*pp>=2", id="vpp without pp"
     ),
     pytest.param(lambda: MegatronStrategy(pp=2, vpp=0), ValueError, r"vpp=0 must be None or a positive", id="vpp zero"),
+    pytest.param(
+        lambda: MegatronStrategy(pp=2, vpp=1), ValueError, r"vpp=1 is one model chunk.*vpp=None", id="vpp one"
+    ),
     pytest.param(
         lambda: MegatronStrategy(sequence_parallel=True),
         ValueError,

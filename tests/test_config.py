@@ -148,7 +148,7 @@ def test_context_parallel_needs_an_attention_that_splits_sequences() -> None:
     with pytest.raises(ValueError, match=r"cp=2: context parallelism"):
         tiny_gpt().validate_parallel(ParallelSizes(cp=2))
     tiny_gpt(num_moe_experts=4).validate_parallel(ParallelSizes(tp=2, ep=4))
-    tiny_gpt(num_query_groups=2).validate_parallel(ParallelSizes(tp=2, pp=4, vpp=1))
+    tiny_gpt(num_query_groups=2).validate_parallel(ParallelSizes(tp=2, pp=4))
 
 
 def test_to_transformer_config_maps_fields() -> None:

@@ -10,6 +10,9 @@ from torch.utils.data import DataLoader
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
 
+# These tests check that a failing run builds nothing and leaves nothing: start without an earlier run's groups.
+pytestmark = pytest.mark.usefixtures("fresh_megatron_state")
+
 
 def _trainer(strategy: MegatronStrategy, devices: int = 1, **kwargs: object) -> L.Trainer:
     return L.Trainer(

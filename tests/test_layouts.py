@@ -21,11 +21,12 @@ MAX_STEPS = 4
 VAL = {"limit_val_batches": 2, "val_check_interval": 2, "sanity": 2}
 
 LAYOUTS = {
-    "dp2": {"devices": 2, "overlap": True},  # grad reduce / param gather overlapped, several buckets
+    # grad reduce / param gather overlapped, several buckets; loss_fn logs and grad norms over data-parallel shards
+    "dp2": {"devices": 2, "overlap": True, "logs": True},
     "tp2": {"devices": 2, "tp": 2, "model": {"kernels": "torch"}},  # the fast path: SDPA, fused CE at TP=2
     "pp2": {"devices": 2, "pp": 2},
     "pp2_vpp2": {"devices": 2, "pp": 2, "vpp": 2},
-    "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2},
+    "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2, "logs": True},  # logs and grad norms over TP shards and stages
     "tp2_sp": {"devices": 2, "tp": 2, "sp": True},
 }
 
@@ -75,6 +76,13 @@ def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_p
     _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "train_loss")
     _assert_close(resumed["val"], {str(MAX_STEPS): full["val"][str(MAX_STEPS)]}, "val_loss")
     assert resumed["callback_metrics"]["train_loss"] == pytest.approx(full["callback_metrics"]["train_loss"], rel=REL)
+    if LAYOUTS[name].get("logs"):  # what rank 0's callbacks saw in each step
+        assert sorted(resumed["contract"]) == [str(step) for step in range(CKPT_STEP + 1, MAX_STEPS + 1)]
+        for step, seen in resumed["contract"].items():
+            assert seen["train_loss"] == pytest.approx(resumed["train"][step], rel=1e-6)
+            assert seen["mean_loss"] == pytest.approx(seen["train_loss"], rel=1e-6)  # reduced over DP ranks too
+            assert seen["ones"] == 1.0
+            assert seen["norm_total"] == pytest.approx(seen["grad_norm"], rel=1e-5)  # Megatron's own norm
 
 
 @pytest.mark.multiprocess

@@ -50,11 +50,11 @@ def test_replayed_routing_is_used_and_reproduces_the_recorded_loss() -> None:
     class Record(L.Callback):
         def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
             seen["routing"] = pl_module.record_routing(tokens)
-            seen["loss"] = float(trainer.strategy.validation_step(tokens, 0)["loss"])  # the router's own choice
+            seen["loss"] = float(trainer.strategy.forward_loss(tokens)["loss"])  # the router's own choice
             shifted = (seen["routing"] + 1) % EXPERTS
             seen["shifted"] = shifted
             seen["shifted_loss"] = float(
-                trainer.strategy.validation_step({"input_ids": tokens, "routing": shifted}, 0)["loss"]
+                trainer.strategy.forward_loss({"input_ids": tokens, "routing": shifted})["loss"]
             )
 
     module = _moe()

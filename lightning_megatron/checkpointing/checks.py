@@ -8,11 +8,13 @@ instead of deep inside a collective, and nothing in it can run code.
 * :func:`check_shapes` compares the checkpoint's tensors (and the saved ``ModelConfig``) with the model's.
 * :func:`weights_only` makes every ``torch.load`` inside Megatron/torch's loading ``weights_only=True`` (torch DCP
   unpickles non-tensor entries with ``weights_only=False``).
+* :func:`check_loadable` runs at save time: an entry that this loading would refuse fails the save, not the resume.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 from collections.abc import Iterator, Mapping
@@ -136,3 +138,38 @@ def weights_only() -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = previous
+
+
+def check_loadable(state: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first entry of ``state`` that ``torch.load(weights_only=True)`` would refuse
+    (e.g. a ``pathlib.Path`` hyper-parameter), so that a checkpoint which could never be resumed is not written."""
+    for key, value in state.items():
+        _check_entry(f"[{key!r}]", value)
+
+
+def _check_entry(where: str, value: Any) -> None:
+    if _round_trips(value):
+        return
+    children: list[tuple[str, Any]] = []
+    if isinstance(value, Mapping):
+        children = [(f"{where}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, list | tuple):
+        children = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    for child_where, child in children:
+        _check_entry(child_where, child)  # raises for the innermost entry that fails
+    raise ValueError(
+        f"checkpoint entry {where} is a {type(value).__module__}.{type(value).__qualname__}, which loading refuses "
+        "(checkpoints are read with torch.load(weights_only=True): tensors, containers, numbers and strings); store "
+        "it as one of those (e.g. str(path)), or allow the class with torch.serialization.add_safe_globals([...])"
+    )
+
+
+def _round_trips(value: Any) -> bool:
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception:  # unpicklable, or refused by the weights-only unpickler: either way not loadable
+        return False
+    return True

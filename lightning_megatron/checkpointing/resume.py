@@ -22,6 +22,13 @@ class ResumableLoader:
         self._consumed = consumed
         self._skip = 0
 
+    @classmethod
+    def of_training(cls, loader: Any, trainer: Any) -> ResumableLoader:
+        """``loader`` as the training loader of ``trainer``, whose loop counts the consumed batches (Lightning's loop
+        progress: public attributes, though not a documented API)."""
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        return cls(loader, consumed=lambda: progress.current.ready)
+
     def __len__(self) -> int:
         return len(self.loader)
 

@@ -29,6 +29,10 @@ _MODEL_KEY = "model{}"
 _OPTIMIZER_KEY = "optimizer"
 MODEL_CONFIG_KEY = "model_config"
 """Common-state entry holding the module's ModelConfig (a plain dict), checked when resuming."""
+CONTENTS_KEY = "megatron_contents"
+"""Common-state entry naming what the checkpoint holds: ``["model"]`` (weights only) or ``["model", "optimizer"]``."""
+SCHEDULER_KEY = "megatron_lr_scheduler"
+"""Common-state entry holding Megatron's LR schedule (with the optimizer state only)."""
 PARTIAL_SUFFIX = ".partial"
 
 
@@ -49,6 +53,28 @@ def sharded_state_dict(
         if is_loading:
             mcore_fixes.init_adam_state(optimizer)
         state[_OPTIMIZER_KEY] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_METADATA)
+    return state
+
+
+def checkpoint_state(
+    checkpoint: dict[str, Any], chunks: Sequence[nn.Module], optimizer: Any | None, scheduler: Any | None,
+    model_config: dict[str, Any] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """What a save writes: Lightning's checkpoint dict (loops, callbacks, hyper-parameters; its placeholder
+    ``state_dict``/``optimizer_states`` dropped), the ``ModelConfig`` and the sharded model chunks -- plus the
+    optimizer state and LR schedule unless Lightning asked for weights only (its dict has no ``optimizer_states``)
+    or there is no optimizer (after validate/test/predict).
+
+    Raises ``ValueError`` naming an entry that loading (``weights_only``) would refuse, before anything is written.
+    """
+    with_optimizer = optimizer is not None and "optimizer_states" in checkpoint
+    state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    state[MODEL_CONFIG_KEY] = model_config
+    state[CONTENTS_KEY] = ["model", "optimizer"] if with_optimizer else ["model"]
+    if with_optimizer and scheduler is not None:
+        state[SCHEDULER_KEY] = scheduler.state_dict()
+    checks.check_loadable(state)
+    state.update(sharded_state_dict(chunks, optimizer if with_optimizer else None))
     return state
 
 
@@ -127,9 +153,11 @@ def _replace(new: Path, path: Path) -> None:
 
 
 def load(
-    chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path, model_config: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Collective: load model (and optimizer) state from ``path`` into ``chunks`` (and ``optimizer``).
+    chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path, model_config: dict[str, Any] | None = None,
+    *, scheduler: Any | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Collective: load model (and optimizer, LR schedule) state from ``path`` into ``chunks`` (``optimizer``,
+    ``scheduler``).
 
     Before anything is read collectively, every rank checks the files (complete, not truncated, metadata free of
     foreign pickled objects) and the model's shape (the saved ``model_config`` against ``model_config``, every
@@ -160,12 +188,19 @@ def load(
         mcore_fixes.untie_adam_steps(optimizer)
     else:
         loaded.pop(_OPTIMIZER_KEY, None)
+    scheduler_state = loaded.pop(SCHEDULER_KEY, None)
+    if scheduler is not None and scheduler_state is not None:
+        try:
+            scheduler.load_state_dict(scheduler_state)
+        except AssertionError as error:  # Megatron asserts that the schedule settings match
+            raise ValueError(
+                f"the LR schedule saved in {path} differs from this run's ({error}); keep lr, min_lr, warmup_steps "
+                "and decay_steps (or Trainer(max_steps) when decay_steps=None) as they were"
+            ) from error
     return loaded
 
 
 def _check(path: Path, state: dict[str, Any], model_config: dict[str, Any] | None) -> None:
-    from megatron.core import dist_checkpointing
-
     if path.name.endswith(PARTIAL_SUFFIX):
         final = path.with_name(path.name.removesuffix(PARTIAL_SUFFIX))
         raise ValueError(f"{path} is an unfinished save (a run stopped while writing it); load {final} or an older one")
@@ -176,19 +211,31 @@ def _check(path: Path, state: dict[str, Any], model_config: dict[str, Any] | Non
         )
     metadata = checks.read_metadata(path)
     checks.check_files(path, metadata)
-    saved_config = None
-    if model_config is not None:
-        try:
-            with checks.weights_only():
-                saved_config = dist_checkpointing.load_common_state_dict(str(path)).get(MODEL_CONFIG_KEY)
-        except (Exception, CheckpointException) as error:
-            raise ValueError(
-                f"the common state of checkpoint {path} cannot be read safely ({type(error).__name__}: {error}); only "
-                "tensors, containers and numbers are unpickled; is the checkpoint damaged or from an untrusted source?"
-            ) from error
-    diff = checks.config_mismatch(saved_config, model_config)
+    common = read_common_state(path)
+    if _OPTIMIZER_KEY in state and "optimizer" not in common.get(CONTENTS_KEY, ["model", "optimizer"]):
+        raise KeyError(
+            f"Trying to restore optimizer state but checkpoint {path} contains only the model (it was saved with "
+            "weights_only=True, e.g. ModelCheckpoint(save_weights_only=True), or after validate/test/predict). "
+            "It loads for validate/test/predict; to fine-tune from its weights build the module with "
+            f"YourModule.load_from_checkpoint({str(path)!r}) and call trainer.fit without ckpt_path"
+        )
+    diff = checks.config_mismatch(common.get(MODEL_CONFIG_KEY), model_config)
     model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
     checks.check_shapes(path, metadata, model_state, diff)
+
+
+def read_common_state(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's non-tensor entries (Lightning's dict, the ModelConfig, ...), unpickled ``weights_only``."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        with checks.weights_only():
+            return dist_checkpointing.load_common_state_dict(str(path))
+    except (Exception, CheckpointException) as error:
+        raise ValueError(
+            f"the common state of checkpoint {path} cannot be read safely ({type(error).__name__}: {error}); only "
+            "tensors, containers and numbers are unpickled; is the checkpoint damaged or from an untrusted source?"
+        ) from error
 
 
 def _raise_on_every_rank(check: Callable[[], None]) -> None:

@@ -41,3 +41,15 @@ def resolve(kernels: Kernels, device_type: str) -> Resolved:
         if device_type != "cuda":
             raise ValueError("ModelConfig(kernels='te') runs on GPUs only; use kernels='torch' or 'local' on CPU")
     return kernels
+
+
+_DESCRIPTIONS = {
+    "torch": "torch (SDPA attention with RoPE inside, fused vocab-parallel cross entropy)",
+    "local": "local (Megatron's reference torch spec: unfused attention; the default on CPU)",
+    "te": "te (Transformer Engine)",
+}
+
+
+def describe(kernels: Resolved) -> str:
+    """One line naming a resolved kernel set, and whether Transformer Engine is there (printed once per run)."""
+    return f"kernels: {_DESCRIPTIONS[kernels]}" + ("" if te_available() else "; Transformer Engine not installed")

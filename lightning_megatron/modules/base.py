@@ -17,17 +17,17 @@ The strategy owns the step: ``strategy.training_step -> schedule.run -> module.f
 
 from __future__ import annotations
 
-import time
 from abc import abstractmethod
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self, override
 
 import lightning as L
-import torch
 from torch import Tensor, nn
 
 from lightning_megatron.contract import Batch, ChunkSpec, LossFn, MegatronRuntime, OptimizerSpec
 from lightning_megatron.modules.metrics import TokenPerplexity
-from lightning_megatron.schedule import global_batch_size
 
 if TYPE_CHECKING:
     from lightning_megatron.parallel.sizes import ParallelSizes
@@ -37,12 +37,29 @@ class MegatronLightningModule(L.LightningModule):
     """Base class for LightningModules trained by :class:`~lightning_megatron.MegatronStrategy`.
 
     After ``configure_model`` the module holds this rank's model chunks in :attr:`chunks` (one per virtual
-    pipeline stage). Logging of ``train_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``val_loss`` and ``val_ppl``
-    (a torchmetrics ``Perplexity``) happens in the batch-end hooks below from what the strategy returns; subclasses
-    overriding them should call ``super()``.
+    pipeline stage). The strategy logs each step through :meth:`log_train_step` (``train_loss``, ``lr``,
+    ``grad_norm``, ``skipped_steps``, ``tokens_per_s`` and the loss_fn logs, right after the optimizer step) and
+    :meth:`log_eval_step` (``val_loss``/``test_loss``, ``val_ppl``/``test_ppl``, loss_fn logs).
     """
 
     chunks: nn.ModuleList
+    weights_checkpoint: str | None = None
+    """A MegatronStrategy checkpoint whose model weights are loaded into the chunks when they are built (once); set
+    by :meth:`load_from_checkpoint`."""
+    _in_schedule: bool = False
+    _built_for: list[ChunkSpec]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # nn.Module is no ABC, so @abstractmethod alone would let a module without forward_step be built and fail
+        # deep inside Megatron's schedule; fail here, as Python does for ABCs.
+        cls = type(self)
+        missing = sorted(name for name in _ABSTRACT if getattr(getattr(cls, name), "__isabstractmethod__", False))
+        if missing:
+            raise TypeError(
+                f"Can't instantiate {cls.__name__} without an implementation for abstract method(s) {missing} "
+                "(see lightning_megatron.MegatronLightningModule)"
+            )
+        super().__init__(*args, **kwargs)
 
     @abstractmethod
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
@@ -75,10 +92,43 @@ class MegatronLightningModule(L.LightningModule):
         before any process group or model exists; the default accepts every layout."""
 
     def configure_model(self) -> None:
-        """Build this rank's chunks once; the strategy says which stages they are."""
+        """Build this rank's chunks once (the strategy says which stages they are), then load
+        :attr:`weights_checkpoint` into them if set. A module built for one layout refuses another."""
+        specs = self._runtime().chunk_specs()
         if hasattr(self, "chunks"):
+            if specs != self._built_for:
+                raise ValueError(
+                    f"{type(self).__name__}'s chunks were built for {_describe(self._built_for)}, and this Trainer "
+                    f"runs {_describe(specs)}; a module's chunks cannot change layout or precision in place: save a "
+                    "checkpoint (trainer.save_checkpoint), then build a new module with "
+                    f"{type(self).__name__}.load_from_checkpoint(path), or resume with trainer.fit(ckpt_path=path)"
+                )
             return
-        self.chunks = nn.ModuleList(self.build_chunk(spec) for spec in self._runtime().chunk_specs())
+        self.chunks = nn.ModuleList(self.build_chunk(spec) for spec in specs)
+        self._built_for = specs
+        if self.weights_checkpoint is not None:
+            from lightning_megatron.checkpointing import sharded
+
+            sharded.load(list(self.chunks), None, self.weights_checkpoint, sharded.model_config_dict(self))
+            self.weights_checkpoint = None  # loaded once: a later fit continues from the trained weights
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path, **kwargs: Any) -> Self:  # type: ignore[override]
+        """A new module from a MegatronStrategy checkpoint directory: built from its hyper-parameters (``kwargs``
+        override them), its chunks get the checkpoint's weights when the strategy builds them -- to fine-tune from
+        a checkpoint (also one saved with ``weights_only=True``) or to validate/test/predict with it. Resuming an
+        interrupted run is ``trainer.fit(model, ckpt_path=path)`` instead."""
+        from lightning_megatron.checkpointing import sharded
+
+        module = cls(**{**cls.init_args_from_checkpoint(sharded.read_common_state(checkpoint_path)), **kwargs})
+        module.weights_checkpoint = str(checkpoint_path)
+        return module
+
+    @classmethod
+    def init_args_from_checkpoint(cls, common: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor arguments :meth:`load_from_checkpoint` passes, from a checkpoint's non-tensor entries:
+        the saved hyper-parameters (``save_hyperparameters``)."""
+        return dict(common.get("hyper_parameters") or {})
 
     def _runtime(self) -> MegatronRuntime:
         strategy = self.trainer.strategy
@@ -100,45 +150,122 @@ class MegatronLightningModule(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         return self._not_called("validation_step")
 
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        return self._not_called("test_step")
+
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self._not_called("predict_step")
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_start = time.perf_counter()
+    @contextmanager
+    def running_schedule(self) -> Iterator[None]:
+        """Entered by the strategy while Megatron's schedule runs :meth:`forward_step` and its ``loss_fn``.
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # The strategy's outputs are identical on every rank, so no sync is needed (and none is done). The loss is
-        # logged from its host copy: the progress bar reads it every step.
-        self.log("train_loss", outputs["host_loss"].get(), prog_bar=True)
-        runtime = self._runtime()
-        stats = runtime.last_step
-        self.log("lr", _host(stats.lr), prog_bar=True)
-        if stats.grad_norm is not None:
-            self.log("grad_norm", _host(stats.grad_norm))
-        self.log("skipped_steps", _host(runtime.skipped_steps))
-        # Input tokens of the global batch per second of this step (rank 0's clock). Counted on the host: reading
-        # the loss's token count would wait for the GPU and stall the next step's launch.
-        elapsed = time.perf_counter() - getattr(self, "_step_start", time.perf_counter())
-        if elapsed > 0:
-            _, tokens = global_batch_size(batch)
-            self.log("tokens_per_s", _host(tokens / elapsed), prog_bar=True)
+        ``self.log`` raises in there: it would run once per micro-batch and only on the last pipeline stage (a
+        ``sync_dist`` collective there deadlocks the other stages). A ``loss_fn`` returns its logs instead.
+        """
+        previous, self._in_schedule = self._in_schedule, True
+        try:
+            yield
+        finally:
+            self._in_schedule = previous
 
-    def on_validation_epoch_start(self) -> None:
-        if not hasattr(self, "val_perplexity"):  # a child module once created: moves with the LightningModule
-            self.val_perplexity = TokenPerplexity().to(self.device)
+    @override
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if self._in_schedule:
+            raise RuntimeError(
+                f"self.log({name!r}, ...) inside forward_step/loss_fn runs once per micro-batch and only on the last "
+                "pipeline stage; return it in loss_fn's logs instead -- loss_fn(output) -> (loss_sum, num_tokens, "
+                f"{{{name!r}: value}}) -- which MegatronStrategy reduces over micro-batches and data-parallel ranks "
+                "and logs on every rank once per step"
+            )
+        super().log(name, value, *args, **kwargs)
 
-    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        # Weighting by tokens makes the epoch mean the token-weighted mean over the whole validation set.
-        num_tokens = outputs["num_tokens"]
-        self.log("val_loss", outputs["loss"], prog_bar=True, batch_size=int(num_tokens))
-        # Perplexity of the whole validation set (exp of that same token-weighted mean); the outputs are already
-        # global and identical on every rank, so the metric needs no sync. Lightning computes and resets it.
-        self.val_perplexity.update(outputs["loss"] * num_tokens, num_tokens)
+    def log_train_step(self, metrics: Mapping[str, Tensor]) -> None:
+        """Log one training step's metrics; called by the strategy right after the optimizer step, before any
+        callback's ``on_train_batch_end``, with host tensors (logging them costs no GPU synchronisation), all
+        identical on every rank but ``tokens_per_s`` (each rank's clock). Override to change what is logged."""
+        for name, value in metrics.items():
+            self.log(name, value, prog_bar=name in _PROGRESS_BAR)
+
+    def log_eval_step(self, stage: str, loss: Tensor, num_tokens: Tensor, logs: Mapping[str, Tensor]) -> None:
+        """Log one validation/test batch (``stage`` is ``"val"`` or ``"test"``): ``{stage}_loss``, the loss_fn logs
+        as ``{stage}_{name}``, and ``{stage}_ppl`` at the epoch's end. Called by the strategy in its step."""
+        # Weighting by tokens makes the epoch mean the token-weighted mean over the whole set.
+        # sync_dist: the values are identical on every rank already; the mean over the data-parallel group at the
+        # epoch's end changes nothing and keeps Lightning's reminder to sync epoch-level values quiet.
+        weight = int(num_tokens)
+        self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=weight, sync_dist=True)
+        for name, value in logs.items():  # host values; the epoch-end sync wants them where the loss is
+            self.log(f"{stage}_{name}", value.to(loss.device), batch_size=weight, sync_dist=True)
+        # Perplexity of the whole set (exp of that same token-weighted mean); the values are already global and
+        # identical on every rank, so the metric needs no sync. Lightning computes and resets it.
+        attribute = f"{stage}_perplexity"
+        if not hasattr(self, attribute):  # a child module once created: moves with the LightningModule
+            setattr(self, attribute, TokenPerplexity().to(loss.device))
+        metric = getattr(self, attribute)
+        metric.update(loss * num_tokens, num_tokens)
         # metric_attribute: Lightning would otherwise look the Metric up in a cache built before it existed.
-        self.log("val_ppl", self.val_perplexity, on_step=False, on_epoch=True, metric_attribute="val_perplexity")
+        self.log(f"{stage}_ppl", metric, on_step=False, on_epoch=True, metric_attribute=attribute)
 
 
-def _host(value: float) -> Tensor:
-    """A host-side number as a CPU tensor for ``self.log``: Lightning would copy a bare float to the GPU, a
-    synchronising copy that stops the host from queueing the next step while the optimizer's kernels run."""
-    return torch.tensor(float(value), dtype=torch.float32)
+def _describe(specs: list[ChunkSpec]) -> str:
+    p = specs[0].parallel if specs else {}
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+    tp, pp, vpp = (p.get(key) for key in keys)
+    cp, ep = p.get("context_parallel_size"), p.get("expert_model_parallel_size")
+    device = specs[0].device_type if specs else "?"
+    return (
+        f"tp={tp}, pp={pp}, vpp={vpp}, cp={cp}, ep={ep}, sequence_parallel={p.get('sequence_parallel')}, "
+        f"params_dtype={p.get('params_dtype')} on {device}"
+    )
+
+
+_PROGRESS_BAR = ("train_loss", "lr", "tokens_per_s")
+_ABSTRACT = ("build_chunk", "forward_step", "configure_optimizers")
+_BACKWARD = "Megatron's schedule runs the backward pass per micro-batch"
+_READ_GRADS = "read gradients in on_before_optimizer_step (MegatronStrategy.grad_norms())"
+# LightningModule hooks the strategy's step makes impossible, and what to use instead.
+UNSUPPORTED_HOOKS: dict[str, str] = {
+    "training_step": "forward_step (the strategy runs the step through Megatron's schedule, per micro-batch)",
+    "validation_step": "forward_step (validation runs it forward-only) and loss_fn's logs",
+    "test_step": "forward_step (test runs it forward-only) and loss_fn's logs",
+    "predict_step": "forward_predict and predict_output",
+    "backward": f"{_BACKWARD}; override forward_step/loss_fn",
+    "on_before_backward": f"{_BACKWARD}; {_READ_GRADS}",
+    "on_after_backward": f"{_BACKWARD}; {_READ_GRADS}",
+    "optimizer_zero_grad": "nothing: the strategy zeroes Megatron's gradient buffers before every step",
+    "configure_gradient_clipping": "clip_grad in the OptimizerSpec's OptimizerConfig (MegatronLMModule(clip_grad=...))",
+    "lr_scheduler_step": "lr_warmup_steps/lr_decay_steps/lr_decay_style of the OptimizerSpec (Megatron's schedule)",
+}
+
+
+def megatron_module(module: object) -> MegatronLightningModule:
+    """``module`` itself if it is a :class:`MegatronLightningModule`; ``TypeError`` otherwise."""
+    if not isinstance(module, MegatronLightningModule):
+        raise TypeError(
+            "MegatronStrategy trains a lightning_megatron.MegatronLightningModule (e.g. MegatronLMModule), "
+            f"got {type(module).__name__}"
+        )
+    return module
+
+
+def check_overrides(module: MegatronLightningModule, callbacks: Iterable[L.Callback] = ()) -> None:
+    """Raise ``TypeError`` naming each hook in :data:`UNSUPPORTED_HOOKS` that ``module``'s class overrides, or a
+    callback's backward hook (Lightning would call it at the wrong time or not at all), or manual optimization."""
+    cls, base = type(module), MegatronLightningModule
+    overridden = [name for name in UNSUPPORTED_HOOKS if getattr(cls, name) is not getattr(base, name)]
+    for callback in callbacks:
+        for name in ("on_before_backward", "on_after_backward"):
+            if getattr(type(callback), name) is not getattr(L.Callback, name):
+                overridden.append(f"{type(callback).__name__}.{name}")
+    if overridden:
+        instead = {name: UNSUPPORTED_HOOKS[name.rpartition(".")[2]] for name in overridden}
+        raise TypeError(
+            f"{cls.__name__} (or a callback) overrides {', '.join(overridden)}, which MegatronStrategy never calls at "
+            "that point: " + "; ".join(f"instead of {name} use {use}" for name, use in instead.items())
+        )
+    if not module.automatic_optimization:
+        raise TypeError(
+            f"{cls.__name__}.automatic_optimization=False: manual optimization is not supported by MegatronStrategy "
+            "(Megatron's schedule runs forward and backward, its optimizer steps); leave it True"
+        )

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -38,6 +39,11 @@ class MegatronLMFromHF(MegatronLMModule):
         )
         super().__init__(config, **kwargs)
         self.hf_checkpoint = checkpoint
+
+    @classmethod
+    def init_args_from_checkpoint(cls, common: Mapping[str, Any]) -> dict[str, Any]:
+        # The model comes from hf_path again (its weights are then replaced by the checkpoint's).
+        return dict(common.get("hyper_parameters") or {})
 
     @classmethod
     def from_hf(

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_megatron.checkpointing.sharded import MODEL_CONFIG_KEY
 from lightning_megatron.config import ModelConfig
 from lightning_megatron.contract import Batch, ChunkSpec, LossFn, OptimizerSpec
 from lightning_megatron.kernels import specs
 from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.kernels.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-from lightning_megatron.kernels.resolve import Resolved, resolve
+from lightning_megatron.kernels.resolve import Resolved, describe, resolve
 from lightning_megatron.modules import routing
 from lightning_megatron.modules.base import MegatronLightningModule
 from lightning_megatron.training import guards
@@ -154,6 +156,15 @@ class MegatronLMModule(MegatronLightningModule):
 
     def validate_parallel(self, sizes: ParallelSizes) -> None:
         self.config.validate_parallel(sizes)
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        rank_zero_info(f"lightning_megatron: {describe(self.kernels)}")
+
+    @classmethod
+    def init_args_from_checkpoint(cls, common: Mapping[str, Any]) -> dict[str, Any]:
+        # The ModelConfig is saved on its own (not among the hyper-parameters).
+        return {**super().init_args_from_checkpoint(common), "config": ModelConfig(**common[MODEL_CONFIG_KEY])}
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # On the host, before the batch reaches the accelerator: bad token ids fail here with the field and

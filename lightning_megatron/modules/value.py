@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 
@@ -46,6 +48,12 @@ def _broadcast_over_tensor_parallel_group(module: nn.Module) -> None:
     group = parallel_state.get_tensor_model_parallel_group()
     for param in module.parameters():
         torch.distributed.broadcast(param.data, src=src, group=group)
+
+
+_NO_HF = (
+    "a value model (scalar head) has no Hugging Face causal-LM counterpart, so save_hf/export_hf_weights/SaveHF do "
+    "not apply; save it with ModelCheckpoint or trainer.save_checkpoint"
+)
 
 
 class MegatronValueModule(MegatronLMModule):
@@ -102,6 +110,12 @@ class MegatronValueModule(MegatronLMModule):
 
     def compute_logprobs(self, *args: object, **kwargs: object) -> dict:
         raise TypeError("a value model has no token distribution; use trainer.predict for per-token values")
+
+    def export_hf_weights(self, *args: object, **kwargs: object) -> Iterator[tuple[str, Tensor]]:
+        raise TypeError(_NO_HF)  # on every rank, before any collective
+
+    def save_hf(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(_NO_HF)
 
     def predict_output(self, batch: Batch, output: Tensor) -> Tensor:
         return output.squeeze(-1).float()  # [B, S, 1] -> [B, S]

@@ -28,6 +28,17 @@ def wrap(
     return wrapped
 
 
+def set_schedule_hooks(chunks: list[Any], optimizer: Any) -> None:
+    """What Megatron's schedule calls around the step, read from the first chunk's config: gradient finalisation
+    (DP/TP reductions, division by the token count), the loss scale, and the overlap hooks."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    set_overlap_hooks(config, chunks)
+
+
 def set_overlap_hooks(config: Any, chunks: list[Any]) -> None:
     """Tell Megatron's schedule how to defer and start gradient/parameter communication (as Megatron-LM does).
 

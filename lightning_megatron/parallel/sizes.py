@@ -17,7 +17,7 @@ class ParallelSizes:
     pp: int = 1
     """Pipeline-parallel size: the layers are split into this many consecutive stages."""
     vpp: int | None = None
-    """Virtual pipeline size: model chunks per pipeline rank (interleaved 1F1B schedule). Needs ``pp > 1``."""
+    """Virtual pipeline size: model chunks per pipeline rank (interleaved 1F1B schedule), >= 2. Needs ``pp > 1``."""
     cp: int = 1
     """Context-parallel size: the sequence is split across this many ranks in attention."""
     ep: int = 1
@@ -35,6 +35,11 @@ class ParallelSizes:
                 raise ValueError(
                     f"vpp={self.vpp} needs pipeline parallelism, but pp=1; set pp>=2 (e.g. pp=2, vpp={self.vpp}) "
                     "or leave vpp=None"
+                )
+            if self.vpp == 1:
+                raise ValueError(
+                    "vpp=1 is one model chunk per pipeline rank, which is no interleaving (Megatron would then expect "
+                    "virtual stages it does not build); leave vpp=None, or use vpp>=2 for the interleaved schedule"
                 )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(

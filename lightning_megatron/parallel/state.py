@@ -12,13 +12,34 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.contract import ChunkSpec
+from lightning_megatron.parallel.precision import megatron_dtype_fields
 from lightning_megatron.parallel.sizes import ParallelSizes
 
 
-def initialize(sizes: ParallelSizes, seed: int, timeout: timedelta | None = None) -> None:
-    """Build Megatron's process groups on top of an initialised default group, and seed its RNG tracker."""
-    from megatron.core import parallel_state, tensor_parallel
+class Groups:
+    """A handle on the Megatron process groups one :func:`initialize` call built."""
 
+    def __init__(self, sizes: ParallelSizes) -> None:
+        from megatron.core import parallel_state
+
+        self.sizes = sizes
+        self._marker = parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+    def alive(self) -> bool:
+        """Whether Megatron's parallel state is still the one these groups belong to (no later run replaced it)."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return False
+        return parallel_state.get_data_parallel_group(with_context_parallel=True) is self._marker
+
+
+def initialize(sizes: ParallelSizes, timeout: timedelta | None = None) -> Groups:
+    """Build Megatron's process groups on top of an initialised default group (replacing any earlier run's)."""
+    from megatron.core import parallel_state
+
+    destroy()
     kwargs: dict[str, Any] = {}
     if timeout is not None:
         # Megatron only builds timedelta(minutes=...) from it: a fraction keeps sub-minute timeouts exact.
@@ -32,10 +53,33 @@ def initialize(sizes: ParallelSizes, seed: int, timeout: timedelta | None = None
         expert_model_parallel_size=sizes.ep,
         **kwargs,
     )
-    # Same seed on every data-parallel replica; Megatron offsets it per tensor-/expert-parallel rank for
-    # the weights and dropout inside sharded regions. Pipeline stages get distinct seeds as in Megatron.
-    torch.manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return Groups(sizes)
+
+
+def seed(base: int) -> dict[str, Any]:
+    """Seed torch's global RNG and Megatron's model-parallel RNG tracker for a run; return the global RNG states
+    as they were, for :func:`restore_rng` when the run ends.
+
+    Same seed on every data-parallel replica; Megatron offsets it per tensor-/expert-parallel rank for the weights
+    and dropout inside sharded regions. Pipeline stages get distinct seeds, as in Megatron-LM.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    saved = {"cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        saved["cuda"] = torch.cuda.get_rng_state_all()
+    torch.manual_seed(base + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    tensor_parallel.model_parallel_cuda_manual_seed(base)
+    return saved
+
+
+def restore_rng(saved: dict[str, Any] | None) -> None:
+    """Put back the global RNG states :func:`seed` returned (nothing for ``None``)."""
+    if saved is None:
+        return
+    torch.random.set_rng_state(saved["cpu"])
+    if "cuda" in saved:
+        torch.cuda.set_rng_state_all(saved["cuda"])
 
 
 def destroy() -> None:
@@ -54,6 +98,37 @@ def data_parallel_rank_and_size() -> tuple[int, int]:
     if not parallel_state.model_parallel_is_initialized():
         return 0, 1
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def chunk_specs(sizes: ParallelSizes, dtype: torch.dtype, device_type: str) -> list[ChunkSpec]:
+    """One :class:`ChunkSpec` per model chunk this rank holds (one per VPP stage), for ``dtype`` on ``device_type``."""
+    config = megatron_config_kwargs(sizes, dtype)
+    return [
+        ChunkSpec(
+            pre_process=first,
+            post_process=last,
+            vp_stage=i if sizes.vpp else None,
+            parallel=config,
+            device_type=device_type,
+        )  # fmt: skip
+        for i, (first, last) in enumerate(chunk_stages(sizes.num_chunks))
+    ]
+
+
+def megatron_config_kwargs(sizes: ParallelSizes, dtype: torch.dtype) -> dict[str, Any]:
+    """``TransformerConfig`` fields the strategy decides: sizes, dtypes, p2p settings, per-token loss."""
+    return {
+        **sizes.megatron_kwargs(),
+        **megatron_dtype_fields(dtype),
+        "pipeline_dtype": dtype,
+        # With pp=2 the next and the previous stage are the same peer. The interleaved schedule's batched
+        # send/recv then posts [send_prev, recv_prev, send_next, recv_next] on both ranks, so an activation
+        # is received as a gradient and vice versa (same shape: no error, silently wrong losses after the
+        # warm-up; seen on gloo and NCCL). Unbatched p2p orders the ops so they match.
+        "batch_p2p_comm": not (sizes.pp == 2 and sizes.vpp is not None),
+        # Loss functions return sums; Megatron then divides gradients by the global batch's token count.
+        "calculate_per_token_loss": True,
+    }
 
 
 def chunk_stages(num_chunks: int) -> list[tuple[bool, bool]]:

@@ -145,3 +145,17 @@ def check_trainer(trainer: Any) -> None:
             "optimizer clips gradients; set clip_grad in the OptimizerConfig your module's configure_optimizers "
             "returns (MegatronLMModule(clip_grad=...))"
         )
+
+
+def check_per_token_loss(chunks: Sequence[nn.Module]) -> None:
+    """Every chunk's config must say ``calculate_per_token_loss=True`` (as ``ChunkSpec.parallel`` does): loss
+    functions return sums and Megatron divides the gradients by the global batch's token count."""
+    for index, chunk in enumerate(chunks):
+        config = getattr(chunk, "config", None)
+        if getattr(config, "calculate_per_token_loss", None) is not True:
+            raise ValueError(
+                f"model chunk {index} ({type(chunk).__name__}) has config.calculate_per_token_loss="
+                f"{getattr(config, 'calculate_per_token_loss', 'missing')}; MegatronStrategy's loss functions return "
+                "sums that Megatron divides by the global batch's token count, so it must be True: build the chunk's "
+                "TransformerConfig with **spec.parallel (which sets it) and do not override it"
+            )

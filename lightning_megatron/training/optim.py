@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, override
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_megatron.contract import OptimizerSpec, StepStats
+from lightning_megatron.parallel.precision import megatron_dtype_fields
 
 
 class LightningOptimizerAdapter(torch.optim.Optimizer):
@@ -62,6 +65,19 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
         raise RuntimeError("the Megatron optimizer's state is saved sharded by MegatronStrategy.save_checkpoint")
 
 
+def build(
+    spec: OptimizerSpec, chunks: list[Any], trainer: L.Trainer, *, dtype: torch.dtype, distributed: bool, fused: bool
+) -> tuple[Any, Any]:
+    """Megatron's optimizer over the DDP-wrapped ``chunks`` -- its precision fields from ``dtype``,
+    ``use_distributed_optimizer=distributed``, torch's fused Adam kernel if ``fused`` -- and its LR schedule."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    config = replace(spec.config, use_distributed_optimizer=distributed, **megatron_dtype_fields(dtype))
+    optimizer = get_megatron_optimizer(config, chunks)
+    use_fused_adam(optimizer, fused=fused)
+    return optimizer, build_scheduler(optimizer, spec, trainer)
+
+
 def build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> Any:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -74,6 +90,18 @@ def build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> 
                 "set Trainer(max_steps=...) or lr_decay_steps"
             )
         decay_steps = int(total)
+    if spec.lr_decay_steps is not None and decay_steps <= spec.lr_warmup_steps:
+        raise ValueError(
+            f"lr_warmup_steps={spec.lr_warmup_steps} is not shorter than lr_decay_steps={decay_steps} (the schedule "
+            "decays after the warm-up); use fewer warm-up steps (MegatronLMModule(warmup_steps=...)) or more decay "
+            "steps"
+        )
+    if decay_steps <= spec.lr_warmup_steps:  # a short run (fast_dev_run, a smoke test) of a config with warm-up
+        rank_zero_warn(
+            f"lr_warmup_steps={spec.lr_warmup_steps} is not shorter than this run's {decay_steps} steps, over which "
+            "lr_decay_steps=None decays: the LR warms up for the whole run and does not decay"
+        )
+        decay_steps = spec.lr_warmup_steps + 1
     config = spec.config
     return OptimizerParamScheduler(
         optimizer,
@@ -81,7 +109,7 @@ def build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> 
         max_lr=config.lr,
         min_lr=config.min_lr or 0.0,
         lr_warmup_steps=spec.lr_warmup_steps,
-        lr_decay_steps=max(decay_steps, spec.lr_warmup_steps + 1),
+        lr_decay_steps=decay_steps,
         lr_decay_style=spec.lr_decay_style,
         start_wd=config.weight_decay,
         end_wd=config.weight_decay,

@@ -1,0 +1,96 @@
+"""The third-party warnings that the torch-native path always triggers, silenced where we cause them.
+
+Without Transformer Engine and apex, importing megatron-core and building its models prints about 60 lines per
+job (most once per rank): "Transformer Engine and Apex are not installed" six times, "Apex is not installed.
+Falling back to Torch Norm", GPTModel's deprecation notice, MimoModelConfig's "experimental" notice, torch's
+deprecation of the collectives Megatron calls, and on CPU CUDA advice. None of them asks the user to do anything;
+the kernel set chosen is stated once instead (``MegatronLMModule.configure_model``). The filters apply only while
+our package imports megatron-core (:func:`importing`) and while a run of the strategy is set up
+(:class:`RunFilters`, removed at teardown); warnings outside those and any other warning stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+
+# warnings.warn messages (regexes, matched at the start), and on which devices they say nothing useful.
+_EVERYWHERE = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed\. Falling back to Torch Norm",
+    r"MimoModelConfig is experimental",
+    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own pytree code on torch >= 2.10
+    r"Please use DTensor instead and we are deprecating ShardedTensor",  # inside dist_checkpointing
+)
+_ON_CPU = (
+    r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",  # Megatron's CPU code paths
+)
+# logging records: logger name -> message prefixes.
+_LOGGED = {
+    "megatron.core.models.gpt.gpt_model": ("GPTModel IS DEPRECATED",),
+    # Advice to callers of DDP: computing the layout inside DDP gives the same layout.
+    "megatron.core.distributed.distributed_data_parallel": ("DistributedDataParallel: full_param_layout not provided",),
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+}
+
+
+class _DropRecords(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+_RECORD_FILTERS = {name: _DropRecords(prefixes) for name, prefixes in _LOGGED.items()}
+
+
+def _ignore(patterns: tuple[str, ...]) -> None:
+    for pattern in patterns:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+@contextlib.contextmanager
+def importing() -> Iterator[None]:
+    """While our package imports megatron-core (and torch's C++-extension module with it)."""
+    with warnings.catch_warnings():
+        _ignore(_EVERYWHERE)
+        with _records_dropped():
+            yield
+
+
+@contextlib.contextmanager
+def _records_dropped() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _RECORD_FILTERS]
+    for logger in loggers:
+        logger.addFilter(_RECORD_FILTERS[logger.name])
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_RECORD_FILTERS[logger.name])
+
+
+class RunFilters:
+    """The filters of one run: entered at the strategy's ``setup_environment``, left at its ``teardown``."""
+
+    def __init__(self) -> None:
+        self._stack: contextlib.ExitStack | None = None
+
+    def enter(self, device_type: str) -> None:
+        self.exit()
+        stack = contextlib.ExitStack()
+        stack.enter_context(warnings.catch_warnings())
+        _ignore(_EVERYWHERE + (_ON_CPU if device_type == "cpu" else ()))
+        stack.enter_context(_records_dropped())
+        self._stack = stack
+
+    def exit(self) -> None:
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            stack.close()
