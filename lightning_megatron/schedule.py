@@ -156,14 +156,14 @@ def reduce_step(records: list[dict[str, Any]], device: torch.device, known: LogN
     names, totals = _log_totals(records, device)
     # [loss_sum, num_tokens, names hash, totals...]; new_full is a fill kernel, where torch.tensor([...], device=...)
     # or item assignment would copy from the host and synchronise with the GPU.
-    sums = torch.cat([_loss_sums(records, device), totals.new_full((1,), _names_hash(names)), totals.flatten()])
+    names_hash = totals.new_full((1,), _names_hash(names))
+    sums = torch.cat([_loss_sums(records, device), names_hash, totals.flatten()])
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         torch.distributed.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
     pipelined = ps.get_pipeline_model_parallel_world_size() > 1
     # The other stages receive a header sized for the names they know: the values ride along only for those.
     known_totals = sums[3:] if not pipelined or names == known.names else sums.new_zeros(2 * len(known.names))
-    count, names_hash = sums.new_full((1,), len(names)), sums.new_full((1,), _names_hash(names))
-    header = torch.cat([sums[:2], count, names_hash, sums[2:3], known_totals])
+    header = torch.cat([sums[:2], sums.new_full((1,), len(names)), names_hash, sums[2:3], known_totals])
     if pipelined:
         src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
         torch.distributed.broadcast(header, src=src, group=group)

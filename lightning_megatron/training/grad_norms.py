@@ -30,11 +30,7 @@ def grad_norms(ddp_chunks: list[Any] | None, module: nn.Module) -> dict[str, Ten
         )
     names = {param: name for name, param in module.named_parameters()}
     squares, groups = _owned_squares(ddp_chunks)
-    for group, params in groups.items():  # sum the data-parallel shards
-        if group is not None and group.size() > 1:
-            stacked = torch.stack([squares[p] for p in params])
-            torch.distributed.all_reduce(stacked, group=group)
-            squares.update(zip(params, stacked, strict=True))
+    _sum_over(groups, squares)  # the data-parallel shards
     tp_sharded = defaultdict(list)
     for param in squares:
         if getattr(param, "tensor_model_parallel", False):
@@ -42,14 +38,19 @@ def grad_norms(ddp_chunks: list[Any] | None, module: nn.Module) -> dict[str, Ten
             tp_sharded[
                 ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
             ].append(param)
-    for group, params in tp_sharded.items():
-        if group.size() > 1:
-            stacked = torch.stack([squares[p] for p in params])
-            torch.distributed.all_reduce(stacked, group=group)
-            squares.update(zip(params, stacked, strict=True))
+    _sum_over(tp_sharded, squares)  # the tensor-parallel shards
     norms = {f"grad_2.0_norm/{names[p]}": value.sqrt() for p, value in squares.items()}
     norms["grad_2.0_norm_total"] = _total(squares).sqrt()
     return norms
+
+
+def _sum_over(groups: dict[Any, list[nn.Parameter]], squares: dict[nn.Parameter, Tensor]) -> None:
+    """Sum each group's parameters' squares over that process group, one all-reduce per group (``None``: none)."""
+    for group, params in groups.items():
+        if group is not None and group.size() > 1:
+            stacked = torch.stack([squares[p] for p in params])
+            torch.distributed.all_reduce(stacked, group=group)
+            squares.update(zip(params, stacked, strict=True))
 
 
 def _owned_squares(ddp_chunks: list[Any]) -> tuple[dict[nn.Parameter, Tensor], dict[Any, list[nn.Parameter]]]:
