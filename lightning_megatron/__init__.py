@@ -9,6 +9,7 @@ with quiet.importing():  # megatron-core's import-time notices about Transformer
     from lightning_megatron.config import ModelConfig, tiny_gpt
     from lightning_megatron.contract import ChunkSpec, OptimizerSpec, StepStats
     from lightning_megatron.data.modules import ByteCorpusDataModule, TokenFileDataModule
+    from lightning_megatron.data.packing import pack_sequences
     from lightning_megatron.modules.base import MegatronLightningModule
     from lightning_megatron.modules.hf_finetune import MegatronLMFromHF
     from lightning_megatron.modules.lm import MegatronLMModule
@@ -31,5 +32,6 @@ __all__ = [
     "SaveHF",
     "StepStats",
     "TokenFileDataModule",
+    "pack_sequences",
     "tiny_gpt",
 ]

@@ -302,11 +302,15 @@ class ModelConfig:
                 f"seq_length={self.seq_length} must be divisible by {multiple} (tp={tp}, cp={cp}, "
                 f"sequence_parallel={sequence_parallel}); use seq_length={next_multiple(self.seq_length, multiple)}"
             )
-        if cp > 1:
+        if cp > 1 and self.kernels == "local":
             raise ValueError(
-                f"cp={cp}: context parallelism needs an attention that splits the sequence across ranks, and "
-                "Megatron's torch-native attention (the local spec this model uses without Transformer Engine) "
-                "asserts cp == 1; use cp=1"
+                f"cp={cp} with kernels='local': Megatron's reference attention (DotProductAttention) asserts cp == 1; "
+                "use kernels='torch' (SDPA with K/V all-gathered over the CP group) or 'auto'"
+            )
+        if cp > 1 and self.moe_enable_routing_replay:
+            raise ValueError(
+                f"cp={cp} with moe_enable_routing_replay=True: recorded routing covers whole rows, and each CP rank "
+                "routes only its chunks of them; use cp=1 with routing replay"
             )
 
     def to_transformer_config(

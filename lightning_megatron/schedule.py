@@ -20,7 +20,6 @@ from torch import Tensor, nn
 
 from lightning_megatron.contract import Batch, LossFn, StepModule, StepStats
 from lightning_megatron.parallel.state import data_parallel_rank_and_size
-from lightning_megatron.validation import divisors
 
 
 def as_batch(batch: Tensor | Mapping[str, Tensor]) -> Batch:
@@ -43,41 +42,21 @@ def global_batch_size(batch: Tensor | Mapping[str, Tensor]) -> tuple[int, int]:
     return input_ids.shape[0] * dp_size, input_ids.numel() * dp_size
 
 
-def check_micro_batch_size(batch_size: int, micro_batch_size: int) -> None:
-    """Raise ``ValueError`` unless a DataLoader batch of ``batch_size`` splits into micro-batches."""
-    if batch_size % micro_batch_size != 0:
-        raise ValueError(
-            f"DataLoader batch_size={batch_size} is not divisible by micro_batch_size={micro_batch_size}: each batch "
-            f"is split into micro-batches; use a batch size that is a multiple of {micro_batch_size} (and "
-            f"drop_last=True), or pick micro_batch_size among {divisors(batch_size)}"
-        )
-
-
-def split_micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
-    """Split every tensor of ``batch`` along dim 0 into micro-batches of ``micro_batch_size``."""
-    size = batch["input_ids"].shape[0]
-    check_micro_batch_size(size, micro_batch_size)
-    parts = {key: value.split(micro_batch_size) for key, value in batch.items()}
-    return [{key: parts[key][i] for key in parts} for i in range(size // micro_batch_size)]
-
-
 def run(
     module: StepModule,
     chunks: list[nn.Module],
-    batch: Batch,
+    micro_batches: list[Batch],
     *,
-    micro_batch_size: int,
     forward_only: bool,
     predict: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run one global batch through Megatron's schedule; return what each micro-batch's loss function logged.
+    """Run one global batch's micro-batches (:mod:`lightning_megatron.micro_batches`) through Megatron's schedule;
+    return what each micro-batch's loss function logged.
 
     The list is empty except on the last pipeline stage. With ``predict=True`` each entry is
     ``{"prediction": module.predict_output(micro_batch, output)}`` instead.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    micro_batches = split_micro_batches(batch, micro_batch_size)
 
     def forward_step(data_iterator: Iterator[Batch], model: nn.Module) -> tuple[Tensor, Callable]:
         micro_batch = next(data_iterator)
@@ -93,8 +72,9 @@ def run(
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks,
         num_microbatches=len(micro_batches),
-        seq_length=batch["input_ids"].shape[1],
-        micro_batch_size=micro_batch_size,
+        # Shapes of the p2p activations (ignored under variable_seq_lengths, where micro-batches differ).
+        seq_length=micro_batches[0]["input_ids"].shape[1],
+        micro_batch_size=micro_batches[0]["input_ids"].shape[0],
         forward_only=forward_only,
     )
 

@@ -22,6 +22,7 @@ from lightning_megatron.checkpointing import sharded
 from lightning_megatron.checkpointing.resume import ResumableLoader
 from lightning_megatron.checkpointing.writer import CheckpointWriter
 from lightning_megatron.contract import ChunkSpec, MegatronRuntime, OptimizerSpec, StepStats
+from lightning_megatron.micro_batches import check_micro_batch_size, micro_batching
 from lightning_megatron.modules.base import MegatronLightningModule, check_overrides, megatron_module
 from lightning_megatron.parallel import ddp, state
 from lightning_megatron.parallel import precision as mixed
@@ -31,7 +32,6 @@ from lightning_megatron.training import offload as offload_state
 from lightning_megatron.training.grad_norms import grad_norms
 from lightning_megatron.training.optim import LightningOptimizerAdapter
 from lightning_megatron.training.retained import Retained, run_all
-from lightning_megatron.validation import check_positive_int
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -52,6 +52,9 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         sequence_parallel: split norm/dropout activations along the sequence across TP ranks; needs ``tp > 1``.
         micro_batch_size: samples per micro-batch; each DataLoader batch is split into micro-batches of this
             size and run through Megatron's pipeline schedule as one optimizer step.
+        max_tokens_per_micro_batch: instead of ``micro_batch_size``, group each batch's samples into micro-batches
+            of at most this many tokens (each padded only to its own longest sample; balanced; Megatron's
+            variable-length p2p between pipeline stages). Predictions keep fixed micro-batches.
         use_distributed_optimizer: shard optimizer state across data-parallel ranks (ZeRO-1).
         ddp_config: Megatron's ``DistributedDataParallelConfig`` (overlap, bucket size, ...), used as given (default:
             ``grad_reduce_in_fp32=True``; Megatron's is False); ``use_distributed_optimizer`` above wins over its
@@ -78,6 +81,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         ep: int = 1,
         sequence_parallel: bool = False,
         micro_batch_size: int = 1,
+        max_tokens_per_micro_batch: int | None = None,
         use_distributed_optimizer: bool = True,
         ddp_config: DistributedDataParallelConfig | None = None,
         seed: int | None = None,
@@ -88,8 +92,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = ParallelSizes(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
-        check_positive_int("micro_batch_size", micro_batch_size)
         self.micro_batch_size = micro_batch_size
+        self._batching = micro_batching(self._sizes, micro_batch_size, max_tokens_per_micro_batch)
         self.use_distributed_optimizer = use_distributed_optimizer
         if ddp_config is not None and ddp_config.overlap_param_gather and not use_distributed_optimizer:
             raise ValueError(
@@ -151,7 +155,9 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def chunk_specs(self) -> list[ChunkSpec]:
         """One spec per model chunk this rank holds (one per VPP stage)."""
-        return state.chunk_specs(self._sizes, self.compute_dtype, self.root_device.type)
+        # Micro-batches of different shapes between pipeline stages: Megatron's p2p then sends shapes first.
+        variable = self._batching.max_tokens is not None and self._sizes.pp > 1
+        return state.chunk_specs(self._sizes, self.compute_dtype, self.root_device.type, variable)
 
     @property
     @override
@@ -170,8 +176,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         batch_size = getattr(dataloader, "batch_size", None)
-        if isinstance(batch_size, int):
-            schedule.check_micro_batch_size(batch_size, self.micro_batch_size)
+        if isinstance(batch_size, int) and self._batching.max_tokens is None:
+            check_micro_batch_size(batch_size, self.micro_batch_size)
         if not self.module.trainer.training:
             return dataloader
         guards.check_dataloader(dataloader, "training")
@@ -291,10 +297,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             chunk.zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
         with self.module.running_schedule():
-            records = schedule.run(
-                self.module, self._ddp_chunks, schedule.as_batch(batch), micro_batch_size=self.micro_batch_size,
-                forward_only=False,
-            )  # fmt: skip
+            micro_batches = self._batching.split(schedule.as_batch(batch))
+            records = schedule.run(self.module, self._ddp_chunks, micro_batches, forward_only=False)
         loss = schedule.reduce_step(records, self.root_device, self._log_names)
         self._step = schedule.TrainStep(loss, start, schedule.global_batch_size(batch)[1])
         return {"loss": loss.loss, "num_tokens": loss.num_tokens}
@@ -344,10 +348,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def _forward_only(self, batch: Any, *, predict: bool) -> list[dict[str, Any]]:
         chunks = self._run_chunks or list(self.module.chunks)
         with torch.no_grad(), self.module.running_schedule():
-            return schedule.run(
-                self.module, chunks, schedule.as_batch(batch), micro_batch_size=self.micro_batch_size,
-                forward_only=True, predict=predict,
-            )  # fmt: skip
+            micro_batches = self._batching.split(schedule.as_batch(batch), fixed=predict)
+            return schedule.run(self.module, chunks, micro_batches, forward_only=True, predict=predict)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:

@@ -85,16 +85,20 @@ class SaveAtEnd(L.Callback):
 
 
 def _trainer(devices: int, job: dict, **kwargs: Any) -> L.Trainer:
-    strategy = MegatronStrategy(tp=job.get("tp", 1), pp=job.get("pp", 1), vpp=job.get("vpp"), micro_batch_size=2)
+    sizes = {"tp": job.get("tp", 1), "pp": job.get("pp", 1), "vpp": job.get("vpp"), "cp": job.get("cp", 1)}
+    strategy = MegatronStrategy(**sizes, micro_batch_size=2)
     return L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, **kwargs,
     )  # fmt: skip
 
 
-def run_job(devices: int, job: dict, tokens: torch.Tensor) -> tuple[dict, torch.Tensor]:
+def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tuple[dict, torch.Tensor]:
     CountingSafeOpen.elements = 0
-    module = MegatronLMModule.from_hf(job["model"], seq_length=tokens.shape[1], lr=1e-2, warmup_steps=0)
+    overrides = {"kernels": "torch"} if job.get("packed") else None  # packed rows need SDPAttention on CPU
+    module = MegatronLMModule.from_hf(
+        job["model"], seq_length=tokens.shape[1], lr=1e-2, warmup_steps=0, config_overrides=overrides
+    )
     result: dict[str, Any] = {}
     loader = DataLoader(tokens, batch_size=tokens.shape[0])
     trained = job.get("train_steps", 0) > 0
@@ -109,14 +113,20 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor) -> tuple[dict, torch.
     result["elements_read"] = CountingSafeOpen.elements  # the model was built by the first Trainer call
     result["export_shapes"], result["export_max_diff"] = check.shapes, check.max_diff
     logits = torch.cat(_trainer(devices, job).predict(module, loader))
+    if job.get("packed"):  # packed rows of documents (tests/test_hf.py: PACKED_LENGTHS)
+        rows = DataLoader(packed, batch_size=len(packed))
+        result["packed_val_loss"] = _trainer(devices, job).validate(module, rows)[0]["val_loss"]
+        module.prediction = "logprobs"
+        result["packed_logprobs"] = torch.cat([p["logprobs"] for p in _trainer(devices, job).predict(module, rows)])
+        result["packed_logprobs"] = result["packed_logprobs"].tolist()
     return result, logits
 
 
 def main(args: dict) -> None:
-    tokens = torch.load(args["tokens"])
+    tokens, packed = torch.load(args["tokens"]), torch.load(args["packed"])
     results, rank = [], 0
     for i, job in enumerate(args["jobs"]):
-        result, logits = run_job(args["devices"], job, tokens)
+        result, logits = run_job(args["devices"], job, tokens, packed)
         rank = torch.distributed.get_rank()
         torch.save(logits, f"{args['out']}.job{i}.rank{rank}.pt")
         results.append(result)

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from logged_module import Logged  # tests/ is this script's directory
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, MegatronValueModule, tiny_gpt
+from lightning_megatron import MegatronLMModule, MegatronStrategy, MegatronValueModule, pack_sequences, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
 
 GLOBAL_BATCH = 8
@@ -49,6 +49,25 @@ def value_items(tokens: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": t, "returns": (t % 7).float() / 7, "loss_mask": (t % 5 != 0).long()} for t in tokens]
 
 
+def packed_rows(tokens: torch.Tensor, count: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` packed rows of 32 tokens: documents of 3-20 tokens cut from ``tokens``, packed first-fit."""
+    generator = torch.Generator().manual_seed(seed)
+    flat, documents, start = tokens.flatten(), [], 0
+    while start < len(flat) - 20:
+        length = int(torch.randint(3, 21, (), generator=generator))
+        documents.append(flat[start : start + length])
+        start += length
+    rows = pack_sequences(documents, 32)
+    assert len(rows) >= count, len(rows)
+    return rows[:count]
+
+
+def varlen_items(tokens: torch.Tensor, seed: int) -> list[dict[str, torch.Tensor]]:
+    lengths = torch.randint(4, 33, (len(tokens),), generator=torch.Generator().manual_seed(seed))
+    positions = torch.arange(tokens.shape[1])
+    return [{"input_ids": t, "attention_mask": (positions < n).long()} for t, n in zip(tokens, lengths, strict=True)]
+
+
 def _save_predictions(preds: list, path: str, rank: int) -> None:
     if isinstance(preds[0], dict):
         joined = {key: torch.cat([p[key] for p in preds]) for key in preds[0]}
@@ -59,13 +78,17 @@ def _save_predictions(preds: list, path: str, rank: int) -> None:
 
 def main(args: dict) -> None:
     devices = args.get("devices", 1)
-    tp, pp, vpp = args.get("tp", 1), args.get("pp", 1), args.get("vpp")
-    dp = devices // (tp * pp)
+    tp, pp, vpp, cp = args.get("tp", 1), args.get("pp", 1), args.get("vpp"), args.get("cp", 1)
+    dp = devices // (tp * pp * cp)
     accelerator = args.get("accelerator", "cpu")
     data = synthetic_tokens(64, 32, 256, seed=1)
     # Learnable structure (each sequence repeats one random half), so a falling loss is visible.
     data[:, 16:] = data[:, :16]
     val = synthetic_tokens(16, 32, 256, seed=2)
+    if args.get("packed"):  # documents of 3-20 tokens packed into rows of 32 (attention and loss per document)
+        data, val = packed_rows(data, 64, seed=3), packed_rows(val, 16, seed=4)
+    if args.get("varlen"):  # samples of 4-32 tokens, right-padded to 32 (attention_mask)
+        data, val = varlen_items(data, seed=5), varlen_items(val, seed=6)
     config = tiny_gpt(**args.get("model", {}))
     module_cls = (
         MegatronValueModule if args.get("module") == "value" else Logged if args.get("logs") else MegatronLMModule
@@ -92,9 +115,11 @@ def main(args: dict) -> None:
         tp=tp,
         pp=pp,
         vpp=vpp,
+        cp=cp,
         ep=args.get("ep", 1),
         sequence_parallel=args.get("sp", False),
         micro_batch_size=args.get("micro_batch_size", 2),
+        max_tokens_per_micro_batch=args.get("max_tokens"),
     )
     trainer = L.Trainer(
         accelerator=accelerator,

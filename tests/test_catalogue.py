@@ -161,7 +161,15 @@ CASES = [
         r"seq_length=30.*divisible by 4.*32",
         id="sp seq / tp",
     ),
-    pytest.param(_layout({}, cp=2), ValueError, r"cp=2: context parallelism.*use cp=1", id="cp local attention"),
+    pytest.param(
+        _layout({"kernels": "local"}, cp=2), ValueError, r"cp=2 with kernels='local'.*kernels='torch'", id="cp local"
+    ),
+    pytest.param(
+        _layout({"num_moe_experts": 4, "moe_enable_routing_replay": True}, cp=2),
+        ValueError,
+        r"cp=2 with moe_enable_routing_replay=True.*use cp=1",
+        id="cp routing replay",
+    ),
     # --- the world against the layout (raised when the Trainer is built)
     pytest.param(
         lambda: _trainer(MegatronStrategy(tp=2), devices=3),

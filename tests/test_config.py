@@ -145,8 +145,9 @@ def test_valid_parallel() -> None:
 
 
 def test_context_parallel_needs_an_attention_that_splits_sequences() -> None:
-    with pytest.raises(ValueError, match=r"cp=2: context parallelism"):
-        tiny_gpt().validate_parallel(ParallelSizes(cp=2))
+    with pytest.raises(ValueError, match=r"cp=2 with kernels='local'"):
+        tiny_gpt(kernels="local").validate_parallel(ParallelSizes(cp=2))
+    tiny_gpt().validate_parallel(ParallelSizes(cp=2))  # 'auto' resolves to the torch-native attention under CP
     tiny_gpt(num_moe_experts=4).validate_parallel(ParallelSizes(tp=2, ep=4))
     tiny_gpt(num_query_groups=2).validate_parallel(ParallelSizes(tp=2, pp=4))
 

@@ -21,7 +21,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig, tiny_gpt
+from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig, pack_sequences, tiny_gpt
 from lightning_megatron.hf.config import check_exportable
 from lightning_megatron.hf.mapping import hf_weight_shapes
 from tests.conftest import child_env
@@ -65,6 +65,36 @@ def hf_forward(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
     with torch.no_grad():
         out = model(input_ids=tokens, labels=tokens)
     return out.logits, float(out.loss)
+
+
+# Documents packed first-fit into 4 rows of SEQ tokens: [9, 7], [12, 4], [5, 10, one pad token], [3, 13].
+PACKED_LENGTHS = (9, 7, 12, 4, 5, 10, 3, 13)
+
+
+def packed_documents() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 128, (n,), generator=generator) for n in PACKED_LENGTHS]
+
+
+def hf_per_document(path: Path) -> tuple[float, torch.Tensor]:
+    """``transformers`` on each document alone: the token-weighted loss, and the log-probs laid out like the packed
+    rows' ``logprobs`` (position t: log p(token t+1); 0 at each document's last token and on padding)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    rows = pack_sequences(packed_documents(), SEQ)
+    want = torch.zeros(len(rows), SEQ)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r, row in enumerate(rows):
+            starts = (row["position_ids"] == 0).nonzero().flatten().tolist() + [SEQ]
+            for start, stop in zip(starts[:-1], starts[1:], strict=True):
+                doc = row["input_ids"][start:stop]
+                if row["labels"][start + 1 : stop].eq(-100).all():
+                    continue  # the padding document
+                logprobs = model(input_ids=doc[None]).logits[0].log_softmax(-1)
+                picked = logprobs[:-1].gather(-1, doc[1:, None]).squeeze(-1)  # [n-1]
+                want[r, start : stop - 1] = picked
+                total, count = total - float(picked.sum()), count + len(doc) - 1
+    return total / count, want
 
 
 def hf_state_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -205,13 +235,33 @@ def test_sharded_hf_checkpoint(models: dict, one_process: dict, tmp_path: Path, 
     assert val_loss == one_process["qwen2"]["val_loss"]
 
 
+def test_packed_rows_match_each_document_alone(models: dict) -> None:
+    """One process: packed rows give transformers' per-document loss and log-probs, and our own run of the same
+    documents unpacked (one per row, padded with ignored labels) gives the same loss."""
+    want_loss, want_logprobs = hf_per_document(models["llama"])
+    module = MegatronLMModule.from_hf(models["llama"], seq_length=SEQ, config_overrides={"kernels": "torch"})
+    rows = DataLoader(pack_sequences(packed_documents(), SEQ), batch_size=4)
+    assert _trainer().validate(module, rows)[0]["val_loss"] == pytest.approx(want_loss, rel=1e-5)
+    unpacked = []
+    for doc in packed_documents():
+        pad = SEQ - len(doc)
+        labels = torch.cat([doc, torch.full((pad,), -100)])
+        unpacked.append({"input_ids": torch.cat([doc, torch.zeros(pad, dtype=torch.long)]), "labels": labels})
+    loss = _trainer().validate(module, DataLoader(unpacked, batch_size=8))[0]["val_loss"]
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    module.prediction = "logprobs"
+    got = torch.cat([p["logprobs"] for p in _trainer().predict(module, rows)])
+    torch.testing.assert_close(got, want_logprobs, rtol=1e-4, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------- TP=2 / PP=2
 JOBS = {
-    "llama_tp2": {"arch": "llama", "tp": 2},
+    "llama_tp2": {"arch": "llama", "tp": 2, "packed": True},
+    "llama_cp2": {"arch": "llama", "cp": 2, "packed": True},
     "mistral_tp2": {"arch": "mistral", "tp": 2},
     "qwen2_tp2": {"arch": "qwen2", "tp": 2},
     "qwen3_tp2": {"arch": "qwen3", "tp": 2},
-    "llama_pp2_vpp2": {"arch": "llama", "pp": 2, "vpp": 2},
+    "llama_pp2_vpp2": {"arch": "llama", "pp": 2, "vpp": 2, "packed": True},
     "mistral_pp2": {"arch": "mistral", "pp": 2},
     "qwen2_pp2": {"arch": "qwen2", "pp": 2},  # tied embeddings: the last stage holds a copy
     "qwen3_pp2": {"arch": "qwen3", "pp": 2},
@@ -225,7 +275,8 @@ def _run_worker(devices: int, names: list[str], models: dict[str, Path], tmp: Pa
     """One worker run (Lightning's launcher) doing the jobs one Trainer after another."""
     jobs = [{**JOBS[n], "model": str(models[JOBS[n]["arch"]]), "save": str(tmp / f"saved-{n}")} for n in names]
     out = tmp / f"result{devices}"
-    args = {"devices": devices, "tokens": str(tmp / "tokens.pt"), "out": str(out), "jobs": jobs}
+    args = {"devices": devices, "tokens": str(tmp / "tokens.pt"), "packed": str(tmp / "packed.pt"), "out": str(out),
+            "jobs": jobs}  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(WORKER), json.dumps(args)], cwd=tmp, env=child_env(CUDA_VISIBLE_DEVICES=""),
         capture_output=True, text=True, timeout=600,
@@ -245,6 +296,7 @@ def multi(models: dict[str, Path], tokens: torch.Tensor, tmp_path_factory: pytes
     """Every job: one 2-process and one 4-process worker run."""
     tmp = tmp_path_factory.mktemp("multi")
     torch.save(tokens, tmp / "tokens.pt")
+    torch.save(pack_sequences(packed_documents(), SEQ), tmp / "packed.pt")
     results = {}
     for devices in (2, 4):
         names = [name for name, job in JOBS.items() if job.get("devices", 2) == devices]
@@ -273,6 +325,15 @@ def test_tp_pp_match_transformers(name: str, multi: dict, models: dict, tokens: 
         assert 0.8 / shards < got["elements_read"] / _total_elements(models[job["arch"]]) < 1.2 / shards
     for rank_logits in multi[name]["logits"]:  # full-vocabulary logits on every rank
         torch.testing.assert_close(rank_logits, logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", [n for n, job in JOBS.items() if job.get("packed")])
+def test_packed_rows_at_tp_pp_cp_match_each_document_alone(name: str, multi: dict, models: dict) -> None:
+    want_loss, want_logprobs = hf_per_document(models[JOBS[name]["arch"]])
+    for got in multi[name]["ranks"]:  # on every rank
+        assert got["packed_val_loss"] == pytest.approx(want_loss, rel=1e-5)
+        torch.testing.assert_close(torch.tensor(got["packed_logprobs"]), want_logprobs, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.multiprocess

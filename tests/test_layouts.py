@@ -28,6 +28,18 @@ LAYOUTS = {
     "pp2_vpp2": {"devices": 2, "pp": 2, "vpp": 2},
     "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2, "logs": True},  # logs and grad norms over TP shards and stages
     "tp2_sp": {"devices": 2, "tp": 2, "sp": True},
+    # context parallelism (kernels='auto' picks the torch-native attention on CPU under CP): K/V all-gathered;
+    # with SP each CP shard's tokens split over TP. (CP=2 alone, unpacked: tests/test_hf.py against transformers.)
+    "tp2_sp_cp2": {"devices": 4, "tp": 2, "cp": 2, "sp": True},
+}
+# On CPU, tp2_sp_cp2 covers sequence parallelism (tp2_sp runs on GPUs).
+CPU_LAYOUTS = [name for name in LAYOUTS if name != "tp2_sp"]
+# Packed rows (documents of 3-20 tokens in rows of 32, attention and loss per document) from the same checkpoint.
+PACKED = {"packed": True, "model": {"kernels": "torch"}}
+PACKED_LAYOUTS = {
+    "cp2": {"devices": 2, "cp": 2},
+    "tp2_cp2": {"devices": 4, "tp": 2, "cp": 2},
+    "pp2": {"devices": 2, "pp": 2},
 }
 
 
@@ -69,7 +81,7 @@ def test_training_changes_the_loss(reference: dict) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", CPU_LAYOUTS)
 def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_path: Path) -> None:
     resumed = _resume(LAYOUTS[name], reference, tmp_path)
     full = reference["full"]
@@ -83,6 +95,34 @@ def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_p
             assert seen["mean_loss"] == pytest.approx(seen["train_loss"], rel=1e-6)  # reduced over DP ranks too
             assert seen["ones"] == 1.0
             assert seen["norm_total"] == pytest.approx(seen["grad_norm"], rel=1e-5)  # Megatron's own norm
+
+
+@pytest.fixture(scope="module")
+def packed_reference(reference: dict) -> dict:
+    """One process resuming the reference checkpoint on packed rows."""
+    return _resume({"devices": 1, **PACKED}, reference, reference["tmp"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(PACKED_LAYOUTS))
+def test_packed_layout_continues_single_process_curve(
+    name: str, packed_reference: dict, reference: dict, tmp_path: Path
+) -> None:
+    # Packing changes what the model sees (another curve than the unpacked one), and every layout follows it.
+    assert packed_reference["train"] != {k: v for k, v in reference["full"]["train"].items() if int(k) > CKPT_STEP}
+    resumed = _resume({**PACKED, **PACKED_LAYOUTS[name]}, reference, tmp_path)
+    _assert_close(resumed["train"], packed_reference["train"], "packed train_loss")
+    _assert_close(resumed["val"], packed_reference["val"], "packed val_loss")
+
+
+@pytest.mark.multiprocess
+def test_token_budget_at_pp2_equals_fixed_micro_batches(reference: dict, tmp_path: Path) -> None:
+    """Samples of 4-32 tokens: micro-batches of at most 70 tokens (each cut to its longest sample, shapes sent
+    between the pipeline stages) give the loss of fixed micro-batches of 2 padded samples at one process."""
+    fixed = _resume({"devices": 1, "varlen": True}, reference, tmp_path)
+    budget = _resume({"devices": 2, "pp": 2, "varlen": True, "max_tokens": 70}, reference, tmp_path)
+    _assert_close(budget["train"], fixed["train"], "budgeted train_loss")
+    _assert_close(budget["val"], fixed["val"], "budgeted val_loss")
 
 
 @pytest.mark.multiprocess
@@ -126,7 +166,7 @@ def evaluated(reference: dict) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["pp2"])  # TP=2 and CP=2 logits: tests/test_hf.py, against transformers
 def test_validate_and_predict_parity(name: str, evaluated: dict, tmp_path: Path) -> None:
     many = run_worker({**LAYOUTS[name], **evaluated["args"], "pred_out": str(tmp_path / "many")}, tmp_path)
     assert many["val"] == pytest.approx(evaluated["val"], rel=REL)

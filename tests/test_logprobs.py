@@ -84,8 +84,9 @@ def lp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [{"devices": 2, "tp": 2}, {"devices": 2, "pp": 2}], ids=["tp2", "pp2"])
-def test_logprobs_at_tp2_and_pp2(layout: dict, lp_checkpoint: dict, tmp_path: Path) -> None:
+# Log-probs gathered across pipeline stages (PP=2 x VPP=2) and CP ranks: tests/test_hf.py, against transformers.
+@pytest.mark.parametrize("layout", [{"devices": 2, "tp": 2}], ids=["tp2"])
+def test_logprobs_and_entropy_at_tp2(layout: dict, lp_checkpoint: dict, tmp_path: Path) -> None:
     args = {**layout, "mode": "predict", "prediction": "logprobs+entropy", "resume": lp_checkpoint["ckpt"]}
     run_worker({**args, "pred_out": str(tmp_path / "lp")}, tmp_path)
     tokens = synthetic_tokens(16, 32, 256, seed=2)  # the worker's validation data

@@ -1,7 +1,8 @@
 """Multi-node launch on localhost: two "nodes" of 2 processes each train at TP=2 x DP=2 and reproduce the
-single-node (devices=4) run exactly -- once started by torchrun (``--nnodes 2 --node-rank 0|1``, static rendezvous
-on 127.0.0.1) and once by Lightning's own launcher (``Trainer(num_nodes=2, devices=2)`` started twice with
-``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``). The same runs check what each rank read: tensor-parallel peers the
+single-node (devices=4) run exactly, started by Lightning's own launcher (``Trainer(num_nodes=2, devices=2)`` started
+twice with ``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``). (Processes started by torchrun, which Lightning joins
+through its TorchElastic environment: tests/test_layouts.py::test_torchrun_launch, one node.) The same runs check
+what each rank read: tensor-parallel peers the
 same samples, data-parallel ranks disjoint ones (TokenFileDataModule's sharding by the data-parallel rank)."""
 
 from __future__ import annotations
@@ -76,13 +77,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]
     _launch([([sys.executable, *_worker({**args, "devices": 4}, tmp / "single")], env)], tmp)
     runs["single"] = _results(tmp / "single")
 
-    # Two torchrun "nodes" of 2 processes; Lightning joins them (TorchElastic environment).
-    port, cmd = _free_port(), _worker({**args, "devices": 2, "num_nodes": 2}, tmp / "torchrun")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
-    _launch([([*torchrun, "--node-rank", str(node), *cmd], env) for node in (0, 1)], tmp)
-    runs["torchrun"] = _results(tmp / "torchrun")
-
     # Lightning's launcher on each "node": Trainer(num_nodes=2, devices=2), node rank and rendezvous from the env.
     port, cmd = _free_port(), _worker({**args, "devices": 2, "num_nodes": 2}, tmp / "lightning")
     node_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -92,7 +86,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("launch", ["torchrun", "lightning"])
+@pytest.mark.parametrize("launch", ["lightning"])
 def test_two_nodes_match_one_node(runs: dict, launch: str) -> None:
     single, multi = runs["single"], runs[launch]
     assert len(single[0]["train"]) == STEPS

@@ -9,6 +9,7 @@ import lightning as L
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_megatron.data.corpus import demo_dataloaders
+from lightning_megatron.data.packing import PackedTokenRows, pack_token_file
 from lightning_megatron.data.tokens import TokenWindows, check_dtype, open_tokens
 from lightning_megatron.parallel.state import data_parallel_rank_and_size
 from lightning_megatron.validation import check_positive_int
@@ -84,6 +85,11 @@ class TokenFileDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes.
         pin_memory: page-locked batches, whose copy to the GPU does not wait for the GPU's queued work (a
             pageable copy does, and then exposes the host's per-step work); ``None``: when training on CUDA.
+        packed: pack whole documents instead of cutting fixed windows: the file is split after every ``eos_id``
+            (documents longer than ``seq_length`` into pieces), documents are packed first-fit into rows of
+            ``seq_length`` and samples are dicts of ``input_ids``/``position_ids``/``labels`` (Hugging Face's
+            flattening convention: attention and loss stay inside each document). Needs ``kernels='torch'``.
+        eos_id: the token id that ends each document (with ``packed=True``); also pads the rows' ends.
     """
 
     def __init__(
@@ -98,8 +104,12 @@ class TokenFileDataModule(L.LightningDataModule):
         seed: int | None = None,
         num_workers: int = 0,
         pin_memory: bool | None = None,
+        packed: bool = False,
+        eos_id: int | None = None,
     ) -> None:
         super().__init__()
+        if packed and eos_id is None:
+            raise ValueError("packed=True needs eos_id: the token id that ends each document of the file")
         check_positive_int("seq_length", seq_length)
         check_positive_int("batch_size", batch_size)
         if not 0.0 < val_fraction < 1.0:
@@ -110,26 +120,32 @@ class TokenFileDataModule(L.LightningDataModule):
         self.path, self.seq_length, self.batch_size, self.dtype = path, seq_length, batch_size, dtype
         self.val_fraction, self.num_val_batches = val_fraction, num_val_batches
         self.shuffle, self.seed, self.num_workers, self.pin_memory = shuffle, seed, num_workers, pin_memory
-        self.train_set: TokenWindows | None = None
-        self.val_set: TokenWindows | None = None
+        self.packed, self.eos_id = packed, eos_id
+        self.train_set: TokenWindows | PackedTokenRows | None = None
+        self.val_set: TokenWindows | PackedTokenRows | None = None
 
     def setup(self, stage: str) -> None:
-        windows = len(open_tokens(self.path, self.dtype)) // self.seq_length
+        rows = pack_token_file(self.path, self.dtype, self.seq_length, self.eos_id) if self.packed else None
+        windows = len(rows) if rows is not None else len(open_tokens(self.path, self.dtype)) // self.seq_length
         num_val = round(windows * self.val_fraction)
         num_train = windows - num_val
         _, dp_size = data_parallel_rank_and_size()
         if min(num_val, num_train) < self.batch_size * dp_size:
             raise ValueError(
-                f"path={self.path!r} holds {windows} windows of seq_length={self.seq_length}: {num_train} train and "
+                f"path={self.path!r} holds {windows} {'packed rows' if self.packed else 'windows'} of seq_length="
+                f"{self.seq_length}: {num_train} train and "
                 f"{num_val} val at val_fraction={self.val_fraction}; each split needs batch_size={self.batch_size} x "
                 f"{dp_size} data-parallel ranks (use a larger file, a smaller batch_size or another val_fraction)"
             )
         if self.num_val_batches is not None:
             num_val = min(num_val, self.num_val_batches * self.batch_size * dp_size)
+        if rows is not None:
+            self.train_set, self.val_set = rows.split(0, num_train), rows.split(num_train, num_val)
+            return
         self.train_set = TokenWindows(self.path, self.dtype, self.seq_length, 0, num_train)
         self.val_set = TokenWindows(self.path, self.dtype, self.seq_length, num_train, num_val)
 
-    def _loader(self, dataset: TokenWindows | None, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: TokenWindows | PackedTokenRows | None, shuffle: bool) -> DataLoader:
         assert dataset is not None, "setup() builds the datasets"
         rank, size = data_parallel_rank_and_size()
         seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))

@@ -20,6 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from lightning_megatron.kernels.compile import for_device
+from lightning_megatron.kernels.documents import SequenceLayout, attend, gather_keys_values
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,6 @@ class SDPAttention(MegatronModule):
         rotary: Rotary | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not split sequences: it needs context_parallel_size=1")
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise ValueError(
                 f"SDPAttention supports softmax_type='vanilla' without window_size (got {config.softmax_type!r}, "
@@ -83,8 +82,10 @@ class SDPAttention(MegatronModule):
         attention_bias: Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> Tensor:
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPAttention takes neither attention_bias nor packed sequences; use kernels='te'")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention takes no attention_bias; use kernels='local'")
+        if packed_seq_params is not None:
+            return self._forward_layout(query, key, value, packed_seq_params)
         seq, batch, heads, _ = query.shape
         if self.rope is not None:
             if key.shape[0] != seq:  # e.g. a KV cache: positions would no longer be 0..S-1 for both
@@ -99,6 +100,31 @@ class SDPAttention(MegatronModule):
         context = _sdpa(q, k, v, mask, dropout, self.causal and mask is None, self.softmax_scale, self.fork_rng)
         # [B, n, S, d] -> [S, B, n * d]
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _forward_layout(self, query: Tensor, key: Tensor, value: Tensor, layout: Any) -> Tensor:
+        """Packed documents and/or context parallelism (:mod:`lightning_megatron.kernels.documents`)."""
+        if not isinstance(layout, SequenceLayout):
+            raise ValueError(
+                f"SDPAttention got packed_seq_params={type(layout).__name__}; packed batches reach it as "
+                "position_ids in the batch (lightning_megatron.pack_sequences), not as Megatron's THD format"
+            )
+        seq, batch = query.shape[:2]
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(layout.seq_length, query.device)  # [S, 1, 1, rotary dims]
+            # [S, r] gathered at each token's position: [B', S_local, r] -> [S_local, B', 1, r]
+            cos, sin = (t.flatten(1)[layout.positions].transpose(0, 1).unsqueeze(2) for t in (cos, sin))
+            rope = for_device(_rope, query.device)
+            query, key = rope(query, cos, sin), rope(key, cos, sin)
+        if layout.cp.size > 1:
+            key, value = gather_keys_values(key, value, layout)  # [S, B, g, d]: the full rows
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [S, B, n, d] -> [B, n, S, d]
+        dropout = self.dropout if self.training else 0.0
+
+        def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Any, causal: bool) -> Tensor:
+            return _sdpa(q, k, v, mask, dropout, causal, self.softmax_scale, self.fork_rng)
+
+        context = attend(q, k, v, layout, sdpa, dropout, self.softmax_scale)
+        return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # [B, n, S_local, d] -> [S_local, B, n * d]
 
 
 def _sdpa(
@@ -136,7 +162,8 @@ class _RopeTable:
             if len(self.tables) >= 64:  # many distinct lengths (variable-length predict): start over
                 self.tables.clear()
             with torch.no_grad():
-                freqs = self.embedding(seq).to(device)  # [S, 1, 1, rotary dims], float32
+                # get_emb: the whole table (forward would cut it to this rank's CP chunks; we index by position)
+                freqs = self.embedding.get_emb(seq).to(device)  # [S, 1, 1, rotary dims], float32
             self.tables[key] = (freqs.cos(), freqs.sin())
         return self.tables[key]
 

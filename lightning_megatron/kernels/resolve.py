@@ -22,15 +22,16 @@ def te_available() -> bool:
     return True
 
 
-def resolve(kernels: Kernels, device_type: str) -> Resolved:
-    """The concrete kernel set for ``kernels`` on ``device_type`` ("cuda" or "cpu").
+def resolve(kernels: Kernels, device_type: str, cp: int = 1) -> Resolved:
+    """The concrete kernel set for ``kernels`` on ``device_type`` ("cuda" or "cpu") and context-parallel size ``cp``.
 
     ``"auto"``: Transformer Engine's spec when it imports, else the torch-native fast path, on GPU; Megatron's
-    reference local spec on CPU, where compiled kernels buy nothing and only cost compile time.
+    reference local spec on CPU, where compiled kernels buy nothing and only cost compile time -- except under
+    context parallelism, which the reference attention cannot split (the torch-native path then, on CPU too).
     """
     if kernels == "auto":
         if device_type != "cuda":
-            return "local"
+            return "torch" if cp > 1 else "local"
         return "te" if te_available() else "torch"
     if kernels == "te":
         if not te_available():

@@ -19,6 +19,7 @@ from lightning_megatron.kernels.logprobs import vocab_parallel_entropy, vocab_pa
 from lightning_megatron.kernels.resolve import Resolved, describe, resolve
 from lightning_megatron.modules import routing
 from lightning_megatron.modules.base import MegatronLightningModule
+from lightning_megatron.modules.sequences import RankTokens, document_starts, rank_tokens
 from lightning_megatron.training import guards
 
 if TYPE_CHECKING:
@@ -41,21 +42,20 @@ def shift_labels(batch: Batch) -> tuple[Tensor, Tensor]:
     """HF causal-LM labels -> Megatron targets: position t predicts token t+1.
 
     ``labels`` (default: ``input_ids``) are unshifted, ``-100`` ignored; ``loss_mask`` and ``attention_mask``
-    ([B, S], aligned with the tokens) drop positions too. Returns ``targets`` [B, S] (ignored positions hold
-    0, a valid index for the vocab-parallel cross entropy) and the float ``mask`` [B, S].
+    ([B, S], aligned with the tokens) drop positions too, and so do the last tokens of a packed row's documents
+    (the next token starts another document). Returns ``targets`` [B, S] (ignored positions hold 0, a valid index
+    for the vocab-parallel cross entropy) and the float ``mask`` [B, S].
     """
     labels = batch.get("labels", batch["input_ids"])
     keep = (labels != IGNORE_INDEX) & token_mask(batch)
+    starts = document_starts(batch)
+    if starts is not None:
+        keep = keep & ~starts
     targets = torch.zeros_like(labels)
     mask = torch.zeros_like(labels, dtype=torch.float32)
     targets[:, :-1] = torch.where(keep[:, 1:], labels[:, 1:], 0)  # [B, S-1] shifted left by one
     mask[:, :-1] = keep[:, 1:].float()  # the last position has no next token
     return targets, mask
-
-
-def position_ids(input_ids: Tensor) -> Tensor:
-    batch, seq = input_ids.shape
-    return torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
 
 
 class MegatronLMModule(MegatronLightningModule):
@@ -175,7 +175,7 @@ class MegatronLMModule(MegatronLightningModule):
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
         from megatron.core.models.gpt import GPTModel
 
-        self.kernels = resolve(self.config.kernels, spec.device_type)
+        self.kernels = resolve(self.config.kernels, spec.device_type, spec.parallel.get("context_parallel_size", 1))
         if self.hf_checkpoint is not None and self.kernels == "te":
             if self.config.kernels == "te":
                 raise ValueError(
@@ -227,12 +227,14 @@ class MegatronLMModule(MegatronLightningModule):
         save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]:
-        targets, mask = shift_labels(batch)
+        tokens = self.rank_tokens(batch)
+        targets, mask = (tokens.local(t) for t in shift_labels(batch))  # shifted on the full rows, then cut
+        local = tokens.local_batch(batch)
         # Logits [B, S, V/tp] on the last stage (vocabulary-parallel, never gathered); hidden states elsewhere.
-        output = self._routed_forward(batch, model)
+        output = self._routed_forward(tokens, batch, model)
 
         def loss_fn(logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-            per_token = self.token_loss(logits, targets, batch)  # [B, S]
+            per_token = self.token_loss(logits, targets, local)  # [B, S]
             return (per_token.float() * mask).sum(), mask.sum().to(torch.int), {}
 
         return output, loss_fn
@@ -243,7 +245,8 @@ class MegatronLMModule(MegatronLightningModule):
         The default is the causal-LM cross entropy (``targets[t]`` is token t+1). Override it for other
         objectives on log-probs -- e.g. a PPO/GRPO clipped policy loss reading ``batch["old_logprobs"]`` and
         ``batch["advantages"]`` (see ``examples/ppo_policy.py``); positions outside the loss mask are dropped
-        and the sum is token-weighted across micro-batches and data-parallel ranks by the strategy.
+        and the sum is token-weighted across micro-batches and data-parallel ranks by the strategy. Under context
+        parallelism ``logits``, ``targets`` and the token-aligned tensors of ``batch`` hold this rank's tokens only.
         """
         if self.kernels == "local":
             return -vocab_parallel_logprobs(logits, targets)  # Megatron's reference cross entropy
@@ -266,20 +269,33 @@ class MegatronLMModule(MegatronLightningModule):
             self.prediction, self.temperature = saved
 
     def forward_predict(self, batch: Batch, model: nn.Module) -> Tensor:
-        return self._routed_forward(batch, model)  # logits [B, S, V/tp] on the last stage
+        return self._routed_forward(self.rank_tokens(batch), batch, model)  # logits [B, S, V/tp] on the last stage
 
-    def _routed_forward(self, batch: Batch, model: nn.Module) -> Tensor:
+    def rank_tokens(self, batch: Batch) -> RankTokens:
+        """This rank's tokens of a micro-batch: packed documents (``position_ids``) and the CP slice."""
+        tokens = rank_tokens(batch)
+        if tokens.layout is not None and self.kernels != "torch" and "position_ids" in batch:
+            raise ValueError(
+                f"a packed batch (position_ids) needs attention that stays inside each document; the chunks were "
+                f"built with kernels={self.kernels!r} (Megatron's {'reference' if self.kernels == 'local' else 'TE'} "
+                "attention, no document masks); use ModelConfig(kernels='torch') -- 'auto' picks 'local' on CPU"
+            )
+        return tokens
+
+    def _routed_forward(self, tokens: RankTokens, batch: Batch, model: nn.Module) -> Tensor:
         """One chunk's forward, with MoE routing replayed from ``batch["routing"]`` or recorded when asked."""
-        input_ids = batch["input_ids"]
+        # SDPAttention takes the layout; TE's attention splits CP sequences itself from the sliced tokens.
+        layout = tokens.layout if self.kernels == "torch" else None
         if not self.config.moe_enable_routing_replay:
-            return model(input_ids, position_ids(input_ids), None)
+            return model(tokens.input_ids, tokens.position_ids, None, packed_seq_params=layout)
+        input_ids = tokens.input_ids
         if "routing" in batch:
             routing.replay(model, batch["routing"])
         elif self._routing_record is not None:
             routing.start_recording(model)
         else:
             routing.route_normally(model)
-        output = model(input_ids, position_ids(input_ids), None)
+        output = model(input_ids, tokens.position_ids, None, packed_seq_params=layout)
         if self._routing_record is not None and "routing" not in batch:
             # Micro-batches reach each chunk in order: the n-th call of a chunk is the n-th micro-batch.
             calls = self._routing_record.setdefault(id(model), [])
@@ -308,15 +324,16 @@ class MegatronLMModule(MegatronLightningModule):
         return routing.assemble(parts, tokens.shape[0], c.num_layers, tokens.shape[1], c.moe_router_topk, tokens.device)
 
     def predict_output(self, batch: Batch, output: Tensor) -> Tensor | dict[str, Tensor]:
+        tokens = self.rank_tokens(batch)
         if self.prediction == "logits":
             from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-            return gather_from_tensor_model_parallel_region(output)  # [B, S, V/tp] -> [B, S, V]
-        targets, mask = shift_labels(batch)
+            return tokens.gather(gather_from_tensor_model_parallel_region(output))  # [B, S, V/tp] -> [B, S, V]
+        targets, mask = (tokens.local(t) for t in shift_labels(batch))
         result = {"logprobs": vocab_parallel_logprobs(output, targets, self.temperature) * mask}
         if self.prediction == "logprobs+entropy":
             result["entropy"] = vocab_parallel_entropy(output, self.temperature) * mask
-        return result
+        return {name: tokens.gather(value) for name, value in result.items()}  # [B, S_local] -> [B, S]
 
     def configure_optimizers(self) -> OptimizerSpec:  # type: ignore[override]
         from megatron.core.optimizer import OptimizerConfig

@@ -93,15 +93,17 @@ class MegatronValueModule(MegatronLMModule):
         targets = batch.get("returns", batch.get("values"))
         if targets is None:
             raise KeyError("MegatronValueModule batches need 'returns' (or 'values') [B, S] value targets")
-        # No shift: the value at position t estimates the return from t.
-        mask = token_mask(batch).float()
-        output = self._routed_forward(batch, model)  # [B, S, 1] on the last stage
+        tokens = self.rank_tokens(batch)
+        # No shift: the value at position t estimates the return from t. Under CP: this rank's tokens only.
+        targets, mask = tokens.local(targets), tokens.local(token_mask(batch).float())
+        old_values = tokens.local(batch["old_values"]) if "old_values" in batch else None
+        output = self._routed_forward(tokens, batch, model)  # [B, S, 1] on the last stage
 
         def loss_fn(values: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
             values = values.squeeze(-1).float()  # [B, S, 1] -> [B, S]
             error = (values - targets.float()).pow(2)
-            if self.clip_range is not None and "old_values" in batch:
-                old = batch["old_values"].float()
+            if self.clip_range is not None and old_values is not None:
+                old = old_values.float()
                 clipped = old + (values - old).clamp(-self.clip_range, self.clip_range)
                 error = torch.maximum(error, (clipped - targets.float()).pow(2))
             return 0.5 * (error * mask).sum(), mask.sum().to(torch.int), {}
@@ -118,4 +120,4 @@ class MegatronValueModule(MegatronLMModule):
         raise TypeError(_NO_HF)
 
     def predict_output(self, batch: Batch, output: Tensor) -> Tensor:
-        return output.squeeze(-1).float()  # [B, S, 1] -> [B, S]
+        return self.rank_tokens(batch).gather(output.squeeze(-1).float())  # [B, S_local, 1] -> [B, S]

@@ -100,9 +100,16 @@ def data_parallel_rank_and_size() -> tuple[int, int]:
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
-def chunk_specs(sizes: ParallelSizes, dtype: torch.dtype, device_type: str) -> list[ChunkSpec]:
-    """One :class:`ChunkSpec` per model chunk this rank holds (one per VPP stage), for ``dtype`` on ``device_type``."""
+def chunk_specs(
+    sizes: ParallelSizes, dtype: torch.dtype, device_type: str, variable_seq_lengths: bool = False
+) -> list[ChunkSpec]:
+    """One :class:`ChunkSpec` per model chunk this rank holds (one per VPP stage), for ``dtype`` on ``device_type``;
+    ``variable_seq_lengths``: micro-batches differ in shape (Megatron's p2p then sends shapes first)."""
     config = megatron_config_kwargs(sizes, dtype)
+    if variable_seq_lengths:
+        # Megatron refuses its default MoE token dispatcher ("allgather", built for dense models too) with variable
+        # lengths; "alltoall" routes the same tokens to the same experts.
+        config.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     return [
         ChunkSpec(
             pre_process=first,

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 NonFinite = Literal["error", "skip"]
 NONFINITE_POLICIES: tuple[str, ...] = ("error", "skip")
 IGNORE_INDEX = -100
-_MASKS = ("labels", "attention_mask", "loss_mask")
+_MASKS = ("labels", "attention_mask", "loss_mask", "position_ids")
 
 
 def check_policy(nonfinite: str) -> None:
@@ -51,6 +51,32 @@ def check_token_batch(batch: Any, vocab_size: int, seq_length: int) -> None:
             raise ValueError(f"{name} has shape {tuple(batch[name].shape)}, but input_ids has {tuple(ids.shape)}")
     if "labels" in batch:
         _check_ids("labels", batch["labels"], vocab_size, ignore=IGNORE_INDEX)
+    if "position_ids" in batch:
+        check_positions(batch["position_ids"])
+
+
+def check_positions(positions: Any) -> None:
+    """Raise ``ValueError`` unless ``position_ids`` [B, S] follow the packed convention: each row starts a document
+    at 0, and inside a document positions never decrease (a new document starts where they drop back to 0)."""
+    if not isinstance(positions, Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        what = f"a tensor of dtype {positions.dtype}" if isinstance(positions, Tensor) else type(positions).__name__
+        raise TypeError(f"position_ids is {what}; positions must be an integer tensor (torch.long)")
+    if positions.device.type != "cpu" or positions.numel() == 0:
+        return  # checking here would synchronise with the device every step
+    if bool((positions[:, 0] != 0).any()):
+        row = int((positions[:, 0] != 0).nonzero()[0])
+        raise ValueError(
+            f"position_ids of row {row} start at {int(positions[row, 0])}: in a packed batch every row starts a "
+            "document at position 0 (Hugging Face's DataCollatorWithFlattening convention)"
+        )
+    step = positions[:, 1:] - positions[:, :-1]
+    bad = (step < 0) & (positions[:, 1:] != 0)  # dropping to anything but 0 is neither a document nor a restart
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"position_ids of row {row} drop from {int(positions[row, col])} to {int(positions[row, col + 1])} at "
+            f"index {col + 1}: positions must restart at 0 where a document starts and not decrease inside one"
+        )
 
 
 def _check_ids(name: str, ids: Any, vocab_size: int, ignore: int | None = None) -> None:
