@@ -24,6 +24,9 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from megatron.core.optimizer import OptimizerConfig
 
+IGNORE_INDEX = -100
+"""The label that excludes a position from the loss (Hugging Face's convention)."""
+
 Batch = dict[str, Tensor]
 """One (micro-)batch: HF-style tensors keyed by name, ``input_ids`` [B, S] always present."""
 

@@ -73,12 +73,15 @@ class MicroBatching:
         for group in groups:
             rows = torch.tensor(group, device=batch["input_ids"].device)
             length = max(lengths[i] for i in group)  # every sample of the group fits: cut the padding after it
-            micro_batches.append({k: _cut(v.index_select(0, rows), length) for k, v in batch.items()})
+            shape = batch["input_ids"].shape
+            micro_batches.append({k: _cut(v.index_select(0, rows), shape, length) for k, v in batch.items()})
         return micro_batches
 
 
-def _cut(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    return tensor[:, :length] if tensor.dim() >= 2 else tensor  # [b, S, ...] -> [b, length, ...]
+def _cut(tensor: torch.Tensor, shape: torch.Size, length: int) -> torch.Tensor:
+    if tensor.dim() >= 2 and tensor.shape[1] == shape[1]:  # token-aligned: [b, S, ...] -> [b, length, ...]
+        return tensor[:, :length]
+    return tensor  # per-sample values ([b], [b, K]) stay whole
 
 
 def micro_batching(sizes: ParallelSizes, micro_batch_size: int, max_tokens: int | None) -> MicroBatching:
@@ -87,6 +90,12 @@ def micro_batching(sizes: ParallelSizes, micro_batch_size: int, max_tokens: int 
     if max_tokens is None:
         return MicroBatching(size=micro_batch_size)
     check_positive_int("max_tokens_per_micro_batch", max_tokens)
+    if sizes.ep > 1:
+        raise ValueError(
+            f"max_tokens_per_micro_batch={max_tokens} with ep={sizes.ep}: each data-parallel rank groups its own "
+            "samples, so expert-parallel peers (on different data-parallel ranks) could run different numbers of "
+            "micro-batches and wait on each other's token exchange; use ep=1 or fixed micro_batch_size"
+        )
     if sizes.vpp is not None:
         raise ValueError(
             f"max_tokens_per_micro_batch={max_tokens} with vpp={sizes.vpp}: Megatron's interleaved schedule mismatches "
@@ -117,7 +126,8 @@ def group_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
     if longest > max_tokens:
         raise ValueError(
             f"max_tokens_per_micro_batch={max_tokens} is smaller than the longest sample of the batch ({longest} "
-            f"tokens, after rounding for context/sequence parallelism); use a budget of at least {longest}"
+            f"tokens, after rounding for context/sequence parallelism and, on GPU, to a multiple of "
+            f"{GPU_LENGTH_MULTIPLE}); use a budget of at least {longest}"
         )
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     packed = _first_fit_decreasing(order, lengths, max_tokens)  # similar lengths together: little padding

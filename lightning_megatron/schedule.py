@@ -1,7 +1,7 @@
 """The one bridge to Megatron's pipeline schedules (``get_forward_backward_func``).
 
-One DataLoader batch is one optimizer step for this data-parallel rank: it is split along dim 0 into
-micro-batches of ``micro_batch_size`` and fed to the schedule (no pipelining, 1F1B, or interleaved 1F1B with
+One DataLoader batch is one optimizer step for this data-parallel rank: its micro-batches
+(:mod:`lightning_megatron.micro_batches`) are fed to the schedule (no pipelining, 1F1B, or interleaved 1F1B with
 VPP, as Megatron picks from the parallel state). Losses are token-weighted: the module's loss function returns
 a *sum* and a token count, Megatron's ``calculate_per_token_loss`` divides gradients by the token count of the
 whole global batch, and :func:`reduce_step` does the same for the logged value.

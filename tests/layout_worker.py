@@ -97,6 +97,16 @@ def main(args: dict) -> None:
     model = module_cls(config, lr=args.get("lr", 3e-3), warmup_steps=1, decay_steps=16, **extra)
     if args.get("module") == "value":  # per-token value targets derived from the tokens
         data, val = value_items(data), value_items(val)
+    shapes: list[list[int]] = []  # with a token budget: the training micro-batches' shapes
+    if args.get("max_tokens"):
+        forward_step = model.forward_step
+
+        def recording(batch: dict, chunk: torch.nn.Module) -> tuple:
+            if model.trainer.training:
+                shapes.append(list(batch["input_ids"].shape))
+            return forward_step(batch, chunk)
+
+        model.forward_step = recording  # type: ignore[method-assign]
     recorder = Recorder(logs=bool(args.get("logs")))
     callbacks: list = [recorder]
     if args.get("ckpt_dir"):
@@ -147,6 +157,7 @@ def main(args: dict) -> None:
         result["train"] = recorder.train
         result["val"] = recorder.val
         result["contract"] = recorder.contract
+        result["shapes"] = shapes
         result["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     elif mode in ("validate", "validate+predict"):
         out = trainer.validate(model, val_loader, ckpt_path=args.get("resume"))

@@ -122,6 +122,11 @@ def test_token_budget_at_pp2_equals_fixed_micro_batches(reference: dict, tmp_pat
     fixed = _resume({"devices": 1, "varlen": True}, reference, tmp_path)
     budget = _resume({"devices": 2, "pp": 2, "varlen": True, "max_tokens": 70}, reference, tmp_path)
     _assert_close(budget["train"], fixed["train"], "budgeted train_loss")
+    # The budget was applied: micro-batches within 70 tokens, some cut below the fixed ones' 32.
+    shapes = budget["shapes"]
+    assert shapes, "no training micro-batch recorded"
+    assert all(rows * length <= 70 for rows, length in shapes), shapes
+    assert any(length < 32 for _, length in shapes), shapes
     _assert_close(budget["val"], fixed["val"], "budgeted val_loss")
 
 

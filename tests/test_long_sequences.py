@@ -7,6 +7,7 @@ tests/test_hf.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from lightning_megatron.kernels import specs
 from lightning_megatron.kernels.documents import SequenceLayout, attend, document_mask
 from lightning_megatron.micro_batches import MicroBatching, group_by_tokens, micro_batching
 from lightning_megatron.modules.lm import shift_labels
-from lightning_megatron.modules.sequences import rank_tokens
+from lightning_megatron.modules.sequences import rank_tokens, without_default_positions
 from lightning_megatron.parallel.context import ContextParallel, gather_order, token_index
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.training.guards import check_token_batch
@@ -52,6 +53,7 @@ def test_packed_rows_follow_transformers_flattening() -> None:
         for key in ("input_ids", "position_ids", "labels"):
             assert row[key][:n].tolist() == want[key][0].tolist(), key
         assert row["labels"][n:].eq(-100).all()
+        assert row["attention_mask"].tolist() == [1] * n + [0] * (16 - n)  # padding: out of value losses too
         assert row["position_ids"][n:].tolist() == list(range(16 - n))
     # first-fit: 5 and 9 fill row 0 up to 14; 3 does not fit there and opens row 1, which 7 and 6 then fill
     assert first_fit([5, 9, 3, 7, 6], 16) == [[0, 1], [2, 3, 4]]
@@ -85,17 +87,26 @@ def test_token_file_packed_mode(tmp_path: Path) -> None:
     ("change", "match"),
     [
         ({"position_ids": torch.tensor([[1, 2, 3, 4]])}, r"row 0 start at 1.*starts a document at position 0"),
-        ({"position_ids": torch.tensor([[0, 1, 2, 1]])}, r"drop from 2 to 1 at index 3.*restart at 0"),
+        ({"position_ids": torch.tensor([[0, 1, 2, 1]])}, r"go from 2 to 1 at index 3.*restart at 0"),
+        ({"position_ids": torch.tensor([[0, 1, 9, 10]])}, r"go from 1 to 9 at index 2.*count up by one"),
         ({"position_ids": torch.tensor([[0, 1, 2]])}, r"position_ids has shape \(1, 3\), but input_ids has \(1, 4\)"),
         ({"labels": torch.tensor([[0, 1]])}, r"labels has shape \(1, 2\), but input_ids has \(1, 4\)"),
         ({"position_ids": torch.tensor([[0.0, 1, 2, 3]])}, r"position_ids is a tensor of dtype torch.float32"),
     ],
-    ids=["no start", "drop", "positions shape", "labels shape", "float"],
+    ids=["no start", "drop", "jump", "positions shape", "labels shape", "float"],
 )
 def test_bad_packed_batches_raise(change: dict, match: str) -> None:
     batch = {"input_ids": torch.tensor([[1, 2, 3, 4]]), **change}
     with pytest.raises((ValueError, TypeError), match=match):
         check_token_batch(batch, 128, 8)
+
+
+def test_plain_positions_keep_the_fast_path() -> None:
+    # position_ids that every row would get anyway (one document from 0) are dropped on the host: no document masks.
+    plain = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "position_ids": torch.arange(4).expand(2, 4)}
+    assert "position_ids" not in without_default_positions(plain)
+    packed = {**plain, "position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]])}
+    assert without_default_positions(packed) is packed
 
 
 def test_labels_never_cross_documents() -> None:
@@ -154,12 +165,15 @@ def test_context_parallel_attention_equals_full_attention(rank: int, packed: boo
     documents = (positions == 0).cumsum(0).expand(2, seq) if packed else None
     index = token_index(seq, cp, torch.device("cpu"))
     layout = SequenceLayout(positions=index[None], documents=documents, query_index=index, seq_length=seq, cp=cp)
-    full = SequenceLayout(positions=torch.arange(seq)[None], documents=documents, seq_length=seq)
 
     def sdpa(q, k, v, mask, causal):  # noqa: ANN001, ANN202
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
 
-    want = sdpa(q, k, v, document_mask(full, q.device), False)[:, :, index]
+    allowed = torch.zeros(2, 1, seq, seq, dtype=torch.bool)  # built by hand, not by document_mask
+    for i in range(seq):
+        for j in range(i + 1):
+            allowed[:, :, i, j] = documents is None or bool(documents[0, i] == documents[0, j])
+    want = sdpa(q, k, v, allowed, False)[:, :, index]
     got = attend(q[:, :, index], k, v, layout, sdpa, 0.0, 8**-0.5)
     torch.testing.assert_close(got, want)
 
@@ -177,6 +191,39 @@ def test_packed_batches_need_the_torch_kernels(megatron_state: None) -> None:
     row = {k: v[None] for k, v in pack_sequences(DOCS[:2], 16)[0].items()}
     with pytest.raises(ValueError, match=r"packed batch \(position_ids\).*kernels='local'.*kernels='torch'"):
         module.rank_tokens(row)
+
+
+def test_value_module_on_packed_rows_equals_documents_alone() -> None:
+    """Values of a packed row are those of each document alone; the padding document adds nothing to the loss."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronValueModule
+
+    def trainer() -> L.Trainer:
+        return L.Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=1), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+
+    torch.manual_seed(0)
+    module = MegatronValueModule(tiny_gpt(kernels="torch"))
+    docs = DOCS[:3]  # 5 + 9 + 3 tokens in one row of 20: 3 padding tokens
+    row = pack_sequences(docs, 20)[0]
+    row["returns"] = (row["input_ids"] % 7).float()
+    alone = []
+    for doc in docs:
+        mask = torch.zeros(9, dtype=torch.long)
+        mask[: len(doc)] = 1
+        ids = torch.cat([doc, torch.zeros(9 - len(doc), dtype=torch.long)])
+        alone.append({"input_ids": ids, "attention_mask": mask, "returns": (ids % 7).float()})
+    packed_values = trainer().predict(module, DataLoader([row], batch_size=1))[0][0]  # [20]
+    alone_values = torch.cat(trainer().predict(module, DataLoader(alone, batch_size=1)))  # [3, 9]
+    start = 0
+    for i, doc in enumerate(docs):
+        torch.testing.assert_close(packed_values[start : start + len(doc)], alone_values[i, : len(doc)])
+        start += len(doc)
+    packed_loss = trainer().validate(module, DataLoader([row], batch_size=1))[0]["val_loss"]
+    alone_loss = trainer().validate(module, DataLoader(alone, batch_size=3))[0]["val_loss"]
+    assert packed_loss == pytest.approx(alone_loss, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------- token budget
@@ -208,16 +255,22 @@ def test_budgeted_micro_batches_are_cut_to_their_longest_sample() -> None:
     ("sizes", "tokens", "match"),
     [
         (ParallelSizes(pp=2, vpp=2), 64, r"max_tokens_per_micro_batch=64 with vpp=2.*use vpp=None"),
+        (ParallelSizes(ep=2), 64, r"max_tokens_per_micro_batch=64 with ep=2.*use ep=1"),
         (ParallelSizes(), 0, r"max_tokens_per_micro_batch=0 must be a positive integer"),
     ],
-    ids=["vpp", "zero"],
+    ids=["vpp", "ep", "zero"],
 )
 def test_token_budget_errors(sizes: ParallelSizes, tokens: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         micro_batching(sizes, 1, tokens)
+    with pytest.raises(ValueError, match=match):  # the strategy's constructor, before any group exists
+        MegatronStrategy(**{k: v for k, v in dataclasses.asdict(sizes).items() if v not in (1, None, False)},
+                         max_tokens_per_micro_batch=tokens)  # fmt: skip
+
+
+def test_token_budget_rounds_for_context_and_sequence_parallelism() -> None:
     assert micro_batching(ParallelSizes(tp=2, cp=2, sequence_parallel=True), 1, 64).length_multiple == 4
-    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
-        MegatronStrategy(pp=2, vpp=2, max_tokens_per_micro_batch=tokens or 64)
+    assert micro_batching(ParallelSizes(cp=3), 1, 64).length_multiple == 6
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -243,7 +296,8 @@ def test_flex_attention_matches_the_reference_mask(cp_rank: int | None) -> None:
     assert "block_mask" in layout.cache  # the flex path ran
     want = sdpa(q_local.float(), k.float(), v.float(), document_mask(layout, device), False)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    grads = torch.autograd.grad(got.float().square().sum(), (q, k, v), retain_graph=True)  # q_local is shared
-    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    # The reference first, keeping the q_local indexing both graphs share (the compiled one cannot retain its graph).
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v), retain_graph=True)
+    grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
     for g, w in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(g.float(), w.float(), rtol=5e-2, atol=5e-2)

@@ -110,6 +110,8 @@ class TokenFileDataModule(L.LightningDataModule):
         super().__init__()
         if packed and eos_id is None:
             raise ValueError("packed=True needs eos_id: the token id that ends each document of the file")
+        if eos_id is not None and not packed:
+            raise ValueError(f"eos_id={eos_id} only applies with packed=True (fixed windows ignore documents)")
         check_positive_int("seq_length", seq_length)
         check_positive_int("batch_size", batch_size)
         if not 0.0 < val_fraction < 1.0:

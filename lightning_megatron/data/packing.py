@@ -3,7 +3,8 @@
 A packed row holds several documents one after the other: ``input_ids`` [S], ``position_ids`` [S] restarting at 0
 where each document starts, ``labels`` [S] with -100 at each document's first token (what
 ``transformers.DataCollatorWithFlattening`` emits). The space left at a row's end is one padding document
-(``pad_id`` tokens, positions from 0, labels -100): it attends only to itself and adds nothing to the loss.
+(``pad_id`` tokens, positions from 0, labels -100, ``attention_mask`` 0): it attends only to itself and adds nothing
+to the loss.
 MegatronLMModule then attends within documents only, so the loss equals that of the documents run alone.
 """
 
@@ -16,9 +17,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_megatron.contract import IGNORE_INDEX
 from lightning_megatron.data.tokens import open_tokens
-
-IGNORE_INDEX = -100
 
 
 def first_fit(lengths: Sequence[int], row_length: int, window: int | None = None) -> list[list[int]]:
@@ -48,7 +48,8 @@ def first_fit(lengths: Sequence[int], row_length: int, window: int | None = None
 
 
 def packed_row(documents: Sequence[Tensor], row_length: int, pad_id: int = 0) -> dict[str, Tensor]:
-    """One row ``{"input_ids", "position_ids", "labels"}`` [row_length] holding ``documents`` (1-D LongTensors)."""
+    """One row ``{"input_ids", "position_ids", "labels", "attention_mask"}`` [row_length] holding ``documents``
+    (1-D LongTensors); ``attention_mask`` is 0 on the padding (what value losses and token budgets read)."""
     lengths = [len(d) for d in documents]
     pad = row_length - sum(lengths)
     if pad < 0:
@@ -61,22 +62,25 @@ def packed_row(documents: Sequence[Tensor], row_length: int, pad_id: int = 0) ->
     position_ids = torch.cat([torch.arange(n) for n in lengths])
     labels = input_ids.clone()
     labels[position_ids == 0] = IGNORE_INDEX  # no document predicts the first token of the next
+    attention_mask = torch.ones(row_length, dtype=torch.long)
     if pad:
         labels[-pad:] = IGNORE_INDEX
-    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+        attention_mask[-pad:] = 0
+    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels, "attention_mask": attention_mask}
 
 
 def pack_sequences(
-    sequences: Iterable[Sequence[int] | Tensor | np.ndarray], row_length: int, pad_id: int = 0
+    sequences: Iterable[Sequence[int] | Tensor | np.ndarray], row_length: int, pad_id: int = 0, window: int | None = 256
 ) -> list[dict[str, Tensor]]:
-    """Pack variable-length token sequences into rows of ``row_length`` tokens (first-fit, in order).
+    """Pack variable-length token sequences into rows of ``row_length`` tokens (first-fit, in order, among the
+    ``window`` most recently opened rows -- linear time; ``None``: all rows).
 
     Returns a list of rows (a map-style dataset: ``DataLoader(pack_sequences(...), batch_size=B)`` gives batches
     of ``input_ids``/``position_ids``/``labels`` [B, row_length]). Every document lands whole in one row; one longer
     than ``row_length`` raises.
     """
     documents = [torch.as_tensor(np.asarray(s), dtype=torch.long).flatten() for s in sequences]
-    groups = first_fit([len(d) for d in documents], row_length)
+    groups = first_fit([len(d) for d in documents], row_length, window)
     return [packed_row([documents[i] for i in group], row_length, pad_id) for group in groups]
 
 

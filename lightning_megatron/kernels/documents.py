@@ -124,11 +124,15 @@ def _block_mask(layout: SequenceLayout, batch: int, queries: int, device: torch.
         row = query[q_idx]
         return (kv_idx <= row) & (documents[b, row] == documents[b, kv_idx])
 
-    return create_block_mask(same_document_causal, batch, None, queries, layout.seq_length, device=device)
+    # Compiled: built block by block, never as the [B, S_local, S] mask the eager version materialises.
+    compiled = device.type == "cuda"
+    return create_block_mask(
+        same_document_causal, batch, None, queries, layout.seq_length, device=device, _compile=compiled
+    )
 
 
 @functools.cache
 def _flex() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)  # dynamic after a second shape: no recompile per row length

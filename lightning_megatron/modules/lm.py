@@ -19,7 +19,7 @@ from lightning_megatron.kernels.logprobs import vocab_parallel_entropy, vocab_pa
 from lightning_megatron.kernels.resolve import Resolved, describe, resolve
 from lightning_megatron.modules import routing
 from lightning_megatron.modules.base import MegatronLightningModule
-from lightning_megatron.modules.sequences import RankTokens, document_starts, rank_tokens
+from lightning_megatron.modules.sequences import RankTokens, document_starts, rank_tokens, without_default_positions
 from lightning_megatron.training import guards
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class MegatronLMModule(MegatronLightningModule):
         # On the host, before the batch reaches the accelerator: bad token ids fail here with the field and
         # value named, not as an index error inside an embedding kernel (or silently, on some devices).
         guards.check_token_batch(batch, self.config.vocab_size, self.config.seq_length)
-        return batch
+        return without_default_positions(batch)
 
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
         from megatron.core.models.gpt import GPTModel

@@ -9,7 +9,9 @@ positions. Under context parallelism every token-aligned tensor is cut to this r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -68,6 +70,17 @@ def rank_tokens(batch: Batch) -> RankTokens:
     local_positions = slice_sequence(positions, index)
     layout = SequenceLayout(positions=local_positions, documents=documents, query_index=index, seq_length=seq, cp=cp)
     return RankTokens(slice_sequence(input_ids, index), local_positions.expand(rows, -1), layout, index, cp)
+
+
+def without_default_positions(batch: Any) -> Any:
+    """``batch`` without ``position_ids`` when they are what the model uses anyway (every row one document counting
+    from 0): such batches keep SDPA's causal fast path instead of the document-mask kernels. Host tensors only."""
+    if not isinstance(batch, Mapping) or "position_ids" not in batch:
+        return batch
+    positions = batch["position_ids"]
+    if positions.device.type != "cpu" or bool((positions[:, 1:] == 0).any()):
+        return batch  # packed rows (or device tensors: a check here would synchronise)
+    return {k: v for k, v in batch.items() if k != "position_ids"}
 
 
 def document_starts(batch: Batch) -> Tensor | None:

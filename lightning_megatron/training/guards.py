@@ -17,9 +17,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_megatron.contract import IGNORE_INDEX
+
 NonFinite = Literal["error", "skip"]
 NONFINITE_POLICIES: tuple[str, ...] = ("error", "skip")
-IGNORE_INDEX = -100
 _MASKS = ("labels", "attention_mask", "loss_mask", "position_ids")
 
 
@@ -57,7 +58,7 @@ def check_token_batch(batch: Any, vocab_size: int, seq_length: int) -> None:
 
 def check_positions(positions: Any) -> None:
     """Raise ``ValueError`` unless ``position_ids`` [B, S] follow the packed convention: each row starts a document
-    at 0, and inside a document positions never decrease (a new document starts where they drop back to 0)."""
+    at 0, and inside a document positions count up by one (a new document starts where they go back to 0)."""
     if not isinstance(positions, Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
         what = f"a tensor of dtype {positions.dtype}" if isinstance(positions, Tensor) else type(positions).__name__
         raise TypeError(f"position_ids is {what}; positions must be an integer tensor (torch.long)")
@@ -70,12 +71,13 @@ def check_positions(positions: Any) -> None:
             "document at position 0 (Hugging Face's DataCollatorWithFlattening convention)"
         )
     step = positions[:, 1:] - positions[:, :-1]
-    bad = (step < 0) & (positions[:, 1:] != 0)  # dropping to anything but 0 is neither a document nor a restart
+    bad = (step != 1) & (positions[:, 1:] != 0)  # anything but +1 or a restart at 0 is no packed layout
     if bool(bad.any()):
         row, col = (int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"position_ids of row {row} drop from {int(positions[row, col])} to {int(positions[row, col + 1])} at "
-            f"index {col + 1}: positions must restart at 0 where a document starts and not decrease inside one"
+            f"position_ids of row {row} go from {int(positions[row, col])} to {int(positions[row, col + 1])} at "
+            f"index {col + 1}: positions must restart at 0 where a document starts and count up by one inside it "
+            "(left-padded generation batches: drop position_ids, the model counts positions itself)"
         )
 
 
