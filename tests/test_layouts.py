@@ -38,7 +38,7 @@ CPU_LAYOUTS = [name for name in LAYOUTS if name != "tp2_sp"]
 PACKED = {"packed": True, "model": {"kernels": "torch"}}
 PACKED_LAYOUTS = {
     "cp2": {"devices": 2, "cp": 2},
-    "tp2_cp2": {"devices": 4, "tp": 2, "cp": 2},
+    "tp2_sp_cp2": {"devices": 4, "tp": 2, "cp": 2, "sp": True},
     "pp2": {"devices": 2, "pp": 2},
 }
 
@@ -110,9 +110,14 @@ def test_packed_layout_continues_single_process_curve(
 ) -> None:
     # Packing changes what the model sees (another curve than the unpacked one), and every layout follows it.
     assert packed_reference["train"] != {k: v for k, v in reference["full"]["train"].items() if int(k) > CKPT_STEP}
-    resumed = _resume({**PACKED, **PACKED_LAYOUTS[name]}, reference, tmp_path)
+    saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": MAX_STEPS} if name == "cp2" else {}
+    resumed = _resume({**PACKED, **PACKED_LAYOUTS[name], **saves}, reference, tmp_path)
     _assert_close(resumed["train"], packed_reference["train"], "packed train_loss")
     _assert_close(resumed["val"], packed_reference["val"], "packed val_loss")
+    if saves:  # and back: the CP=2 checkpoint validates at one process to the same loss
+        ckpt = str(tmp_path / "ckpt" / f"epoch=0-step={MAX_STEPS}.ckpt")
+        one = run_worker({"devices": 1, **PACKED, "mode": "validate", "limit_val_batches": 2, "resume": ckpt}, tmp_path)
+        assert one["val"] == pytest.approx(resumed["val"][str(MAX_STEPS)], rel=REL)
 
 
 @pytest.mark.multiprocess
