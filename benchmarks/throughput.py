@@ -1,6 +1,6 @@
 """Training throughput: Lightning + MegatronStrategy vs a raw Megatron-Core loop vs Lightning + HF Llama.
 
-    python benchmarks/throughput.py                                   # 1 GPU, 1.0B Llama shape, variants a,b,c
+    python benchmarks/throughput.py                                   # 1 GPU, 1.0B Llama shape, variants a,b,c,d
     python benchmarks/throughput.py --devices 2 --tp 2 --sp --variants a,b
     python benchmarks/throughput.py --devices 2 --pp 2 --vpp 2 --micro-batch-size 2 --micro-batches 16
 
@@ -8,7 +8,9 @@ Prints one JSON line per variant, each measured in its own torchrun job on the s
 (a) ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule``; (b) a raw Megatron-Core loop with the same model,
 optimizer, batch and loss (benchmarks/raw_megatron.py); (c) ``Trainer`` + ``transformers`` ``LlamaForCausalLM``
 of the same shape (SDPA attention, ``precision="bf16-mixed"``, fused AdamW; 1 GPU or DDP only; it takes a step's
-sequences as one batch, where a and b run ``--micro-batches`` micro-batches).
+sequences as one batch, where a and b run ``--micro-batches`` micro-batches); (d) the recipe a strong user would
+pick without us: ``transformers`` Llama with FSDP2 ``fully_shard`` per block (fp32 master weights, bf16 compute,
+fp32 gradient reduction), ``torch.compile`` per block, fused AdamW, the same micro-batches (benchmarks/hf_fsdp2.py).
 All use bf16 compute with fp32 master weights, Adam, grad clipping 1.0, the same synthetic tokens, pinned host
 batches unless ``--no-pin-memory``. ``--sync-debug`` counts each variant's host-GPU synchronisations per step by
 call site (``torch.cuda.set_sync_debug_mode``) instead of measuring speed.
@@ -38,12 +40,18 @@ SHAPES = {
     "3b": dict(num_layers=26, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=8192),
 }
 VOCAB = 32000
+VARIANTS = {
+    "a": "lightning_megatron",
+    "b": "raw_megatron_core",
+    "c": "lightning_hf_llama",
+    "d": "hf_llama_fsdp2_compile",
+}
 PEAK_FLOPS = 989e12
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="a,b,c", help="comma-separated subset of a,b,c")
+    p.add_argument("--variants", default="a,b,c,d", help="comma-separated, in order, repeats allowed: a,b,a,b")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # set for the per-variant child job
     p.add_argument("--shape", default="1b", choices=list(SHAPES))
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "local"])
@@ -57,6 +65,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=2, help="per optimizer step and data-parallel rank")
     p.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="variant b: foreach AdamW")
     p.add_argument("--recompute", choices=["selective", "full"], default=None)
+    p.add_argument(
+        "--wgrad-fusion", choices=["auto", "on", "off"], default="auto",
+        help="variant a: ModelConfig.gradient_accumulation_fusion (auto: on with the torch kernels on GPU); "
+        "variant b stays Megatron's unfused path (no apex)",
+    )  # fmt: skip
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", help="write each variant's torch.profiler kernel table to PROFILE.<variant>")
@@ -77,9 +90,11 @@ def model_config(args: argparse.Namespace) -> Any:
     recompute = {"recompute_granularity": args.recompute}
     if args.recompute == "full":
         recompute |= {"recompute_method": "uniform", "recompute_num_layers": 1}
+    fusion = {"auto": None, "on": True, "off": False}[args.wgrad_fusion]
     return ModelConfig(
-        **SHAPES[args.shape], vocab_size=VOCAB, seq_length=args.seq_length, kernels=args.kernels, **recompute
-    )
+        **SHAPES[args.shape], vocab_size=VOCAB, seq_length=args.seq_length, kernels=args.kernels,
+        gradient_accumulation_fusion=fusion, **recompute,
+    )  # fmt: skip
 
 
 def dataset(args: argparse.Namespace, dp: int) -> torch.Tensor:
@@ -139,20 +154,28 @@ def variant_a(args: argparse.Namespace) -> dict:
         tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size
     )
     result = run_lightning(args, module, strategy, dataset(args, dp), dp)
-    return {**result, "params": sum(p.numel() for c in module.chunks for p in c.parameters())}
+    params = sum(p.numel() for c in module.chunks for p in c.parameters())
+    return {**result, "params": params, "fused_wgrad": module.fused_wgrad}
 
 
-def variant_c(args: argparse.Namespace) -> dict:
-    import lightning as L
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_llama_config(args: argparse.Namespace) -> Any:
+    """The ``transformers`` Llama of the benchmark's shape (variants c and d)."""
+    from transformers import LlamaConfig
 
     shape = SHAPES[args.shape]
-    hf_config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"],
         num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
         vocab_size=VOCAB, max_position_embeddings=args.seq_length, tie_word_embeddings=False,
         attn_implementation="sdpa",
     )  # fmt: skip
+
+
+def variant_c(args: argparse.Namespace) -> dict:
+    import lightning as L
+    from transformers import LlamaForCausalLM
+
+    hf_config = hf_llama_config(args)
 
     class HFLlama(L.LightningModule):
         def __init__(self) -> None:
@@ -224,10 +247,14 @@ def start_profiler() -> Any:
 def write_profile(profiler: Any, path: str) -> None:
     """The timed steps' top GPU kernels by total time (rank 0)."""
     profiler.stop()
-    if torch.distributed.get_rank() == 0:
-        table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        events = profiler.key_averages()
+        # GPU kernel time summed over the profiled steps: wall time minus this is where the GPU waited (host gap).
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the CPU ops' share
+        kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+        table = events.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
         with open(path, "w") as f:
-            f.write(table)
+            f.write(json.dumps({"gpu_kernel_ms_total": round(kernel_ms, 2)}) + "\n" + table)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -235,10 +262,14 @@ def child(args: argparse.Namespace) -> None:
         from benchmarks.raw_megatron import run
 
         result = run(args, model_config(args), dataset(args, args.devices // (args.tp * args.pp)))
+    elif args.variant == "d":
+        from benchmarks.hf_fsdp2 import run
+
+        result = run(args, hf_llama_config(args), dataset(args, args.devices))
     else:
         result = {"a": variant_a, "c": variant_c}[args.variant](args)
     params = torch.tensor([float(result["params"])], device="cuda")
-    if args.variant != "c" and args.tp * args.pp > 1:  # each rank holds 1/(tp*pp): sum over the first such group
+    if args.variant in ("a", "b") and args.tp * args.pp > 1:  # each rank holds 1/(tp*pp): sum over the first such group
         ranks = list(range(args.tp * args.pp))  # global ranks 0..tp*pp-1 form one model replica (Megatron order)
         group = torch.distributed.new_group(ranks)
         if torch.distributed.get_rank() in ranks:
@@ -256,15 +287,15 @@ def child(args: argparse.Namespace) -> None:
     flops_per_token = 6 * params.item() + 6 * shape["num_layers"] * shape["hidden_size"] * args.seq_length
     print(
         "RESULT " + json.dumps({
-            "variant": {"a": "lightning_megatron", "b": "raw_megatron_core", "c": "lightning_hf_llama"}[args.variant],
+            "variant": VARIANTS[args.variant],
             "shape": args.shape, "devices": args.devices, "tp": args.tp, "pp": args.pp, "vpp": args.vpp,
-            "sp": args.sp, "kernels": args.kernels if args.variant != "c" else "hf_sdpa",
+            "sp": args.sp, "kernels": args.kernels if args.variant in ("a", "b") else "hf_sdpa",
             "micro_batch": f"{args.micro_batch_size}x{args.micro_batches}", "seq": args.seq_length,
             "recompute": args.recompute, "params": int(params.item()), "tokens_per_s": round(tokens_per_s),
             "step_time_s": round(result["elapsed"] / args.steps, 4),
             "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
             "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(),
-            "pinned_batches": args.pin_memory,
+            "pinned_batches": args.pin_memory, "fused_wgrad": result.get("fused_wgrad", False),
             **(sync_report(result["syncs"], args.steps) if args.sync_debug else {}),
         }),
         flush=True,
@@ -282,8 +313,8 @@ def main() -> None:
         child(args)
         return
     for variant in args.variants.split(","):
-        if variant == "c" and args.tp * args.pp > 1:
-            continue  # the HF model runs with plain DDP only
+        if variant in ("c", "d") and args.tp * args.pp > 1:
+            continue  # the HF model runs data-parallel only (DDP / FSDP2)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.devices}"]
         cmd += [__file__, *sys.argv[1:], "--variant", variant]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}

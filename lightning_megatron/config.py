@@ -111,6 +111,11 @@ class ModelConfig:
     torch spec (unfused attention); 'auto': 'te' if Transformer Engine imports, else 'torch', on GPU, and
     'local' on CPU -- and 'torch' for models imported with from_hf, whose weight mapping targets the torch-native
     layer names. All give the same model and the same checkpoints."""
+    gradient_accumulation_fusion: bool | None = None
+    """Accumulate each parallel linear's weight gradient straight into its fp32 ``main_grad`` with one
+    fp32-output GEMM (what Megatron's flag of this name does with apex, here without it). None: on with the
+    'torch' kernels on GPU (torch >= 2.11), off elsewhere; True: also with 'local' and on CPU (an upcast GEMM
+    there, slower: for tests); False: Megatron's unfused path. Same numerics up to rounding; same checkpoints."""
     moe_enable_routing_replay: bool = False
     """Let batches carry the expert routing to use (``batch["routing"]``, e.g. recorded at rollout by
     ``MegatronLMModule.record_routing`` or an inference engine) instead of the router's own top-k (MoE only)."""

@@ -23,23 +23,24 @@ VAL = {"limit_val_batches": 2, "val_check_interval": 2, "sanity": 2}
 LAYOUTS = {
     # grad reduce / param gather overlapped, several buckets; loss_fn logs and grad norms over data-parallel shards
     "dp2": {"devices": 2, "overlap": True, "logs": True},
-    "tp2": {"devices": 2, "tp": 2, "model": {"kernels": "torch"}},  # the fast path: SDPA, fused CE at TP=2
+    # the GPU default path: SDPA, fused CE, weight gradients accumulated into main_grad in the GEMM, at TP=2
+    "tp2": {"devices": 2, "tp": 2, "model": {"kernels": "torch", "gradient_accumulation_fusion": True}},
     "pp2": {"devices": 2, "pp": 2},
     "pp2_vpp2": {"devices": 2, "pp": 2, "vpp": 2},
     "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2, "logs": True},  # logs and grad norms over TP shards and stages
     "tp2_sp": {"devices": 2, "tp": 2, "sp": True},
     # context parallelism (kernels='auto' picks the torch-native attention on CPU under CP): K/V all-gathered;
     # with SP each CP shard's tokens split over TP. (CP=2 alone, unpacked: tests/test_hf.py against transformers.)
-    "tp2_sp_cp2": {"devices": 4, "tp": 2, "cp": 2, "sp": True},
+    "tp2_sp_cp2": {"devices": 4, "tp": 2, "cp": 2, "sp": True, "model": {"gradient_accumulation_fusion": True}},
 }
 # On CPU, tp2_sp_cp2 covers sequence parallelism (tp2_sp runs on GPUs).
 CPU_LAYOUTS = [name for name in LAYOUTS if name != "tp2_sp"]
 # Packed rows (documents of 3-20 tokens in rows of 32, attention and loss per document) from the same checkpoint.
 PACKED = {"packed": True, "model": {"kernels": "torch"}}
+# (CP=2 alone on packed rows: tests/test_hf.py, against transformers per document.)
 PACKED_LAYOUTS = {
-    "cp2": {"devices": 2, "cp": 2},
     "tp2_sp_cp2": {"devices": 4, "tp": 2, "cp": 2, "sp": True},
-    "pp2": {"devices": 2, "pp": 2},
+    "cp2_pp2": {"devices": 4, "cp": 2, "pp": 2},  # context x pipeline parallelism
 }
 
 
@@ -110,27 +111,28 @@ def test_packed_layout_continues_single_process_curve(
 ) -> None:
     # Packing changes what the model sees (another curve than the unpacked one), and every layout follows it.
     assert packed_reference["train"] != {k: v for k, v in reference["full"]["train"].items() if int(k) > CKPT_STEP}
-    saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": MAX_STEPS} if name == "cp2" else {}
+    saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": MAX_STEPS} if name == "tp2_sp_cp2" else {}
     resumed = _resume({**PACKED, **PACKED_LAYOUTS[name], **saves}, reference, tmp_path)
     _assert_close(resumed["train"], packed_reference["train"], "packed train_loss")
     _assert_close(resumed["val"], packed_reference["val"], "packed val_loss")
-    if saves:  # and back: the CP=2 checkpoint validates at one process to the same loss
+    if saves:  # and back: the TP=2+SP x CP=2 checkpoint validates at one process to the same loss
         ckpt = str(tmp_path / "ckpt" / f"epoch=0-step={MAX_STEPS}.ckpt")
         one = run_worker({"devices": 1, **PACKED, "mode": "validate", "limit_val_batches": 2, "resume": ckpt}, tmp_path)
         assert one["val"] == pytest.approx(resumed["val"][str(MAX_STEPS)], rel=REL)
 
 
 @pytest.mark.multiprocess
-def test_token_budget_at_pp2_equals_fixed_micro_batches(reference: dict, tmp_path: Path) -> None:
-    """Samples of 4-32 tokens: micro-batches of at most 70 tokens (each cut to its longest sample, shapes sent
-    between the pipeline stages) give the loss of fixed micro-batches of 2 padded samples at one process."""
+def test_token_budget_at_cp2_pp2_equals_fixed_micro_batches(reference: dict, tmp_path: Path) -> None:
+    """Samples of 4-32 tokens: micro-batches of at most 70 tokens (each cut to its longest sample rounded up to a
+    multiple of 2*cp, shapes sent between the pipeline stages, each CP rank holding its chunks of them) give the
+    loss of fixed micro-batches of 2 padded samples at one process."""
     fixed = _resume({"devices": 1, "varlen": True}, reference, tmp_path)
-    budget = _resume({"devices": 2, "pp": 2, "varlen": True, "max_tokens": 70}, reference, tmp_path)
+    budget = _resume({"devices": 4, "pp": 2, "cp": 2, "varlen": True, "max_tokens": 70}, reference, tmp_path)
     _assert_close(budget["train"], fixed["train"], "budgeted train_loss")
     # The budget was applied: micro-batches within 70 tokens, some cut below the fixed ones' 32.
     shapes = budget["shapes"]
     assert shapes, "no training micro-batch recorded"
-    assert all(rows * length <= 70 for rows, length in shapes), shapes
+    assert all(rows * length <= 70 and length % 4 == 0 for rows, length in shapes), shapes
     assert any(length < 32 for _, length in shapes), shapes
     _assert_close(budget["val"], fixed["val"], "budgeted val_loss")
 

@@ -21,8 +21,10 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.multiprocess
 def test_expert_parallel_matches_one_process(moe_checkpoint: str, tmp_path: Path) -> None:
-    """The same MoE weights give the same validation loss with all experts on one rank and split over two."""
-    args = {**MOE, "mode": "validate", "limit_val_batches": 2, "resume": moe_checkpoint}
+    """The same MoE weights give the same validation loss with all experts on one rank and split over two, on
+    packed rows (documents attending only to themselves; the plain rows' EP run: test_expert_parallel_trains)."""
+    packed = {"model": {**MOE["model"], "kernels": "torch"}, "packed": True}
+    args = {**packed, "mode": "validate", "limit_val_batches": 2, "resume": moe_checkpoint}
     one = run_worker({**args, "devices": 1}, tmp_path)
     ep2 = run_worker({**args, "devices": 2, "ep": 2}, tmp_path)
     assert ep2["val"] == pytest.approx(one["val"], rel=2e-5)
@@ -42,3 +44,24 @@ def test_expert_parallel_errors() -> None:
         tiny_gpt().validate_parallel(ParallelSizes(ep=2))  # a dense model has no experts to split
     with pytest.raises(ValueError, match=r"world size 2 is not divisible by tp\*pp\*ep"):
         MegatronStrategy(tp=2, ep=2)._sizes.data_parallel_size(2)
+
+
+def test_optimizer_split_mismatch_is_refused(tmp_path: Path) -> None:
+    """A one-optimizer checkpoint (MoE at ep=1) resumed where Megatron splits dense and expert optimizers (ep=2)."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from lightning_megatron.checkpointing import checks
+
+    def state(*keys: str) -> dict:
+        return {key: ShardedTensor.from_rank_offsets(key, torch.zeros(2)) for key in keys}
+
+    one = SimpleNamespace(state_dict_metadata={"optimizer.state.exp_avg.w": 0, "w": 0})
+    split = state("chained_0.optimizer.state.exp_avg.w", "chained_1.optimizer.state.exp_avg.e")
+    with pytest.raises(ValueError, match=r"holds the state of 1 optimizer\(s\) and this run builds 2"):
+        checks.check_optimizer_split(tmp_path, one, split)
+    checks.check_optimizer_split(tmp_path, one, state("optimizer.state.exp_avg.w"))  # the same split loads
+    two = SimpleNamespace(state_dict_metadata={k: 0 for k in split})
+    checks.check_optimizer_split(tmp_path, two, split)

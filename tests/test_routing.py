@@ -113,3 +113,37 @@ def test_recorded_routing_is_the_same_with_pipeline_and_expert_parallelism(tmp_p
         run_worker({**args, **layout, "pred_out": str(tmp_path / "many")}, tmp_path)
         for rank in range(2):
             assert torch.equal(torch.load(tmp_path / f"many.rank{rank}.pt"), one), layout
+
+
+def test_routing_replay_on_packed_rows() -> None:
+    """Packed rows (documents with their own positions) record and replay routing like plain rows."""
+    from lightning_megatron import pack_sequences
+
+    flat = synthetic_tokens(8, 32, 256, seed=8).flatten()
+    lengths = [5, 11, 16, 7, 9, 14, 3, 12, 20, 6, 13, 8]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    rows = pack_sequences([flat[s : s + n] for s, n in zip(starts, lengths, strict=True)], 32)[:4]
+    batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    assert (batch["position_ids"] == 0).sum() > 4  # several documents per row
+    config = tiny_gpt(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_enable_routing_replay=True, kernels="torch")
+    module = MegatronLMModule(config, lr=3e-3, decay_steps=4)
+    seen: dict = {}
+
+    class Record(L.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+            shifted = (pl_module.record_routing(batch) + 1) % EXPERTS
+            seen["shifted"] = shifted
+            seen["own"] = float(trainer.strategy.forward_loss(batch)["loss"])
+            seen["replayed"] = float(trainer.strategy.forward_loss({**batch, "routing": shifted})["loss"])
+
+    _trainer(1, [Record()]).fit(module, DataLoader(rows, batch_size=4))
+    assert seen["replayed"] != seen["own"]
+    losses: list[float] = []
+
+    class Loss(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            losses.append(float(outputs["loss"]))
+
+    items = [{**row, "routing": seen["shifted"][i]} for i, row in enumerate(rows)]
+    _trainer(1, [Loss()]).fit(module, DataLoader(items, batch_size=4, shuffle=False))
+    assert losses[0] == pytest.approx(seen["replayed"], rel=1e-6)

@@ -96,6 +96,37 @@ def config_mismatch(saved: Mapping[str, Any] | None, current: Mapping[str, Any] 
     return [f"{f}: saved {saved.get(f)!r}, now {current.get(f)!r}" for f in fields if saved.get(f) != current.get(f)]
 
 
+def _optimizer_count(keys: Any) -> int:
+    """Megatron's ChainedOptimizer prefixes each inner optimizer's tensors with ``chained_<i>.`` (none for one)."""
+    chained = {key.split(".", 1)[0] for key in keys if key.startswith("chained_")}
+    return max(len(chained), 1)
+
+
+def check_optimizer_split(path: Path, metadata: Any, optimizer_state: Any) -> None:
+    """Raise ``ValueError`` when the checkpoint's optimizer state is split into another number of optimizers.
+
+    With MoE, Megatron builds separate optimizers for the dense and the expert parameters when their data-parallel
+    groups differ (e.g. ep > 1), and their states are stored under other keys: such a checkpoint's optimizer does
+    not load at a layout with another split.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    requested = [item.key for item in nested_values(optimizer_state) if isinstance(item, ShardedTensor)]
+    saved_keys = [key for key in metadata.state_dict_metadata if "optimizer.state." in key]
+    if not requested or not saved_keys:
+        return
+    saved, wanted = _optimizer_count(saved_keys), _optimizer_count(requested)
+    if saved != wanted:
+        raise ValueError(
+            f"checkpoint {path} holds the state of {saved} optimizer(s) and this run builds {wanted} (Megatron splits "
+            "the dense and the expert parameters' optimizers when expert parallelism gives them other data-parallel "
+            "groups): its optimizer state does not load at this layout. Resume at the expert-parallel layout that "
+            "wrote it, or start from its weights: YourModule.load_from_checkpoint(path), then trainer.fit without "
+            "ckpt_path (a fresh optimizer)"
+        )
+
+
 def check_shapes(path: Path, metadata: Any, state: Mapping[str, Any], config_diff: list[str]) -> None:
     """Raise ``ValueError`` naming the fields/tensors when the checkpoint holds a model of another shape."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values

@@ -6,6 +6,8 @@ import functools
 import importlib.util
 from typing import Literal
 
+import torch
+
 Kernels = Literal["auto", "torch", "te", "local"]
 Resolved = Literal["torch", "te", "local"]
 
@@ -44,6 +46,32 @@ def resolve(kernels: Kernels, device_type: str, cp: int = 1) -> Resolved:
     return kernels
 
 
+def fuse_wgrad(requested: bool | None, kernels: Resolved, device_type: str) -> bool:
+    """Whether the parallel linears accumulate weight gradients straight into ``main_grad`` (one fp32-output GEMM).
+
+    ``requested`` is ``ModelConfig.gradient_accumulation_fusion``: None means on with ``'torch'`` on GPU where
+    torch has the mixed-dtype GEMM (torch >= 2.11), off elsewhere; True asks for it with ``'torch'``/``'local'``
+    on any device (on CPU an upcast GEMM: for tests); False keeps Megatron's unfused path.
+    """
+    from lightning_megatron.kernels.linear import mixed_dtype_addmm_available
+
+    if kernels == "te":
+        if requested:
+            raise ValueError(
+                "ModelConfig(gradient_accumulation_fusion=True) fuses the torch-native linears; Transformer Engine's "
+                "linears fuse through their own kernels; leave gradient_accumulation_fusion=None with kernels='te'"
+            )
+        return False
+    if requested is None:
+        return kernels == "torch" and device_type == "cuda" and mixed_dtype_addmm_available()
+    if requested and device_type == "cuda" and not mixed_dtype_addmm_available():
+        raise ValueError(
+            f"ModelConfig(gradient_accumulation_fusion=True) needs torch.addmm(out_dtype=float32) on CUDA, which "
+            f"torch {torch.__version__} lacks; use torch >= 2.11 or gradient_accumulation_fusion=None"
+        )
+    return requested
+
+
 _DESCRIPTIONS = {
     "torch": "torch (SDPA attention with RoPE inside, fused vocab-parallel cross entropy)",
     "local": "local (Megatron's reference torch spec: unfused attention; the default on CPU)",
@@ -51,6 +79,9 @@ _DESCRIPTIONS = {
 }
 
 
-def describe(kernels: Resolved) -> str:
+def describe(kernels: Resolved, fused_wgrad: bool = False) -> str:
     """One line naming a resolved kernel set, and whether Transformer Engine is there (printed once per run)."""
-    return f"kernels: {_DESCRIPTIONS[kernels]}" + ("" if te_available() else "; Transformer Engine not installed")
+    fused = "; weight gradients accumulated into fp32 main_grad in the GEMM" if fused_wgrad else ""
+    return f"kernels: {_DESCRIPTIONS[kernels]}{fused}" + (
+        "" if te_available() else "; Transformer Engine not installed"
+    )

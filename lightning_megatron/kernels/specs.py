@@ -69,8 +69,12 @@ def _activation_fusable(config: ModelConfig) -> bool:
     return config.gated_linear_unit or (config.activation == "gelu" and config.add_bias_linear)
 
 
-def layer_spec(config: ModelConfig, kernels: Resolved = "local") -> ModuleSpec:
-    """The GPT layer spec of ``config`` for a resolved kernel set (see the module docstring)."""
+def layer_spec(config: ModelConfig, kernels: Resolved = "local", fuse_wgrad: bool = False) -> ModuleSpec:
+    """The GPT layer spec of ``config`` for a resolved kernel set (see the module docstring).
+
+    ``fuse_wgrad`` builds the parallel linears as :mod:`lightning_megatron.kernels.linear`'s subclasses, whose
+    weight gradients accumulate straight into ``main_grad`` (``'torch'``/``'local'`` only).
+    """
     if kernels == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -98,11 +102,22 @@ def layer_spec(config: ModelConfig, kernels: Resolved = "local") -> ModuleSpec:
             )  # fmt: skip
             attention = functools.partial(SDPAttention, rotary=rotary)
         spec = replace_modules(spec, {DotProductAttention: attention})
+    if fuse_wgrad:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        from lightning_megatron.kernels.linear import FusedWgradColumnParallelLinear, FusedWgradRowParallelLinear
+
+        fused = {ColumnParallelLinear: FusedWgradColumnParallelLinear, RowParallelLinear: FusedWgradRowParallelLinear}
+        spec = replace_modules(spec, fused)
     return spec
 
 
 def block_spec(
-    config: ModelConfig, transformer_config: TransformerConfig, vp_stage: int | None, kernels: Resolved = "local"
+    config: ModelConfig,
+    transformer_config: TransformerConfig,
+    vp_stage: int | None,
+    kernels: Resolved = "local",
+    fuse_wgrad: bool = False,
 ) -> TransformerBlockSubmodules:
     """The decoder layers of one pipeline stage / VPP chunk, and a final norm that supports SP."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -113,7 +128,9 @@ def block_spec(
         from megatron.core.extensions.transformer_engine import TENorm
 
         final_norm = TENorm
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(config, kernels)] * num_layers, layer_norm=final_norm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(config, kernels, fuse_wgrad)] * num_layers, layer_norm=final_norm
+    )
 
 
 def with_torch_norms(spec: Any) -> Any:

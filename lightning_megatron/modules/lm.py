@@ -16,7 +16,7 @@ from lightning_megatron.contract import Batch, ChunkSpec, LossFn, OptimizerSpec
 from lightning_megatron.kernels import specs
 from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.kernels.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-from lightning_megatron.kernels.resolve import Resolved, describe, resolve
+from lightning_megatron.kernels.resolve import Resolved, describe, fuse_wgrad, resolve
 from lightning_megatron.modules import routing
 from lightning_megatron.modules.base import MegatronLightningModule
 from lightning_megatron.modules.sequences import RankTokens, document_starts, rank_tokens, without_default_positions
@@ -86,6 +86,8 @@ class MegatronLMModule(MegatronLightningModule):
     """The HF model directory :meth:`from_hf` read; ``build_chunk`` loads this rank's shard of it into each chunk."""
     kernels: Resolved = "local"
     """The kernel set the chunks were built with (``ModelConfig.kernels`` resolved for the device)."""
+    fused_wgrad: bool = False
+    """Whether the chunks' parallel linears accumulate weight gradients into ``main_grad`` in the GEMM."""
 
     @classmethod
     def from_hf(
@@ -159,7 +161,7 @@ class MegatronLMModule(MegatronLightningModule):
 
     def configure_model(self) -> None:
         super().configure_model()
-        rank_zero_info(f"lightning_megatron: {describe(self.kernels)}")
+        rank_zero_info(f"lightning_megatron: {describe(self.kernels, self.fused_wgrad)}")
 
     @classmethod
     def init_args_from_checkpoint(cls, common: Mapping[str, Any]) -> dict[str, Any]:
@@ -183,17 +185,23 @@ class MegatronLMModule(MegatronLightningModule):
                     "names (Transformer Engine fuses the norms into its linear layers); use kernels='torch' or 'auto'"
                 )
             self.kernels = "torch"  # 'auto' for an HF import (see ModelConfig.kernels)
+        self.fused_wgrad = fuse_wgrad(self.config.gradient_accumulation_fusion, self.kernels, spec.device_type)
         config = self.config.to_transformer_config(
             kernels=self.kernels, compile_fusions=spec.device_type == "cuda", **spec.parallel
         )
+        layers = specs.block_spec(self.config, config, spec.vp_stage, self.kernels, self.fused_wgrad)
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=specs.block_spec(self.config, config, spec.vp_stage, self.kernels),
+            transformer_layer_spec=layers,
             pre_process=spec.pre_process,
             post_process=spec.post_process,
             vp_stage=spec.vp_stage,
             **self.config.gpt_model_kwargs(self.kernels),
         )
+        if self.fused_wgrad and spec.post_process:
+            from lightning_megatron.kernels.linear import fuse_lm_head
+
+            fuse_lm_head(chunk.output_layer)
         if self.hf_checkpoint is not None:
             from lightning_megatron.hf.load import load_chunk
 
