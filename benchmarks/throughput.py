@@ -65,6 +65,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=2, help="per optimizer step and data-parallel rank")
     p.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="variant b: foreach AdamW")
     p.add_argument("--recompute", choices=["selective", "full"], default=None)
+    p.add_argument("--fp8", action="store_true", help="variant a: ModelConfig(fp8='hybrid'), fp8 GEMMs without TE")
     p.add_argument(
         "--wgrad-fusion", choices=["auto", "on", "off"], default="auto",
         help="variant a: ModelConfig.gradient_accumulation_fusion (auto: on with the torch kernels on GPU); "
@@ -93,7 +94,7 @@ def model_config(args: argparse.Namespace) -> Any:
     fusion = {"auto": None, "on": True, "off": False}[args.wgrad_fusion]
     return ModelConfig(
         **SHAPES[args.shape], vocab_size=VOCAB, seq_length=args.seq_length, kernels=args.kernels,
-        gradient_accumulation_fusion=fusion, **recompute,
+        gradient_accumulation_fusion=fusion, fp8="hybrid" if args.fp8 and args.variant == "a" else None, **recompute,
     )  # fmt: skip
 
 
@@ -155,7 +156,7 @@ def variant_a(args: argparse.Namespace) -> dict:
     )
     result = run_lightning(args, module, strategy, dataset(args, dp), dp)
     params = sum(p.numel() for c in module.chunks for p in c.parameters())
-    return {**result, "params": params, "fused_wgrad": module.fused_wgrad}
+    return {**result, "params": params, "fused_wgrad": module.fused_wgrad, "fp8": module.fp8}
 
 
 def hf_llama_config(args: argparse.Namespace) -> Any:
@@ -296,6 +297,7 @@ def child(args: argparse.Namespace) -> None:
             "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
             "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(),
             "pinned_batches": args.pin_memory, "fused_wgrad": result.get("fused_wgrad", False),
+            "fp8": result.get("fp8", False),
             **(sync_report(result["syncs"], args.steps) if args.sync_debug else {}),
         }),
         flush=True,

@@ -116,6 +116,11 @@ class ModelConfig:
     fp32-output GEMM (what Megatron's flag of this name does with apex, here without it). None: on with the
     'torch' kernels on GPU (torch >= 2.11), off elsewhere; True: also with 'local' and on CPU (an upcast GEMM
     there, slower: for tests); False: Megatron's unfused path. Same numerics up to rounding; same checkpoints."""
+    fp8: str | None = None
+    """'hybrid': the parallel linears of the transformer layers run their three GEMMs in fp8 without Transformer
+    Engine (torch._scaled_mm; e4m3 activations and weights, e5m2 output gradients, each tensor scaled by its own
+    amax per GEMM). Master weights, optimizer and checkpoints stay those of a bf16 run; the LM head stays bf16.
+    Needs a GPU with fp8 tensor cores (Ada/Hopper or later) and kernels 'torch' or 'local'. None: no fp8."""
     moe_enable_routing_replay: bool = False
     """Let batches carry the expert routing to use (``batch["routing"]``, e.g. recorded at rollout by
     ``MegatronLMModule.record_routing`` or an inference engine) instead of the router's own top-k (MoE only)."""
@@ -130,6 +135,12 @@ class ModelConfig:
         check_choice("activation", self.activation, tuple(_ACTIVATIONS))
         check_choice("position_embedding_type", self.position_embedding_type, ("rope", "learned_absolute", "none"))
         check_choice("kernels", self.kernels, ("auto", "torch", "te", "local"))
+        check_choice("fp8", self.fp8, (None, "hybrid"))
+        if self.fp8 is not None and self.kernels == "te":
+            raise ValueError(
+                f"fp8={self.fp8!r} is the torch-native fp8 path; with kernels='te' use Transformer Engine's own fp8 "
+                "(Trainer(precision='transformer-engine')) and leave fp8=None"
+            )
         for name in ("norm_epsilon", "init_method_std", "rotary_base", "rope_scaling_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")

@@ -84,9 +84,17 @@ class SaveAtEnd(L.Callback):
         module.save_hf(self.path, max_shard_size=64 * 1024)  # small shards: the index path is exercised too
 
 
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.values.append(float(outputs["loss"]))
+
+
 def _trainer(devices: int, job: dict, **kwargs: Any) -> L.Trainer:
     sizes = {"tp": job.get("tp", 1), "pp": job.get("pp", 1), "vpp": job.get("vpp"), "cp": job.get("cp", 1)}
-    strategy = MegatronStrategy(**sizes, micro_batch_size=2)
+    strategy = MegatronStrategy(**sizes, sequence_parallel=job.get("sp", False), micro_batch_size=2)
     return L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, **kwargs,
@@ -96,8 +104,9 @@ def _trainer(devices: int, job: dict, **kwargs: Any) -> L.Trainer:
 def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tuple[dict, torch.Tensor]:
     CountingSafeOpen.elements = 0
     overrides = {"kernels": "torch"} if job.get("packed") else None  # packed rows need SDPAttention on CPU
+    lora = job.get("lora")  # LoRAConfig fields: adapters trained on the frozen HF weights (no HF export then)
     module = MegatronLMModule.from_hf(
-        job["model"], seq_length=tokens.shape[1], lr=1e-2, warmup_steps=0, config_overrides=overrides
+        job["model"], seq_length=tokens.shape[1], lr=1e-2, warmup_steps=0, config_overrides=overrides, lora=lora
     )
     result: dict[str, Any] = {}
     loader = DataLoader(tokens, batch_size=tokens.shape[0])
@@ -107,9 +116,14 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
         generator = torch.Generator().manual_seed(0)
         samples = torch.randint(0, 128, (4 * job["train_steps"], tokens.shape[1]), generator=generator)
         data = DataLoader(samples, batch_size=4)
-        _trainer(devices, job, max_steps=job["train_steps"], callbacks=[SaveAtEnd(job["save"])]).fit(module, data)
+        losses = Losses()
+        callbacks = [losses] if lora else [losses, SaveAtEnd(job["save"])]
+        _trainer(devices, job, max_steps=job["train_steps"], callbacks=callbacks).fit(module, data)
+        result["train_losses"] = losses.values
+        result["trainable"] = sorted({n.rsplit(".", 1)[-1] for n, p in module.named_parameters() if p.requires_grad})
     check = ExportCheck(None if trained else Path(job["model"]))
-    result["val_loss"] = _trainer(devices, job, callbacks=[check]).validate(module, loader)[0]["val_loss"]
+    callbacks = [] if lora else [check]
+    result["val_loss"] = _trainer(devices, job, callbacks=callbacks).validate(module, loader)[0]["val_loss"]
     result["elements_read"] = CountingSafeOpen.elements  # the model was built by the first Trainer call
     result["export_shapes"], result["export_max_diff"] = check.shapes, check.max_diff
     logits = torch.cat(_trainer(devices, job).predict(module, loader))

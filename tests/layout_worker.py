@@ -94,6 +94,8 @@ def main(args: dict) -> None:
         MegatronValueModule if args.get("module") == "value" else Logged if args.get("logs") else MegatronLMModule
     )
     extra = {"prediction": args["prediction"]} if "prediction" in args else {}
+    if "lora" in args:  # LoRAConfig fields
+        extra["lora"] = args["lora"]
     model = module_cls(config, lr=args.get("lr", 3e-3), warmup_steps=1, decay_steps=16, **extra)
     if args.get("module") == "value":  # per-token value targets derived from the tokens
         data, val = value_items(data), value_items(val)

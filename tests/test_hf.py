@@ -255,6 +255,7 @@ def test_packed_rows_match_each_document_alone(models: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------- TP=2 / PP=2
+LORA = {"rank": 4, "alpha": 8.0, "seed": 3}
 JOBS = {
     "llama_tp2": {"arch": "llama", "tp": 2, "packed": True},
     "llama_cp2": {"arch": "llama", "cp": 2, "packed": True},
@@ -266,6 +267,9 @@ JOBS = {
     "qwen2_pp2": {"arch": "qwen2", "pp": 2},  # tied embeddings: the last stage holds a copy
     "qwen3_pp2": {"arch": "qwen3", "pp": 2},
     "llama_tp2_trained": {"arch": "llama", "tp": 2, "train_steps": 2},
+    # LoRA on the frozen HF weights: the same adapters (seeded) and curve at every layout
+    "llama_tp2_sp_lora_trained": {"arch": "llama", "tp": 2, "sp": True, "train_steps": 3, "lora": LORA},
+    "llama_pp2_lora_trained": {"arch": "llama", "pp": 2, "train_steps": 3, "lora": LORA},
     "qwen3_tp2_pp2": {"arch": "qwen3", "tp": 2, "pp": 2, "devices": 4},
     "llama_tp2_pp2_vpp2": {"arch": "llama", "tp": 2, "pp": 2, "vpp": 2, "devices": 4},
 }
@@ -346,6 +350,35 @@ def test_train_at_tp2_save_and_load_in_transformers(multi: dict, models: dict, t
     for rank in range(2):
         assert got["ranks"][rank]["val_loss"] == pytest.approx(loss, rel=1e-5)
         torch.testing.assert_close(got["logits"][rank], logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.multiprocess
+def test_lora_at_tp2_sp_and_pp2_follows_one_process(multi: dict, models: dict, tokens: torch.Tensor) -> None:
+    """LoRA from the same HF weights and seed: the 1-process curve at TP=2 + SP and at PP=2 (adapters sharded as
+    the base, the base frozen), the same validation loss and logits after training."""
+    module = MegatronLMModule.from_hf(models["llama"], seq_length=SEQ, lr=1e-2, warmup_steps=0, lora=LORA)
+    samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(0))  # as hf_worker's
+
+    class Record(L.Callback):
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            self.values.append(float(outputs["loss"]))
+
+    record = Record()
+    _trainer(max_steps=3, num_sanity_val_steps=0, callbacks=[record]).fit(module, DataLoader(samples, batch_size=4))
+    loader = DataLoader(tokens, batch_size=tokens.shape[0])
+    val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+    logits = torch.cat(_trainer().predict(module, loader))
+    assert len(set(record.values)) == 3  # the adapters move (random tokens: the loss need not fall)
+    for name in ("llama_tp2_sp_lora_trained", "llama_pp2_lora_trained"):
+        for rank, got in enumerate(multi[name]["ranks"]):
+            assert got["trainable"] == ["lora_A", "lora_B"], (name, rank)
+            assert got["train_losses"] == pytest.approx(record.values, rel=2e-4), (name, rank)
+            assert got["val_loss"] == pytest.approx(val_loss, rel=2e-4), (name, rank)
+        for rank_logits in multi[name]["logits"]:
+            torch.testing.assert_close(rank_logits, logits, rtol=1e-3, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -21,11 +21,12 @@ MAX_STEPS = 4
 VAL = {"limit_val_batches": 2, "val_check_interval": 2, "sanity": 2}
 
 LAYOUTS = {
-    # grad reduce / param gather overlapped, several buckets; loss_fn logs and grad norms over data-parallel shards
-    "dp2": {"devices": 2, "overlap": True, "logs": True},
+    # grad reduce / param gather overlapped, several buckets; loss_fn logs and grad norms over data-parallel shards;
+    # weight gradients fused into main_grad (kernels/linear.py) here, at PP=2, TP=2 and TP=2+SP x CP=2
+    "dp2": {"devices": 2, "overlap": True, "logs": True, "model": {"gradient_accumulation_fusion": True}},
     # the GPU default path: SDPA, fused CE, weight gradients accumulated into main_grad in the GEMM, at TP=2
     "tp2": {"devices": 2, "tp": 2, "model": {"kernels": "torch", "gradient_accumulation_fusion": True}},
-    "pp2": {"devices": 2, "pp": 2},
+    "pp2": {"devices": 2, "pp": 2, "model": {"gradient_accumulation_fusion": True}},
     "pp2_vpp2": {"devices": 2, "pp": 2, "vpp": 2},
     "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2, "logs": True},  # logs and grad norms over TP shards and stages
     "tp2_sp": {"devices": 2, "tp": 2, "sp": True},
@@ -147,7 +148,8 @@ def test_tied_embeddings_across_pipeline_stages(tmp_path: Path) -> None:
     )
     full = run_worker({**tied, "devices": 1, "max_steps": MAX_STEPS}, tmp_path)
     ckpt = str(ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt")
-    resumed = run_worker({**tied, **LAYOUTS["pp2"], "max_steps": MAX_STEPS, "resume": ckpt}, tmp_path)
+    pp2 = {**LAYOUTS["pp2"], "model": {**LAYOUTS["pp2"]["model"], **tied["model"]}}  # the fused LM head too
+    resumed = run_worker({**pp2, "max_steps": MAX_STEPS, "resume": ckpt}, tmp_path)
     _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "tied train_loss")
 
 

@@ -32,7 +32,8 @@ def test_expert_parallel_matches_one_process(moe_checkpoint: str, tmp_path: Path
 
 @pytest.mark.multiprocess
 def test_expert_parallel_trains(tmp_path: Path) -> None:
-    result = run_worker({**MOE, "devices": 2, "ep": 2, "max_steps": 3}, tmp_path)
+    fused = {"model": {**MOE["model"], "gradient_accumulation_fusion": True}}  # expert linears fused too
+    result = run_worker({**fused, "devices": 2, "ep": 2, "max_steps": 3}, tmp_path)
     assert len(result["train"]) == 3
     assert len(set(result["train"].values())) == 3  # weights move
 
@@ -65,3 +66,9 @@ def test_optimizer_split_mismatch_is_refused(tmp_path: Path) -> None:
     checks.check_optimizer_split(tmp_path, one, state("optimizer.state.exp_avg.w"))  # the same split loads
     two = SimpleNamespace(state_dict_metadata={k: 0 for k in split})
     checks.check_optimizer_split(tmp_path, two, split)
+
+
+@pytest.mark.multiprocess
+def test_resume_at_another_optimizer_split_raises(moe_checkpoint: str, tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match=r"holds the state of 1 optimizer\(s\) and this run builds 2"):
+        run_worker({**MOE, "devices": 2, "ep": 2, "max_steps": 3, "resume": moe_checkpoint}, tmp_path)

@@ -21,6 +21,7 @@ LAYERS = [
     ("hf",),
     ("config",),
     ("kernels",),
+    ("lora",),
     ("checkpointing",),
     ("training",),
     ("data",),
@@ -209,7 +210,7 @@ def test_public_api() -> None:
     import lightning_megatron
 
     expected = {
-        "ByteCorpusDataModule", "ChunkSpec", "MegatronLMFromHF", "MegatronLMModule", "MegatronLightningModule",
+        "ByteCorpusDataModule", "ChunkSpec", "LoRAConfig", "MegatronLMFromHF", "MegatronLMModule", "MegatronLightningModule",
         "MegatronStrategy", "MegatronThroughput", "MegatronValueModule", "ModelConfig", "OptimizerSpec",
         "ParallelSizes", "SaveHF", "StepStats", "TokenFileDataModule", "pack_sequences", "tiny_gpt",
     }  # fmt: skip

@@ -219,11 +219,11 @@ def _check(path: Path, state: dict[str, Any], model_config: dict[str, Any] | Non
             "It loads for validate/test/predict; to fine-tune from its weights build the module with "
             f"YourModule.load_from_checkpoint({str(path)!r}) and call trainer.fit without ckpt_path"
         )
-    if _OPTIMIZER_KEY in state:
-        checks.check_optimizer_split(path, metadata, state[_OPTIMIZER_KEY])
     diff = checks.config_mismatch(common.get(MODEL_CONFIG_KEY), model_config)
     model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
-    checks.check_shapes(path, metadata, model_state, diff)
+    checks.check_shapes(path, metadata, model_state, diff)  # a model of another shape first: the clearer error
+    if _OPTIMIZER_KEY in state:
+        checks.check_optimizer_split(path, metadata, state[_OPTIMIZER_KEY])
 
 
 def read_common_state(path: str | Path) -> dict[str, Any]:

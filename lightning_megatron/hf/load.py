@@ -122,7 +122,8 @@ def load_chunk(chunk: nn.Module, checkpoint: HFCheckpoint, config: ModelConfig, 
         config, pre=chunk.pre_process, post=chunk.post_process,
         offset=get_transformer_layer_offset(chunk.config, vp_stage), num_layers=len(chunk.decoder.layers),
     )  # fmt: skip
-    own = dict(chunk.named_parameters())
+    # LoRA adapters are not HF weights: they start from their own seeded init (lightning_megatron.lora).
+    own = {name: p for name, p in chunk.named_parameters() if not name.endswith((".lora_A", ".lora_B"))}
     unmapped = sorted(set(own) - {p.megatron for p in params})
     if unmapped:  # a parameter left at its random init would silently break parity
         raise RuntimeError(f"no HF tensor maps to {unmapped}; the HF mapping does not cover this model")

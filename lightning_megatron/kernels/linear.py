@@ -6,6 +6,7 @@ plus a read-modify-write of every fp32 gradient, per micro-batch). Here one GEMM
 in place (``torch.addmm(..., out_dtype=torch.float32, out=main_grad)``, a CUDA op of torch >= 2.11). The layers
 are drop-in subclasses used in the layer spec: same parameters, names and checkpoints; the forward math and the
 tensor-/sequence-parallel communication are those of Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``.
+The fp8 subclasses run the same layers' three GEMMs in fp8 (:mod:`lightning_megatron.kernels.fp8`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor, nn
 
+from lightning_megatron.kernels.fp8 import E4M3, E5M2, gemm_shapes_ok, quantize, scaled_mm
+
 
 @functools.cache
 def mixed_dtype_addmm_available() -> bool:
@@ -26,12 +29,12 @@ def mixed_dtype_addmm_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        out = torch.zeros(2, 2, device="cuda")
+        out = torch.ones(2, 2, device="cuda")  # ones: an op that overwrote `out` instead of adding would give 2
         a = torch.ones(2, 2, device="cuda", dtype=torch.bfloat16)
         torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
-    return bool(out[0, 0].item() == 2.0)
+    return bool(out[0, 0].item() == 3.0)
 
 
 def accumulate_wgrad(main_grad: Tensor, grad_output: Tensor, input: Tensor) -> None:
@@ -48,6 +51,23 @@ def _all_gather(input: Tensor, group: dist.ProcessGroup, async_op: bool = False)
     """All-gather along dim 0 (the sequence, under SP): [S/tp, B, H] -> [S, B, H]."""
     out = torch.empty((input.shape[0] * group.size(), *input.shape[1:]), dtype=input.dtype, device=input.device)
     return out, dist.all_gather_into_tensor(out, input.contiguous(), group=group, async_op=async_op)
+
+
+def _placeholder(weight: Tensor) -> Tensor:
+    """What reaches the weight's AccumulateGrad node once its gradient is already in ``main_grad``.
+
+    Megatron's DDP hook runs on that node, so a gradient must still reach it (it starts the bucket's reduction);
+    grad_added_to_main_grad tells the hook not to add the placeholder -- unless the weight also gets a real
+    gradient elsewhere (tied embeddings on one stage: Megatron marks them zero_out_wgrad, and the hook adds the
+    sum), where the placeholder must be zeros.
+    """
+    weight.grad_added_to_main_grad = True
+    shared = getattr(weight, "zero_out_wgrad", False)
+    return torch.zeros_like(weight) if shared else torch.empty_like(weight)
+
+
+def _has_main_grad(weight: Tensor) -> bool:
+    return getattr(weight, "main_grad", None) is not None and hasattr(weight, "grad_added_to_main_grad")
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
@@ -91,59 +111,137 @@ class _LinearIntoMainGrad(torch.autograd.Function):
             grad_input = scattered
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [S*B, out]
         accumulate_wgrad(weight.main_grad, grad_2d, total.reshape(-1, total.shape[-1]))  # [S*B, in]
-        # Megatron's DDP hook runs on the weight's AccumulateGrad node, so a gradient must still reach it (it
-        # starts the bucket's reduction); grad_added_to_main_grad tells the hook not to add this placeholder --
-        # unless the weight also gets a real gradient elsewhere (tied embeddings on one stage: Megatron marks them
-        # zero_out_wgrad, and the hook adds the sum), where the placeholder must be zeros.
-        weight.grad_added_to_main_grad = True
-        shared = getattr(weight, "zero_out_wgrad", False)
-        grad_weight = torch.zeros_like(weight) if shared else torch.empty_like(weight)
+        grad_weight = _placeholder(weight)
         grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def _forward(megatron_impl: Callable[..., Tensor], input: Tensor, weight: Tensor, **kwargs: Any) -> Tensor:
-    """Our fused path where it applies (a trainable weight with Megatron DDP's ``main_grad``), else Megatron's."""
-    fusable = (
-        weight.requires_grad
-        and torch.is_grad_enabled()
-        and getattr(weight, "main_grad", None) is not None
-        and hasattr(weight, "grad_added_to_main_grad")
-        and kwargs.get("grad_output_buffer") is None  # deferred embedding wgrad: Megatron's own bookkeeping
-        and kwargs.get("gtp_remat_size", 1) == 1
+class _Fp8Linear(torch.autograd.Function):
+    """``input @ weight.t() + bias`` with fp8 forward, input-gradient and weight-gradient GEMMs.
+
+    Communication as Megatron's: under SP the input is all-gathered over TP (kept in fp8 for backward) and the
+    input gradient reduce-scattered; with ``allreduce_dgrad`` the input gradient is all-reduced. The weight
+    gradient goes into ``weight.main_grad`` when Megatron's DDP gave the weight one, else into ``weight.grad``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        input: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        allreduce_dgrad: bool,
+        sequence_parallel: bool,
+        tp_group: dist.ProcessGroup | None,
+    ) -> Tensor:
+        total = _all_gather(input, tp_group)[0] if sequence_parallel else input
+        shape = total.shape
+        x8, x_inv = quantize(total.reshape(-1, shape[-1]), E4M3)  # [S*B, in]
+        w8, w_inv = quantize(weight, E4M3)  # [out, in]
+        output = scaled_mm(x8, x_inv, w8.t(), w_inv, total.dtype).view(*shape[:-1], weight.shape[0])
+        ctx.save_for_backward(x8, x_inv, w8, w_inv, weight)
+        ctx.meta = (bias is not None, allreduce_dgrad, sequence_parallel, tp_group, input.shape, total.dtype)
+        return output if bias is None else output + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        x8, x_inv, w8, w_inv, weight = ctx.saved_tensors
+        has_bias, allreduce_dgrad, sequence_parallel, tp_group, input_shape, dtype = ctx.meta
+        g = grad_output.reshape(-1, grad_output.shape[-1])  # [S*B, out]
+        g8, g_inv = quantize(g, E5M2)
+        grad_input = scaled_mm(g8, g_inv, w8, w_inv, dtype)  # [S*B, out] @ [out, in]
+        grad_input = grad_input.view(*grad_output.shape[:-1], weight.shape[1])
+        handle = None
+        if allreduce_dgrad:
+            handle = dist.all_reduce(grad_input, group=tp_group, async_op=True)
+        elif sequence_parallel:
+            scattered = torch.empty(input_shape, dtype=grad_input.dtype, device=grad_input.device)
+            handle = dist.reduce_scatter_tensor(scattered, grad_input.contiguous(), group=tp_group, async_op=True)
+            grad_input = scattered
+        wgrad = scaled_mm(g8.t(), g_inv, x8, x_inv, torch.float32)  # [out, S*B] @ [S*B, in]
+        grad_weight = _into_main_grad(weight, wgrad)
+        grad_bias = g.sum(dim=0) if has_bias else None
+        if handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _into_main_grad(weight: Tensor, wgrad: Tensor) -> Tensor:
+    """Add the fp32 weight gradient to Megatron's ``main_grad`` and return the placeholder its DDP hook expects
+    (:func:`_placeholder`), or return the gradient itself for a weight without ``main_grad``."""
+    if not _has_main_grad(weight):
+        return wgrad.to(weight.dtype)
+    weight.main_grad.add_(wgrad)
+    return _placeholder(weight)
+
+
+def _forward(megatron_impl: Callable[..., Tensor], input: Tensor, weight: Tensor, fp8: bool, **kwargs: Any) -> Tensor:
+    """fp8 GEMMs (``fp8``) or the fused weight gradient where they apply, else Megatron's own path."""
+    megatron_only = (
+        not weight.requires_grad  # frozen: Megatron's input-gradient-only path
+        or kwargs.get("grad_output_buffer") is not None  # deferred embedding wgrad: Megatron's own bookkeeping
+        or kwargs.get("gtp_remat_size", 1) > 1
     )
-    if not fusable:
+    if megatron_only:
         return megatron_impl(input, weight, **kwargs)
+    sequence_parallel, allreduce_dgrad = kwargs["sequence_parallel"], kwargs["allreduce_dgrad"]
     tp_group = kwargs.get("tp_group")
-    if tp_group is None and (kwargs["sequence_parallel"] or kwargs["allreduce_dgrad"]):
+    if tp_group is None and (sequence_parallel or allreduce_dgrad):
         from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
-    args = (input, weight, kwargs.get("bias"), kwargs["allreduce_dgrad"], kwargs["sequence_parallel"], tp_group)
-    return _LinearIntoMainGrad.apply(*args)
+    args = (input, weight, kwargs.get("bias"), allreduce_dgrad, sequence_parallel, tp_group)
+    tokens = input.numel() // input.shape[-1] * (tp_group.size() if sequence_parallel else 1)
+    if fp8 and tokens > 0 and gemm_shapes_ok(tokens, *weight.shape):  # (an MoE expert may get no tokens)
+        return _Fp8Linear.apply(*args)
+    if torch.is_grad_enabled() and _has_main_grad(weight):
+        return _LinearIntoMainGrad.apply(*args)
+    return megatron_impl(input, weight, **kwargs)
 
 
-def fuse_lm_head(layer: nn.Module) -> None:
-    """Give GPTModel's LM head (a ``ColumnParallelLinear`` GPTModel builds itself, outside any layer spec) the
-    fused weight gradient: its class becomes the subclass below, which holds no state of its own and only
-    overrides ``_forward_impl``. Other output layers (e.g. a value head) are left as they are."""
-    if type(layer) is ColumnParallelLinear:
-        layer.__class__ = FusedWgradColumnParallelLinear
+def _keywords_only(args: tuple[Any, ...]) -> None:
+    if args:  # megatron-core 0.19 passes everything after the weight by keyword; a change must not pass silently
+        raise TypeError(f"_forward_impl got {len(args)} positional arguments after the weight; expected keywords")
 
 
 class FusedWgradColumnParallelLinear(ColumnParallelLinear):
     """Megatron's ``ColumnParallelLinear`` with the weight gradient accumulated into ``main_grad`` in one GEMM."""
 
+    fp8 = False
+
     def _forward_impl(self, input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        assert not args, "Megatron calls _forward_impl with keywords"
-        return _forward(super()._forward_impl, input, weight, **kwargs)
+        _keywords_only(args)
+        return _forward(super()._forward_impl, input, weight, self.fp8, **kwargs)
 
 
 class FusedWgradRowParallelLinear(RowParallelLinear):
     """Megatron's ``RowParallelLinear`` with the weight gradient accumulated into ``main_grad`` in one GEMM."""
 
+    fp8 = False
+
     def _forward_impl(self, input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        assert not args, "Megatron calls _forward_impl with keywords"
-        return _forward(super()._forward_impl, input, weight, **kwargs)
+        _keywords_only(args)
+        return _forward(super()._forward_impl, input, weight, self.fp8, **kwargs)
+
+
+class Fp8ColumnParallelLinear(FusedWgradColumnParallelLinear):
+    """``ColumnParallelLinear`` whose three GEMMs run in fp8 (:mod:`lightning_megatron.kernels.fp8`)."""
+
+    fp8 = True
+
+
+class Fp8RowParallelLinear(FusedWgradRowParallelLinear):
+    """``RowParallelLinear`` whose three GEMMs run in fp8 (:mod:`lightning_megatron.kernels.fp8`)."""
+
+    fp8 = True
+
+
+def fuse_lm_head(layer: nn.Module) -> None:
+    """Give GPTModel's LM head (a ``ColumnParallelLinear`` GPTModel builds itself, outside any layer spec) the
+    fused weight gradient: its class becomes the subclass above, which holds no state of its own and only
+    overrides ``_forward_impl``. Other output layers (e.g. a value head) are left as they are. (The LM head stays
+    in bf16 under fp8, as fp8 recipes keep it.)"""
+    if type(layer) is ColumnParallelLinear:
+        layer.__class__ = FusedWgradColumnParallelLinear

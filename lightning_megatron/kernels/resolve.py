@@ -72,6 +72,27 @@ def fuse_wgrad(requested: bool | None, kernels: Resolved, device_type: str) -> b
     return requested
 
 
+def use_fp8(requested: str | None, kernels: Resolved, device_type: str) -> bool:
+    """Whether the transformer layers' parallel linears run in fp8 (``ModelConfig.fp8``) on this rank's device."""
+    from lightning_megatron.kernels.fp8 import fp8_supported
+
+    if requested is None:
+        return False
+    if kernels == "te":
+        raise ValueError(f"ModelConfig(fp8={requested!r}) with kernels='te': use precision='transformer-engine'")
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    if not fp8_supported(device):
+        where = "a CPU"
+        if device.type == "cuda":
+            capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+            where = f"{torch.cuda.get_device_name(device)} (compute capability {capability})"
+        raise ValueError(
+            f"ModelConfig(fp8={requested!r}) needs a GPU with fp8 tensor cores (compute capability >= 8.9: Ada, "
+            f"Hopper or later), and this run is on {where}; use fp8=None there"
+        )
+    return True
+
+
 _DESCRIPTIONS = {
     "torch": "torch (SDPA attention with RoPE inside, fused vocab-parallel cross entropy)",
     "local": "local (Megatron's reference torch spec: unfused attention; the default on CPU)",
@@ -79,9 +100,10 @@ _DESCRIPTIONS = {
 }
 
 
-def describe(kernels: Resolved, fused_wgrad: bool = False) -> str:
+def describe(kernels: Resolved, fused_wgrad: bool = False, fp8: bool = False) -> str:
     """One line naming a resolved kernel set, and whether Transformer Engine is there (printed once per run)."""
     fused = "; weight gradients accumulated into fp32 main_grad in the GEMM" if fused_wgrad else ""
+    fused += "; fp8 GEMMs in the transformer layers (per-tensor scaling, e4m3/e5m2)" if fp8 else ""
     return f"kernels: {_DESCRIPTIONS[kernels]}{fused}" + (
         "" if te_available() else "; Transformer Engine not installed"
     )

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from lightning_megatron.config import ModelConfig
+    from lightning_megatron.lora.config import LoRAConfig
 
 # We build with Megatron's torch-native "local" spec (no Transformer Engine / apex, also on CPU): select the local
 # implementations and turn off every fused path that needs TE or apex kernels. Defaults only: kernel_fields and the
@@ -69,11 +70,18 @@ def _activation_fusable(config: ModelConfig) -> bool:
     return config.gated_linear_unit or (config.activation == "gelu" and config.add_bias_linear)
 
 
-def layer_spec(config: ModelConfig, kernels: Resolved = "local", fuse_wgrad: bool = False) -> ModuleSpec:
+def layer_spec(
+    config: ModelConfig,
+    kernels: Resolved = "local",
+    fuse_wgrad: bool = False,
+    fp8: bool = False,
+    lora: LoRAConfig | None = None,
+) -> ModuleSpec:
     """The GPT layer spec of ``config`` for a resolved kernel set (see the module docstring).
 
     ``fuse_wgrad`` builds the parallel linears as :mod:`lightning_megatron.kernels.linear`'s subclasses, whose
-    weight gradients accumulate straight into ``main_grad`` (``'torch'``/``'local'`` only).
+    weight gradients accumulate straight into ``main_grad`` (``'torch'``/``'local'`` only); ``fp8`` builds them as
+    the subclasses whose GEMMs run in fp8; ``lora`` puts adapters on its target linears (which stay unfused).
     """
     if kernels == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -102,14 +110,37 @@ def layer_spec(config: ModelConfig, kernels: Resolved = "local", fuse_wgrad: boo
             )  # fmt: skip
             attention = functools.partial(SDPAttention, rotary=rotary)
         spec = replace_modules(spec, {DotProductAttention: attention})
-    if fuse_wgrad:
+    if fuse_wgrad or fp8:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-        from lightning_megatron.kernels.linear import FusedWgradColumnParallelLinear, FusedWgradRowParallelLinear
+        from lightning_megatron.kernels import linear
 
-        fused = {ColumnParallelLinear: FusedWgradColumnParallelLinear, RowParallelLinear: FusedWgradRowParallelLinear}
-        spec = replace_modules(spec, fused)
+        column, row = (
+            (linear.Fp8ColumnParallelLinear, linear.Fp8RowParallelLinear)
+            if fp8
+            else (linear.FusedWgradColumnParallelLinear, linear.FusedWgradRowParallelLinear)
+        )
+        spec = replace_modules(spec, {ColumnParallelLinear: column, RowParallelLinear: row})
+    if lora is not None:
+        spec = with_adapters(spec, lora)
     return spec
+
+
+def with_adapters(spec: Any, lora: LoRAConfig) -> Any:
+    """Copy of a layer spec whose ``lora.target_modules`` linears are LoRA-adapted (lightning_megatron.lora)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from lightning_megatron.lora.config import COLUMN_TARGETS
+    from lightning_megatron.lora.layers import LoRAColumnParallelLinear, LoRARowParallelLinear
+
+    def swap(value: Any, name: str) -> Any:
+        adapted_already = value in (LoRAColumnParallelLinear, LoRARowParallelLinear)  # the new spec's own module
+        if name not in lora.target_modules or not isinstance(value, type) or adapted_already:
+            return value
+        adapted = LoRAColumnParallelLinear if name in COLUMN_TARGETS else LoRARowParallelLinear
+        return ModuleSpec(module=adapted, params={"lora": lora})
+
+    return _map_spec(spec, swap)
 
 
 def block_spec(
@@ -118,6 +149,8 @@ def block_spec(
     vp_stage: int | None,
     kernels: Resolved = "local",
     fuse_wgrad: bool = False,
+    fp8: bool = False,
+    lora: LoRAConfig | None = None,
 ) -> TransformerBlockSubmodules:
     """The decoder layers of one pipeline stage / VPP chunk, and a final norm that supports SP."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -129,7 +162,7 @@ def block_spec(
 
         final_norm = TENorm
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(config, kernels, fuse_wgrad)] * num_layers, layer_norm=final_norm
+        layer_specs=[layer_spec(config, kernels, fuse_wgrad, fp8, lora)] * num_layers, layer_norm=final_norm
     )
 
 
@@ -152,13 +185,17 @@ def replace_modules(spec: Any, mapping: dict[type, Any]) -> Any:
 
 
 def _map_spec(spec: Any, fn: Any) -> Any:
-    """Apply ``fn(value, field_name)`` to every module class of a spec tree (ModuleSpecs and submodule dataclasses)."""
+    """Apply ``fn(value, field_name)`` to every module class of a spec tree (ModuleSpecs, partials, submodule
+    dataclasses)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     def swap(value: Any, name: str) -> Any:
         value = fn(value, name)
         if isinstance(value, ModuleSpec):
             return dataclasses.replace(value, module=fn(value.module, name), submodules=swap(value.submodules, name))
+        if isinstance(value, functools.partial):  # Megatron spells the MLP and MoE specs as partials
+            args = [swap(arg, name) for arg in value.args]
+            return functools.partial(value.func, *args, **{k: swap(v, k) for k, v in value.keywords.items()})
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return dataclasses.replace(
                 value, **{f.name: swap(getattr(value, f.name), f.name) for f in dataclasses.fields(value) if f.init}

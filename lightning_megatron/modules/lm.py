@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -16,7 +17,8 @@ from lightning_megatron.contract import Batch, ChunkSpec, LossFn, OptimizerSpec
 from lightning_megatron.kernels import specs
 from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.kernels.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-from lightning_megatron.kernels.resolve import Resolved, describe, fuse_wgrad, resolve
+from lightning_megatron.kernels.resolve import Resolved, describe, fuse_wgrad, resolve, use_fp8
+from lightning_megatron.lora.config import LoRAConfig, check_lora
 from lightning_megatron.modules import routing
 from lightning_megatron.modules.base import MegatronLightningModule
 from lightning_megatron.modules.sequences import RankTokens, document_starts, rank_tokens, without_default_positions
@@ -80,6 +82,8 @@ class MegatronLMModule(MegatronLightningModule):
         prediction: what ``trainer.predict`` returns per batch on every rank: full-vocabulary ``logits``
             [B, S, V], or ``{"logprobs": [B, S]}`` (and ``"entropy"``), computed without gathering the vocabulary.
         temperature: softmax temperature of predicted log-probs and entropy.
+        lora: low-rank adapters (:class:`~lightning_megatron.LoRAConfig`, or its fields as a dict) on the chosen
+            linears of every transformer layer; everything else is frozen (a value module's new head excepted).
     """
 
     hf_checkpoint: HFCheckpoint | None = None
@@ -88,6 +92,8 @@ class MegatronLMModule(MegatronLightningModule):
     """The kernel set the chunks were built with (``ModelConfig.kernels`` resolved for the device)."""
     fused_wgrad: bool = False
     """Whether the chunks' parallel linears accumulate weight gradients into ``main_grad`` in the GEMM."""
+    fp8: bool = False
+    """Whether the chunks' transformer layers run their linears' GEMMs in fp8 (``ModelConfig.fp8``)."""
 
     @classmethod
     def from_hf(
@@ -133,6 +139,7 @@ class MegatronLMModule(MegatronLightningModule):
         decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine",
         prediction: Literal["logits", "logprobs", "logprobs+entropy"] = "logits",
         temperature: float = 1.0,
+        lora: LoRAConfig | dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if prediction not in ("logits", "logprobs", "logprobs+entropy"):
@@ -149,7 +156,12 @@ class MegatronLMModule(MegatronLightningModule):
         if not 0 <= min_lr <= lr:
             raise ValueError(f"min_lr={min_lr} must be in [0, lr={lr}]")
         self.config = config
-        self.save_hyperparameters(ignore=["config"])
+        self.lora = LoRAConfig(**lora) if isinstance(lora, dict) else lora
+        if self.lora is not None:
+            check_lora(self.lora, config)
+        self.save_hyperparameters(ignore=["config", "lora"])
+        if self.lora is not None:  # a plain dict: checkpoints unpickle only tensors, containers and numbers
+            self.hparams["lora"] = dataclasses.asdict(self.lora)
         self.optimizer_settings: dict[str, Any] = {
             "lr": lr, "min_lr": min_lr, "weight_decay": weight_decay, "betas": betas, "eps": eps,
             "clip_grad": clip_grad, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
@@ -161,7 +173,7 @@ class MegatronLMModule(MegatronLightningModule):
 
     def configure_model(self) -> None:
         super().configure_model()
-        rank_zero_info(f"lightning_megatron: {describe(self.kernels, self.fused_wgrad)}")
+        rank_zero_info(f"lightning_megatron: {describe(self.kernels, self.fused_wgrad, self.fp8)}")
 
     @classmethod
     def init_args_from_checkpoint(cls, common: Mapping[str, Any]) -> dict[str, Any]:
@@ -186,10 +198,13 @@ class MegatronLMModule(MegatronLightningModule):
                 )
             self.kernels = "torch"  # 'auto' for an HF import (see ModelConfig.kernels)
         self.fused_wgrad = fuse_wgrad(self.config.gradient_accumulation_fusion, self.kernels, spec.device_type)
+        self.fp8 = use_fp8(self.config.fp8, self.kernels, spec.device_type)
         config = self.config.to_transformer_config(
             kernels=self.kernels, compile_fusions=spec.device_type == "cuda", **spec.parallel
         )
-        layers = specs.block_spec(self.config, config, spec.vp_stage, self.kernels, self.fused_wgrad)
+        layers = specs.block_spec(
+            self.config, config, spec.vp_stage, self.kernels, self.fused_wgrad, self.fp8, lora=self.lora
+        )
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=layers,
@@ -206,6 +221,10 @@ class MegatronLMModule(MegatronLightningModule):
             from lightning_megatron.hf.load import load_chunk
 
             load_chunk(chunk, self.hf_checkpoint, self.config, spec.vp_stage)
+        if self.lora is not None:
+            from lightning_megatron.lora.layers import init_adapters
+
+            init_adapters(chunk, self.lora)  # also freezes everything but the adapters
         return chunk
 
     def export_hf_weights(self, *, include_tied: bool = True) -> Iterator[tuple[str, Tensor]]:
@@ -219,6 +238,7 @@ class MegatronLMModule(MegatronLightningModule):
         """
         from lightning_megatron.hf.export import check_running, export_weights
 
+        self._check_no_lora()
         check_running(self)  # now, not at the generator's first step
         return export_weights(list(self.chunks), self.config, include_tied=include_tied)
 
@@ -232,7 +252,15 @@ class MegatronLMModule(MegatronLightningModule):
         """
         from lightning_megatron.hf.export import save_pretrained
 
+        self._check_no_lora()
         save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
+
+    def _check_no_lora(self) -> None:
+        if self.lora is not None:  # exporting the base alone would silently drop the trained adapters
+            raise NotImplementedError(
+                "HF export of a LoRA module (merged weights or a PEFT adapter) is not implemented yet; save it with "
+                "ModelCheckpoint / trainer.save_checkpoint (the adapters and the frozen base)"
+            )
 
     def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]:
         tokens = self.rank_tokens(batch)

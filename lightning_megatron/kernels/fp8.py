@@ -1,0 +1,62 @@
+"""fp8 GEMMs for Megatron's parallel linears without Transformer Engine: per-tensor dynamic scaling.
+
+Each of a linear's three GEMMs runs in fp8 through ``torch._scaled_mm``: activations and weights in e4m3, output
+gradients in e5m2 (Megatron's "hybrid" recipe), every tensor scaled by its own amax just before the GEMM (no
+amax history, hence no state: checkpoints are those of a bf16 run, master weights and optimizer unchanged). The
+weight gradient leaves the GEMM in fp32 and is added to ``main_grad``.
+
+No amax is reduced across ranks: under tensor parallelism every GEMM is a rank's own (a weight shard, its input
+-- replicated or all-gathered for column-parallel, the rank's slice for row-parallel -- and its output-gradient
+shard), and partial results are summed in bf16 as without fp8, so a per-shard scale is exact for that shard.
+
+``_scaled_mm`` needs every GEMM dimension divisible by 16; a call with other shapes (e.g. a token budget's odd
+micro-batch) runs that linear in bf16 instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_megatron.kernels.compile import for_device
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether ``device`` has fp8 tensor cores (compute capability >= 8.9: Ada, Hopper and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _quantize(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``x`` cast to fp8 ``dtype`` with the per-tensor scale that maps its amax to fp8's largest value.
+
+    Returns the fp8 tensor and the inverse scale (what ``_scaled_mm`` multiplies the product by).
+    """
+    fmax = torch.finfo(dtype).max
+    amax = x.abs().amax().float().clamp(min=1e-12)
+    scale = fmax / amax
+    quantized = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return quantized, scale.reciprocal()
+
+
+def quantize(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """:func:`_quantize`, compiled into one fused kernel pair on GPU."""
+    # detach() drops the view's link to its base: dynamo guards on a view's base strides, which vary from layer to
+    # layer, and recompiled up to its limit on the H200 run (then ran eager).
+    return for_device(_quantize, x.device)(x.detach(), dtype)
+
+
+def scaled_mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``(a * a_inv) @ (b * b_inv)`` from fp8 operands: [M, K] @ [K, N] -> [M, N] in ``out_dtype``.
+
+    ``_scaled_mm`` wants ``a`` row-major and ``b`` column-major; the layouts are made so here.
+    """
+    b_col = b if b.stride(0) == 1 else b.t().contiguous().t()
+    return torch._scaled_mm(a.contiguous(), b_col, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+
+
+def gemm_shapes_ok(*dims: int) -> bool:
+    """Whether ``_scaled_mm`` takes GEMMs with these dimensions (all divisible by 16)."""
+    return all(d % 16 == 0 for d in dims)

@@ -1,0 +1,1 @@
+"""LoRA on Megatron's parallel linears: the configuration (``config``) and the tensor-parallel adapters (``layers``)."""
