@@ -160,6 +160,13 @@ class SaveHF(L.Callback):
         self.path = path
         self.dtype = getattr(torch, dtype) if dtype else None
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if getattr(pl_module, "lora", None) is not None:  # fail now, not after the whole run
+            raise NotImplementedError(
+                "SaveHF of a LoRA module (merged weights or a PEFT adapter) is not implemented yet; save it with "
+                "ModelCheckpoint / trainer.save_checkpoint"
+            )
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not isinstance(pl_module, MegatronLMModule):
             raise TypeError(f"SaveHF saves a MegatronLMModule, got {type(pl_module).__name__}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron import LoRAConfig, MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron import LoRAConfig, MegatronLMModule, MegatronStrategy, SaveHF, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
 
 
@@ -22,7 +22,13 @@ def test_lora_config_errors() -> None:
     with pytest.raises(ValueError, match=r"adapters on experts are not supported"):
         MegatronLMModule(tiny_gpt(num_moe_experts=4), lora=LoRAConfig())
     assert LoRAConfig(target_modules=["linear_qkv"]).target_modules == ("linear_qkv",)  # YAML lists
+    with pytest.raises(ValueError, match=r"dropout=1.0 must be in \[0, 1\)"):
+        LoRAConfig(dropout=1.0)
+    with pytest.raises(ValueError, match=r"fp8='hybrid'\): the adapted linears run in bf16"):
+        MegatronLMModule(tiny_gpt(fp8="hybrid"), lora=LoRAConfig())
     module = MegatronLMModule(tiny_gpt(), lora=LoRAConfig())
+    with pytest.raises(NotImplementedError, match=r"SaveHF of a LoRA module"):
+        SaveHF("unused").setup(None, module, "fit")  # type: ignore[arg-type]
     with pytest.raises(NotImplementedError, match=r"HF export of a LoRA module"):
         module.export_hf_weights()  # not the base without its adapters
     with pytest.raises(NotImplementedError, match=r"HF export of a LoRA module"):
@@ -72,12 +78,17 @@ def test_lora_trains_only_the_adapters() -> None:
 
 
 def test_adapters_are_seeded_per_layer_and_linear() -> None:
-    a, _, _ = _fit(LoRAConfig(rank=2, seed=5), steps=1)
-    b, _, before_b = _fit(LoRAConfig(rank=2, seed=5), steps=1)
     _, _, before_a = _fit(LoRAConfig(rank=2, seed=5), steps=1)
+    _, _, before_b = _fit(LoRAConfig(rank=2, seed=5), steps=1)
+    _, _, other = _fit(LoRAConfig(rank=2, seed=6), steps=1)
     names = [n for n in before_a if n.endswith("lora_A")]
+    assert len(names) == 16
     assert all(torch.equal(before_a[n], before_b[n]) for n in names)  # the same seed: the same adapters
-    assert not torch.equal(before_a[names[0]], before_a[names[1]])  # each linear its own draw
+    assert not any(torch.equal(before_a[n], other[n]) for n in names)  # another seed: others
+    for i, first in enumerate(names):  # every layer and linear its own draw
+        for second in names[i + 1 :]:
+            same_shape = before_a[first].shape == before_a[second].shape
+            assert not (same_shape and torch.equal(before_a[first], before_a[second])), (first, second)
     assert all(not before_a[n.replace("lora_A", "lora_B")].any() for n in names)  # B starts at zero
 
 
@@ -112,16 +123,27 @@ def test_lora_checkpoint_resumes_exactly(tmp_path) -> None:  # noqa: ANN001
     assert resumed == {step: full[step] for step in (3, 4)}  # adapters and their optimizer state restored
 
 
-@pytest.mark.multiprocess
-def test_lora_checkpoint_reshards_to_tp2_sp(tmp_path) -> None:  # noqa: ANN001
-    """A one-process LoRA checkpoint (adapters, their optimizer state, the frozen base) resumed at TP=2 + SP, where
-    B of column-parallel and A of row-parallel linears are sharded, continues the one-process curve."""
+LORA_RUN = {"lora": {"rank": 4, "alpha": 8.0}, "max_steps": 4, "lr": 5e-2}  # large steps: B far from 0 by step 2
+
+
+@pytest.fixture(scope="module")
+def lora_one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from tests.conftest import run_worker
 
-    lora = {"lora": {"rank": 4, "alpha": 8.0}, "max_steps": 4}
-    one = run_worker({**lora, "devices": 1, "ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}, tmp_path)
-    ckpt = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
-    tp2 = run_worker({**lora, "devices": 2, "tp": 2, "sp": True, "resume": ckpt}, tmp_path)
+    tmp = tmp_path_factory.mktemp("lora")
+    one = run_worker({**LORA_RUN, "devices": 1, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}, tmp)
+    return {"train": one["train"], "ckpt": str(tmp / "ckpt" / "epoch=0-step=2.ckpt")}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+def test_lora_checkpoint_reshards_to_tp2(sp: bool, lora_one_process: dict, tmp_path) -> None:  # noqa: ANN001
+    """A one-process LoRA checkpoint (adapters, their optimizer state, the frozen base) resumed at TP=2 (+ SP),
+    where B of column-parallel (gate/up rows of linear_fc1 included) and A of row-parallel linears are sharded,
+    continues the one-process curve; with B far from zero, A's tensor-parallel gradients shape steps 3 and 4."""
+    from tests.conftest import run_worker
+
+    tp2 = run_worker({**LORA_RUN, "devices": 2, "tp": 2, "sp": sp, "resume": lora_one_process["ckpt"]}, tmp_path)
     assert sorted(tp2["train"]) == ["3", "4"]
     for step in ("3", "4"):
-        assert tp2["train"][step] == pytest.approx(one["train"][step], rel=2e-4), step
+        assert tp2["train"][step] == pytest.approx(lora_one_process["train"][step], rel=2e-4), step

@@ -210,8 +210,9 @@ def test_public_api() -> None:
     import lightning_megatron
 
     expected = {
-        "ByteCorpusDataModule", "ChunkSpec", "LoRAConfig", "MegatronLMFromHF", "MegatronLMModule", "MegatronLightningModule",
-        "MegatronStrategy", "MegatronThroughput", "MegatronValueModule", "ModelConfig", "OptimizerSpec",
+        "ByteCorpusDataModule", "ChunkSpec", "LoRAConfig", "MegatronLMFromHF", "MegatronLMModule",
+        "MegatronLightningModule", "MegatronStrategy", "MegatronThroughput", "MegatronValueModule", "ModelConfig",
+        "OptimizerSpec",
         "ParallelSizes", "SaveHF", "StepStats", "TokenFileDataModule", "pack_sequences", "tiny_gpt",
     }  # fmt: skip
     assert set(lightning_megatron.__all__) == expected

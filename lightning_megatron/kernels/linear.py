@@ -194,8 +194,9 @@ def _forward(megatron_impl: Callable[..., Tensor], input: Tensor, weight: Tensor
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
     args = (input, weight, kwargs.get("bias"), allreduce_dgrad, sequence_parallel, tp_group)
     tokens = input.numel() // input.shape[-1] * (tp_group.size() if sequence_parallel else 1)
-    if fp8 and tokens > 0 and gemm_shapes_ok(tokens, *weight.shape):  # (an MoE expert may get no tokens)
-        return _Fp8Linear.apply(*args)
+    if fp8:  # shapes _scaled_mm cannot take (or an MoE expert without tokens): Megatron's bf16 path
+        fits = tokens > 0 and gemm_shapes_ok(tokens, *weight.shape)
+        return _Fp8Linear.apply(*args) if fits else megatron_impl(input, weight, **kwargs)
     if torch.is_grad_enabled() and _has_main_grad(weight):
         return _LinearIntoMainGrad.apply(*args)
     return megatron_impl(input, weight, **kwargs)

@@ -122,11 +122,11 @@ def layer_spec(
         )
         spec = replace_modules(spec, {ColumnParallelLinear: column, RowParallelLinear: row})
     if lora is not None:
-        spec = with_adapters(spec, lora)
+        spec = with_adapters(spec, lora, config)
     return spec
 
 
-def with_adapters(spec: Any, lora: LoRAConfig) -> Any:
+def with_adapters(spec: Any, lora: LoRAConfig, config: ModelConfig) -> Any:
     """Copy of a layer spec whose ``lora.target_modules`` linears are LoRA-adapted (lightning_megatron.lora)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -137,8 +137,10 @@ def with_adapters(spec: Any, lora: LoRAConfig) -> Any:
         adapted_already = value in (LoRAColumnParallelLinear, LoRARowParallelLinear)  # the new spec's own module
         if name not in lora.target_modules or not isinstance(value, type) or adapted_already:
             return value
-        adapted = LoRAColumnParallelLinear if name in COLUMN_TARGETS else LoRARowParallelLinear
-        return ModuleSpec(module=adapted, params={"lora": lora})
+        if name not in COLUMN_TARGETS:
+            return ModuleSpec(module=LoRARowParallelLinear, params={"lora": lora})
+        gated = name == "linear_fc1" and config.gated_linear_unit
+        return ModuleSpec(module=LoRAColumnParallelLinear, params={"lora": lora, "gated": gated})
 
     return _map_spec(spec, swap)
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_megatron.config import ModelConfig
 
 from lightning_megatron.validation import check_positive_int
 
@@ -47,8 +50,13 @@ class LoRAConfig:
         return self.alpha / self.rank
 
 
-def check_lora(lora: LoRAConfig, model: Any) -> None:
+def check_lora(lora: LoRAConfig, model: ModelConfig) -> None:
     """Raise ``ValueError`` for adapters the model (a ``ModelConfig``) cannot take."""
+    if model.fp8 is not None:
+        raise ValueError(
+            f"LoRAConfig with ModelConfig(fp8={model.fp8!r}): the adapted linears run in bf16, not fp8; use fp8=None "
+            "with LoRA"
+        )
     mlp = sorted(set(lora.target_modules) & {"linear_fc1", "linear_fc2"})
     if model.num_moe_experts is not None and mlp:
         raise ValueError(

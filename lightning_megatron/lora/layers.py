@@ -17,7 +17,7 @@ same (all-gathered) output gradient on every rank.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from megatron.core.tensor_parallel import mappings
@@ -44,7 +44,7 @@ class _Adapter:
     lora: LoRAConfig
     lora_A: nn.Parameter
     lora_B: nn.Parameter
-    tp_axes: dict[str, int]
+    tp_axes: ClassVar[dict[str, int]]
     """Tensor-parallel axis of each sharded entry of the state dict (the rest is replicated)."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
@@ -79,10 +79,11 @@ class _Adapter:
 class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
     """``ColumnParallelLinear`` (frozen) plus a LoRA adapter: A replicated, B sharded like the base."""
 
-    tp_axes = {"weight": 0, "bias": 0, "lora_B": 0}
+    tp_axes: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0, "lora_B": 0}
 
-    def __init__(self, *args: Any, lora: LoRAConfig, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, lora: LoRAConfig, gated: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.gated = gated  # a SwiGLU/GeGLU linear_fc1: each rank's rows are [gate shard; up shard]
         self._add_adapter(lora, (lora.rank, self.input_size), (self.output_size_per_partition, lora.rank))
         set_tensor_model_parallel_attributes(self.lora_B, is_parallel=True, dim=0, stride=1)
         if self.sequence_parallel:
@@ -90,6 +91,18 @@ class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
 
     def adapter_shard(self) -> slice:
         return slice(None)  # A is replicated
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.gated:  # B's rows are laid out like the base weight's: saved as Megatron saves that (gate, up)
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            key, meta = f"{prefix}lora_B", metadata or {}
+            state[key] = apply_swiglu_sharded_factory(
+                state[key], sharded_offsets, meta.get("singleton_local_shards", False), tp_group=self.tp_group,
+                dp_group=meta["dp_cp_group"],
+            )  # fmt: skip
+        return state
 
     def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None) -> Any:
         output, bias = super().forward(input_, weight, runtime_gather_output)
@@ -109,7 +122,7 @@ class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
 class LoRARowParallelLinear(_Adapter, RowParallelLinear):
     """``RowParallelLinear`` (frozen) plus a LoRA adapter: A sharded like the base's input, B replicated."""
 
-    tp_axes = {"weight": 1, "lora_A": 1}
+    tp_axes: ClassVar[dict[str, int]] = {"weight": 1, "lora_A": 1}
 
     def __init__(self, *args: Any, lora: LoRAConfig, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -197,6 +197,13 @@ class MegatronLMModule(MegatronLightningModule):
                     "names (Transformer Engine fuses the norms into its linear layers); use kernels='torch' or 'auto'"
                 )
             self.kernels = "torch"  # 'auto' for an HF import (see ModelConfig.kernels)
+        if self.lora is not None and self.kernels == "te":
+            if self.config.kernels == "te":
+                raise ValueError(
+                    "LoRA adapts Megatron's torch-native parallel linears; Transformer Engine's layers take no "
+                    "adapters here: use ModelConfig(kernels='torch') or 'auto' with lora="
+                )
+            self.kernels = "torch"  # 'auto' with LoRA (see LoRAConfig)
         self.fused_wgrad = fuse_wgrad(self.config.gradient_accumulation_fusion, self.kernels, spec.device_type)
         self.fp8 = use_fp8(self.config.fp8, self.kernels, spec.device_type)
         config = self.config.to_transformer_config(
