@@ -53,6 +53,19 @@ def _all_gather(input: Tensor, group: dist.ProcessGroup, async_op: bool = False)
     return out, dist.all_gather_into_tensor(out, input.contiguous(), group=group, async_op=async_op)
 
 
+def _reduce_dgrad(
+    grad_input: Tensor, input_shape: torch.Size, allreduce: bool, sequence_parallel: bool, group: Any
+) -> tuple[Tensor, Any]:
+    """Start the input gradient's TP reduction (returns it and the handle to wait on after the wgrad GEMM): an
+    all-reduce, or under SP a reduce-scatter back to this rank's [S/tp, B, in]; neither without TP communication."""
+    if allreduce:
+        return grad_input, dist.all_reduce(grad_input, group=group, async_op=True)
+    if sequence_parallel:
+        scattered = torch.empty(input_shape, dtype=grad_input.dtype, device=grad_input.device)
+        return scattered, dist.reduce_scatter_tensor(scattered, grad_input.contiguous(), group=group, async_op=True)
+    return grad_input, None
+
+
 def _placeholder(weight: Tensor) -> Tensor:
     """What reaches the weight's AccumulateGrad node once its gradient is already in ``main_grad``.
 
@@ -102,13 +115,9 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         grad_input = grad_output.matmul(weight)
         if gather is not None:
             gather.wait()
-        handle = None
-        if ctx.allreduce_dgrad:
-            handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
-        elif ctx.sequence_parallel:
-            scattered = torch.empty(input.shape, dtype=grad_input.dtype, device=grad_input.device)
-            handle = dist.reduce_scatter_tensor(scattered, grad_input.contiguous(), group=ctx.tp_group, async_op=True)
-            grad_input = scattered
+        grad_input, handle = _reduce_dgrad(
+            grad_input, input.shape, ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group
+        )
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [S*B, out]
         accumulate_wgrad(weight.main_grad, grad_2d, total.reshape(-1, total.shape[-1]))  # [S*B, in]
         grad_weight = _placeholder(weight)
@@ -153,13 +162,7 @@ class _Fp8Linear(torch.autograd.Function):
         g8, g_inv = quantize(g, E5M2)
         grad_input = scaled_mm(g8, g_inv, w8, w_inv, dtype)  # [S*B, out] @ [out, in]
         grad_input = grad_input.view(*grad_output.shape[:-1], weight.shape[1])
-        handle = None
-        if allreduce_dgrad:
-            handle = dist.all_reduce(grad_input, group=tp_group, async_op=True)
-        elif sequence_parallel:
-            scattered = torch.empty(input_shape, dtype=grad_input.dtype, device=grad_input.device)
-            handle = dist.reduce_scatter_tensor(scattered, grad_input.contiguous(), group=tp_group, async_op=True)
-            grad_input = scattered
+        grad_input, handle = _reduce_dgrad(grad_input, input_shape, allreduce_dgrad, sequence_parallel, tp_group)
         wgrad = scaled_mm(g8.t(), g_inv, x8, x_inv, torch.float32)  # [out, S*B] @ [S*B, in]
         grad_weight = _into_main_grad(weight, wgrad)
         grad_bias = g.sum(dim=0) if has_bias else None
