@@ -418,7 +418,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             # The unwrapped chunks: the DDP wrappers' state-dict keys carry a "module." prefix.
             state_to_save = sharded.checkpoint_state(
                 checkpoint, list(self.module.chunks), self._megatron_optimizer, self._scheduler,
-                sharded.model_config_dict(self.module),
+                sharded.model_config_dict(self.module), frozen_base=self.module.frozen_base(),
             )  # fmt: skip
             self._writer.save(state_to_save, filepath)
             if self._ddp_chunks is None:  # after fit/validate: no later hook would publish an async save
@@ -428,7 +428,10 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._writer.finalize()  # a checkpoint still being written by this run is published first
         chunks, config = list(self.module.chunks), sharded.model_config_dict(self.module)
-        loaded = sharded.load(chunks, self._megatron_optimizer, checkpoint_path, config, scheduler=self._scheduler)
+        loaded = sharded.load(
+            chunks, self._megatron_optimizer, checkpoint_path, config, scheduler=self._scheduler,
+            frozen_base=self.module.frozen_base(),
+        )  # fmt: skip
         if self._megatron_optimizer is not None:  # the loaded param groups carry the writer's fused/foreach flags
             optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
         loaded.setdefault("state_dict", {})

@@ -77,11 +77,26 @@ class ExportCheck(L.Callback):
 
 
 class SaveAtEnd(L.Callback):
+    """save_hf (merged weights with LoRA) and, with LoRA, the PEFT adapter; buckets checked against the
+    per-tensor export (one gather / broadcast per bucket)."""
+
     def __init__(self, path: str) -> None:
         self.path = path
+        self.buckets: dict[str, Any] = {}
 
     def on_train_end(self, trainer: L.Trainer, module: MegatronLMModule) -> None:  # type: ignore[override]
         module.save_hf(self.path, max_shard_size=64 * 1024)  # small shards: the index path is exercised too
+        if module.lora is None:
+            return
+        module.save_hf(f"{self.path}-adapter", adapter=True)
+        tensors = dict(module.export_hf_weights())
+        buckets = list(module.export_hf_weights(bucket_bytes=100_000))
+        flat = [pair for bucket in buckets for pair in bucket]
+        self.buckets = {
+            "count": len(buckets), "tensors": len(tensors),
+            "equal": [n for n, _ in flat] == list(tensors) and all(torch.equal(t, tensors[n]) for n, t in flat),
+            "bytes": [sum(t.numel() * t.element_size() for _, t in b) for b in buckets if len(b) > 1],
+        }  # fmt: skip
 
 
 class Losses(L.Callback):
@@ -104,10 +119,11 @@ def _trainer(devices: int, job: dict, **kwargs: Any) -> L.Trainer:
 def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tuple[dict, torch.Tensor]:
     CountingSafeOpen.elements = 0
     overrides = {"kernels": "torch"} if job.get("packed") else None  # packed rows need SDPAttention on CPU
-    lora = job.get("lora")  # LoRAConfig fields: adapters trained on the frozen HF weights (no HF export then)
+    lora = job.get("lora")  # LoRAConfig fields: adapters trained on the frozen HF weights
     module = MegatronLMModule.from_hf(
-        job["model"], seq_length=tokens.shape[1], lr=1e-2, warmup_steps=0, config_overrides=overrides, lora=lora
-    )
+        job["model"], seq_length=tokens.shape[1], lr=1e-2, warmup_steps=0, config_overrides=overrides, lora=lora,
+        adapter=job.get("adapter"),
+    )  # fmt: skip
     result: dict[str, Any] = {}
     loader = DataLoader(tokens, batch_size=tokens.shape[0])
     trained = job.get("train_steps", 0) > 0
@@ -117,12 +133,13 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
         samples = torch.randint(0, 128, (4 * job["train_steps"], tokens.shape[1]), generator=generator)
         data = DataLoader(samples, batch_size=4)
         losses = Losses()
-        callbacks = [losses] if lora else [losses, SaveAtEnd(job["save"])]
-        _trainer(devices, job, max_steps=job["train_steps"], callbacks=callbacks).fit(module, data)
-        result["train_losses"] = losses.values
-        result["trainable"] = sorted({n.rsplit(".", 1)[-1] for n, p in module.named_parameters() if p.requires_grad})
+        save = SaveAtEnd(job["save"])
+        trainer = _trainer(devices, job, max_steps=job["train_steps"], callbacks=[losses, save])
+        trainer.fit(module, data, ckpt_path=job.get("resume"))
+        result["train_losses"], result["buckets"] = losses.values, save.buckets
+        result["trainable"] = sorted({n.split(".")[-2] for n, p in module.named_parameters() if p.requires_grad})
     check = ExportCheck(None if trained else Path(job["model"]))
-    callbacks = [] if lora else [check]
+    callbacks = [] if module.lora else [check]  # adapters: the export is not the source's
     result["val_loss"] = _trainer(devices, job, callbacks=callbacks).validate(module, loader)[0]["val_loss"]
     result["elements_read"] = CountingSafeOpen.elements  # the model was built by the first Trainer call
     result["export_shapes"], result["export_max_diff"] = check.shapes, check.max_diff

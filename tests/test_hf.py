@@ -60,6 +60,22 @@ def make_hf_model(arch: str, path: Path) -> Path:
     return path
 
 
+def make_peft_adapter(base: Path, path: Path) -> Path:
+    """An adapter made by ``peft`` on every projection, with B away from its zero init (so it changes logits)."""
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    model.save_pretrained(path)
+    return path
+
+
 def hf_forward(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
@@ -116,7 +132,7 @@ def tokens() -> torch.Tensor:
 def _trainer(**kwargs: Any) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kwargs,
+        enable_progress_bar=False, enable_model_summary=False, **{"enable_checkpointing": False, **kwargs},
     )  # fmt: skip
 
 
@@ -270,6 +286,9 @@ JOBS = {
     # LoRA on the frozen HF weights: the same adapters (seeded) and curve at every layout
     "llama_tp2_sp_lora_trained": {"arch": "llama", "tp": 2, "sp": True, "train_steps": 3, "lora": LORA},
     "llama_pp2_lora_trained": {"arch": "llama", "pp": 2, "train_steps": 3, "lora": LORA},
+    "llama_tp2_peft_adapter": {"arch": "llama", "tp": 2, "adapter": "peft-adapter"},  # made by peft (multi)
+    # the one-process run's adapter-only checkpoint of step 2 (lora_one_process), resumed with B and A sharded
+    "llama_tp2_lora_resumed_trained": {"arch": "llama", "tp": 2, "train_steps": 3, "lora": LORA, "resume": "lora"},
     "qwen3_tp2_pp2": {"arch": "qwen3", "tp": 2, "pp": 2, "devices": 4},
     "llama_tp2_pp2_vpp2": {"arch": "llama", "tp": 2, "pp": 2, "vpp": 2, "devices": 4},
 }
@@ -278,6 +297,11 @@ JOBS = {
 def _run_worker(devices: int, names: list[str], models: dict[str, Path], tmp: Path) -> dict[str, dict]:
     """One worker run (Lightning's launcher) doing the jobs one Trainer after another."""
     jobs = [{**JOBS[n], "model": str(models[JOBS[n]["arch"]]), "save": str(tmp / f"saved-{n}")} for n in names]
+    for job in jobs:
+        if "adapter" in job:
+            job["adapter"] = str(tmp / job["adapter"])
+        if "resume" in job:
+            job["resume"] = str(tmp / job["resume"] / "epoch=0-step=2.ckpt")
     out = tmp / f"result{devices}"
     args = {"devices": devices, "tokens": str(tmp / "tokens.pt"), "packed": str(tmp / "packed.pt"), "out": str(out),
             "jobs": jobs}  # fmt: skip
@@ -295,13 +319,17 @@ def _run_worker(devices: int, names: list[str], models: dict[str, Path], tmp: Pa
     }  # fmt: skip
 
 
+LORA_SAMPLES = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(0))  # as hf_worker's
+
+
 @pytest.fixture(scope="module")
 def multi(models: dict[str, Path], tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every job: one 2-process and one 4-process worker run."""
+    """Every job: one 2-process and one 4-process worker run (after the one-process LoRA run they resume from)."""
     tmp = tmp_path_factory.mktemp("multi")
+    make_peft_adapter(models["llama"], tmp / "peft-adapter")
+    results = {"lora_one_process": _lora_one_process(models["llama"], tokens, tmp / "lora")}
     torch.save(tokens, tmp / "tokens.pt")
     torch.save(pack_sequences(packed_documents(), SEQ), tmp / "packed.pt")
-    results = {}
     for devices in (2, 4):
         names = [name for name, job in JOBS.items() if job.get("devices", 2) == devices]
         results.update(_run_worker(devices, names, models, tmp))
@@ -313,7 +341,7 @@ def _total_elements(path: Path) -> int:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", [n for n in JOBS if "trained" not in n])
+@pytest.mark.parametrize("name", [n for n in JOBS if "trained" not in n and "adapter" not in n])
 def test_tp_pp_match_transformers(name: str, multi: dict, models: dict, tokens: torch.Tensor) -> None:
     job = JOBS[name]
     logits, loss = hf_forward(models[job["arch"]], tokens)
@@ -352,12 +380,11 @@ def test_train_at_tp2_save_and_load_in_transformers(multi: dict, models: dict, t
         torch.testing.assert_close(got["logits"][rank], logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.multiprocess
-def test_lora_at_tp2_sp_and_pp2_follows_one_process(multi: dict, models: dict, tokens: torch.Tensor) -> None:
-    """LoRA from the same HF weights and seed: the 1-process curve at TP=2 + SP and at PP=2 (adapters sharded as
-    the base, the base frozen), the same validation loss and logits after training."""
-    module = MegatronLMModule.from_hf(models["llama"], seq_length=SEQ, lr=1e-2, warmup_steps=0, lora=LORA)
-    samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(0))  # as hf_worker's
+def _lora_one_process(base: Path, tokens: torch.Tensor, ckpt_dir: Path) -> dict:
+    """LoRA on the HF weights at one process: 3 steps (adapter-only checkpoint at step 2), then validate, predict."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = MegatronLMModule.from_hf(base, seq_length=SEQ, lr=1e-2, warmup_steps=0, lora=LORA)
 
     class Record(L.Callback):
         def __init__(self) -> None:
@@ -366,19 +393,66 @@ def test_lora_at_tp2_sp_and_pp2_follows_one_process(multi: dict, models: dict, t
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             self.values.append(float(outputs["loss"]))
 
-    record = Record()
-    _trainer(max_steps=3, num_sanity_val_steps=0, callbacks=[record]).fit(module, DataLoader(samples, batch_size=4))
+    record, saver = Record(), ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)
+    trainer = _trainer(max_steps=3, num_sanity_val_steps=0, callbacks=[record, saver], enable_checkpointing=True)
+    trainer.fit(module, DataLoader(LORA_SAMPLES, batch_size=4))
     loader = DataLoader(tokens, batch_size=tokens.shape[0])
     val_loss = _trainer().validate(module, loader)[0]["val_loss"]
-    logits = torch.cat(_trainer().predict(module, loader))
-    assert len(set(record.values)) == 3  # the adapters move (random tokens: the loss need not fall)
-    for name in ("llama_tp2_sp_lora_trained", "llama_pp2_lora_trained"):
+    return {"train": record.values, "val_loss": val_loss, "logits": torch.cat(_trainer().predict(module, loader))}
+
+
+@pytest.mark.multiprocess
+def test_lora_at_tp2_sp_and_pp2_follows_one_process(multi: dict) -> None:
+    """LoRA from the same HF weights and seed: the 1-process curve at TP=2 + SP and at PP=2 (adapters sharded as
+    the base, the base frozen), the same validation loss and logits after training; the 1-process adapter-only
+    checkpoint of step 2 resumed at TP=2 continues the curve."""
+    one = multi["lora_one_process"]
+    assert len(set(one["train"])) == 3  # the adapters move (random tokens: the loss need not fall)
+    for name in ("llama_tp2_sp_lora_trained", "llama_pp2_lora_trained", "llama_tp2_lora_resumed_trained"):
+        steps = slice(2, None) if "resumed" in name else slice(None)
         for rank, got in enumerate(multi[name]["ranks"]):
             assert got["trainable"] == ["lora_A", "lora_B"], (name, rank)
-            assert got["train_losses"] == pytest.approx(record.values, rel=2e-4), (name, rank)
-            assert got["val_loss"] == pytest.approx(val_loss, rel=2e-4), (name, rank)
+            assert got["train_losses"] == pytest.approx(one["train"][steps], rel=2e-4), (name, rank)
+            assert got["val_loss"] == pytest.approx(one["val_loss"], rel=2e-4), (name, rank)
         for rank_logits in multi[name]["logits"]:
-            torch.testing.assert_close(rank_logits, logits, rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(rank_logits, one["logits"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.multiprocess
+def test_lora_at_tp2_and_pp2_exports_merged_weights_and_a_peft_adapter(multi: dict, models: dict, tokens) -> None:  # noqa: ANN001
+    """The adapters trained at TP=2 + SP (and at PP=2): ``peft`` loads the adapter onto the untouched base with
+    the logits of the merged export, which ``transformers`` loads with the module's own logits; bucketed exports
+    (one gather / broadcast per bucket) equal the per-tensor one."""
+    import peft
+
+    for name in ("llama_tp2_sp_lora_trained", "llama_pp2_lora_trained"):
+        got = multi[name]
+        merged, _ = hf_forward(got["save"], tokens)
+        for rank_logits in got["logits"]:
+            torch.testing.assert_close(rank_logits, merged, rtol=1e-4, atol=1e-4)
+        base = transformers.AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32,
+                                                                 attn_implementation="eager")  # fmt: skip
+        with torch.no_grad():
+            adapted = peft.PeftModel.from_pretrained(base, f"{got['save']}-adapter").eval()(input_ids=tokens).logits
+        torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-4)
+        for rank in got["ranks"]:
+            buckets = rank["buckets"]
+            assert buckets["equal"], (name, buckets)
+            assert buckets["count"] < buckets["tensors"] / 3, (name, buckets)
+            assert max(buckets["bytes"]) <= 100_000, (name, buckets)
+
+
+@pytest.mark.multiprocess
+def test_a_peft_adapter_at_tp2_gives_peft_logits(multi: dict, models: dict, tokens: torch.Tensor) -> None:
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32,
+                                                             attn_implementation="eager")  # fmt: skip
+    adapter = multi["llama_tp2_peft_adapter"]["save"].parent / "peft-adapter"
+    with torch.no_grad():
+        want = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=tokens).logits
+    for rank_logits in multi["llama_tp2_peft_adapter"]["logits"]:
+        torch.testing.assert_close(rank_logits, want, rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------- errors

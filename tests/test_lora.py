@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron import LoRAConfig, MegatronLMModule, MegatronStrategy, SaveHF, tiny_gpt
+from lightning_megatron import LoRAConfig, MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
+from lightning_megatron.lora.config import is_adapter_param
 
 
 def test_lora_config_errors() -> None:
@@ -26,13 +29,6 @@ def test_lora_config_errors() -> None:
         LoRAConfig(dropout=1.0)
     with pytest.raises(ValueError, match=r"fp8='hybrid'\): the adapted linears run in bf16"):
         MegatronLMModule(tiny_gpt(fp8="hybrid"), lora=LoRAConfig())
-    module = MegatronLMModule(tiny_gpt(), lora=LoRAConfig())
-    with pytest.raises(NotImplementedError, match=r"SaveHF of a LoRA module"):
-        SaveHF("unused").setup(None, module, "fit")  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match=r"HF export of a LoRA module"):
-        module.export_hf_weights()  # not the base without its adapters
-    with pytest.raises(NotImplementedError, match=r"HF export of a LoRA module"):
-        module.save_hf("unused")
 
 
 def _fit(lora: LoRAConfig | None, steps: int) -> tuple[MegatronLMModule, list[float], dict]:
@@ -67,8 +63,9 @@ def test_lora_trains_only_the_adapters() -> None:
     assert losses[-1] < losses[0] - 0.2, losses
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert trainable, "no adapter parameters"
-    assert all(n.endswith(("lora_A", "lora_B")) for n in trainable), trainable
-    assert len(trainable) == 2 * 4 * 4  # A and B of 4 linears in each of 4 layers
+    assert all(is_adapter_param(n) for n in trainable), trainable
+    # A and B per HF projection (q, k, v, o, gate, up, down: as PEFT) in each of 4 layers
+    assert len(trainable) == 2 * 7 * 4
     for name, param in module.named_parameters():
         changed = not torch.equal(param.detach(), before[name])
         assert changed == (name in trainable), name  # the base stays exactly as it was
@@ -81,15 +78,15 @@ def test_adapters_are_seeded_per_layer_and_linear() -> None:
     _, _, before_a = _fit(LoRAConfig(rank=2, seed=5), steps=1)
     _, _, before_b = _fit(LoRAConfig(rank=2, seed=5), steps=1)
     _, _, other = _fit(LoRAConfig(rank=2, seed=6), steps=1)
-    names = [n for n in before_a if n.endswith("lora_A")]
-    assert len(names) == 16
+    names = [n for n in before_a if ".lora_A." in n]
+    assert len(names) == 7 * 4
     assert all(torch.equal(before_a[n], before_b[n]) for n in names)  # the same seed: the same adapters
     assert not any(torch.equal(before_a[n], other[n]) for n in names)  # another seed: others
     for i, first in enumerate(names):  # every layer and linear its own draw
         for second in names[i + 1 :]:
             same_shape = before_a[first].shape == before_a[second].shape
             assert not (same_shape and torch.equal(before_a[first], before_a[second])), (first, second)
-    assert all(not before_a[n.replace("lora_A", "lora_B")].any() for n in names)  # B starts at zero
+    assert all(not before_a[n.replace(".lora_A.", ".lora_B.")].any() for n in names)  # B starts at zero
 
 
 def test_lora_checkpoint_resumes_exactly(tmp_path) -> None:  # noqa: ANN001
@@ -147,3 +144,114 @@ def test_lora_checkpoint_reshards_to_tp2(sp: bool, lora_one_process: dict, tmp_p
     assert sorted(tp2["train"]) == ["3", "4"]
     for step in ("3", "4"):
         assert tp2["train"][step] == pytest.approx(lora_one_process["train"][step], rel=2e-4), step
+
+
+# ------------------------------------------------------------------------ adapter-only checkpoints (HF base)
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Llama whose weights, not the checkpoint format's per-tensor overhead, make a checkpoint's size."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("base") / "llama"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def _hf_fit(module: MegatronLMModule, steps: int, root: Path, ckpt_path: str | None = None) -> dict[int, float]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    samples = torch.randint(0, 128, (4 * 4, 16), generator=torch.Generator().manual_seed(6))
+    losses: dict[int, float] = {}
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            losses[trainer.global_step] = float(outputs["loss"])
+
+    saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), max_steps=steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Record(), saver], num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(samples, batch_size=4), ckpt_path=ckpt_path)
+    return losses
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_adapter_checkpoints_are_small_resume_exactly_and_load(hf_base: Path, tmp_path: Path) -> None:
+    """From HF weights, LoRA checkpoints hold the adapters, their optimizer state and where the base comes from:
+    a few % of a full fine-tune's checkpoint; resuming continues the curve; load_from_checkpoint rebuilds the
+    module on its base; a module without that base is refused."""
+    lora = {"rank": 2, "alpha": 4.0}
+    full = _hf_fit(MegatronLMModule.from_hf(hf_base, seq_length=16, lr=5e-2, lora=lora), 4, tmp_path / "lora")
+    _hf_fit(MegatronLMModule.from_hf(hf_base, seq_length=16, lr=5e-2), 2, tmp_path / "full")
+    adapters, everything = tmp_path / "lora" / "epoch=0-step=2.ckpt", tmp_path / "full" / "epoch=0-step=2.ckpt"
+    assert _size(adapters) < 0.1 * _size(everything), (_size(adapters), _size(everything))
+    module = MegatronLMModule.from_hf(hf_base, seq_length=16, lr=5e-2, lora=lora)
+    resumed = _hf_fit(module, 4, tmp_path / "again", ckpt_path=str(adapters))
+    assert resumed == {step: full[step] for step in (3, 4)}
+    optimizer = module.trainer.strategy.optimizers[0]
+    assert sum(p.numel() for group in optimizer.param_groups for p in group["params"]) == sum(
+        p.numel() for n, p in module.named_parameters() if is_adapter_param(n))  # fmt: skip
+
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(7))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    want = torch.cat(trainer.predict(module, DataLoader(tokens, batch_size=4)))
+    loaded = MegatronLMModule.load_from_checkpoint(tmp_path / "again" / "epoch=0-step=4.ckpt")
+    assert loaded.frozen_base() == {"hf": str(hf_base.resolve())}
+    got = torch.cat(trainer.predict(loaded, DataLoader(tokens, batch_size=4)))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"holds only the trainable weights \(LoRA adapters\) and their optimizer"):
+        _hf_fit(MegatronLMModule(loaded.config, lr=5e-2, lora=lora), 4, tmp_path / "x", ckpt_path=str(adapters))
+
+
+def test_lora_on_a_checkpoint_without_adapters(hf_base: Path, tmp_path: Path) -> None:
+    """load_from_checkpoint(full, lora=...): the checkpoint's weights become the frozen base of new adapters (B = 0:
+    the checkpoint's logits), and the adapter-only checkpoints then refer to it."""
+    _hf_fit(MegatronLMModule.from_hf(hf_base, seq_length=16, lr=5e-2), 2, tmp_path / "full")
+    base = tmp_path / "full" / "epoch=0-step=2.ckpt"
+    tokens = DataLoader(torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(7)), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    want = torch.cat(trainer.predict(MegatronLMModule.load_from_checkpoint(base), tokens))
+    module = MegatronLMModule.load_from_checkpoint(base, lora={"rank": 2, "alpha": 4.0})
+    torch.testing.assert_close(torch.cat(trainer.predict(module, tokens)), want, rtol=0, atol=0)
+    _hf_fit(module, 2, tmp_path / "lora")
+    assert module.frozen_base() == {"checkpoint": str(base.resolve())}
+    again = MegatronLMModule.load_from_checkpoint(tmp_path / "lora" / "epoch=0-step=2.ckpt")
+    assert again.base_checkpoint == str(base.resolve())
+    assert again.lora == module.lora
+    torch.testing.assert_close(torch.cat(trainer.predict(again, tokens)), torch.cat(trainer.predict(module, tokens)))
+
+
+def test_value_module_with_lora_trains_the_adapters_and_its_head() -> None:
+    from lightning_megatron import MegatronValueModule
+
+    torch.manual_seed(0)
+    module = MegatronValueModule(tiny_gpt(), lr=1e-2, lora=LoRAConfig(rank=2, alpha=4.0))
+    tokens = synthetic_tokens(16, 32, 256, seed=3)
+    data = [{"input_ids": row, "returns": (row % 7).float() / 7} for row in tokens]  # learnable from the token
+    losses: list[float] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=4), max_steps=8, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data * 4, batch_size=8))
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    head = {"chunks.0.output_layer.weight", "chunks.0.output_layer.bias"}
+    assert {n for n in trainable if not is_adapter_param(n)} == head  # and the adapters (A, B per projection)
+    assert len(trainable) == 2 * 7 * 4 + 2
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -15,7 +15,7 @@ import dataclasses
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -30,7 +30,12 @@ _OPTIMIZER_KEY = "optimizer"
 MODEL_CONFIG_KEY = "model_config"
 """Common-state entry holding the module's ModelConfig (a plain dict), checked when resuming."""
 CONTENTS_KEY = "megatron_contents"
-"""Common-state entry naming what the checkpoint holds: ``["model"]`` (weights only) or ``["model", "optimizer"]``."""
+"""Common-state entry naming what the checkpoint holds: ``["model"]`` (weights only) or ``["model", "optimizer"]``;
+``"trainable"`` instead of ``"model"``: only the trainable weights (LoRA adapters), the frozen base is elsewhere."""
+FROZEN_BASE_KEY = "megatron_frozen_base"
+"""Common-state entry of a ``"trainable"`` checkpoint: where its frozen base weights come from (``{"hf": dir}`` or
+``{"checkpoint": dir}``)."""
+Weights = Literal["all", "trainable", "frozen"]
 SCHEDULER_KEY = "megatron_lr_scheduler"
 """Common-state entry holding Megatron's LR schedule (with the optimizer state only)."""
 PARTIAL_SUFFIX = ".partial"
@@ -42,13 +47,17 @@ def chunk_key(index: int) -> str:
 
 
 def sharded_state_dict(
-    chunks: Sequence[nn.Module], optimizer: Any | None = None, *, is_loading: bool = False
+    chunks: Sequence[nn.Module], optimizer: Any | None = None, *, is_loading: bool = False, weights: Weights = "all"
 ) -> dict[str, Any]:
-    """Model chunks' (and optionally the Megatron optimizer's) sharded state dict."""
-    state: dict[str, Any] = {
-        chunk_key(i): chunk.sharded_state_dict(metadata=_METADATA)  # type: ignore[operator]
-        for i, chunk in enumerate(chunks)
-    }
+    """Model chunks' (and optionally the Megatron optimizer's) sharded state dict: all weights, the trainable
+    parameters only, or all but those (``weights``)."""
+    state: dict[str, Any] = {}
+    for i, chunk in enumerate(chunks):
+        chunk_state = chunk.sharded_state_dict(metadata=_METADATA)  # type: ignore[operator]
+        if weights != "all":
+            trainable = {name for name, param in chunk.named_parameters() if param.requires_grad}
+            chunk_state = {k: v for k, v in chunk_state.items() if (k in trainable) == (weights == "trainable")}
+        state[chunk_key(i)] = chunk_state
     if optimizer is not None:
         if is_loading:
             mcore_fixes.init_adam_state(optimizer)
@@ -58,23 +67,27 @@ def sharded_state_dict(
 
 def checkpoint_state(
     checkpoint: dict[str, Any], chunks: Sequence[nn.Module], optimizer: Any | None, scheduler: Any | None,
-    model_config: dict[str, Any] | None,
+    model_config: dict[str, Any] | None, frozen_base: dict[str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """What a save writes: Lightning's checkpoint dict (loops, callbacks, hyper-parameters; its placeholder
     ``state_dict``/``optimizer_states`` dropped), the ``ModelConfig`` and the sharded model chunks -- plus the
     optimizer state and LR schedule unless Lightning asked for weights only (its dict has no ``optimizer_states``)
-    or there is no optimizer (after validate/test/predict).
+    or there is no optimizer (after validate/test/predict). With ``frozen_base`` (where the frozen weights can be
+    read again) only the trainable weights are written, and the reference.
 
     Raises ``ValueError`` naming an entry that loading (``weights_only``) would refuse, before anything is written.
     """
     with_optimizer = optimizer is not None and "optimizer_states" in checkpoint
     state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     state[MODEL_CONFIG_KEY] = model_config
-    state[CONTENTS_KEY] = ["model", "optimizer"] if with_optimizer else ["model"]
+    state[CONTENTS_KEY] = ["trainable" if frozen_base else "model"] + (["optimizer"] if with_optimizer else [])
+    if frozen_base:
+        state[FROZEN_BASE_KEY] = frozen_base
     if with_optimizer and scheduler is not None:
         state[SCHEDULER_KEY] = scheduler.state_dict()
     checks.check_loadable(state)
-    state.update(sharded_state_dict(chunks, optimizer if with_optimizer else None))
+    weights: Weights = "trainable" if frozen_base else "all"
+    state.update(sharded_state_dict(chunks, optimizer if with_optimizer else None, weights=weights))
     return state
 
 
@@ -154,7 +167,7 @@ def _replace(new: Path, path: Path) -> None:
 
 def load(
     chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path, model_config: dict[str, Any] | None = None,
-    *, scheduler: Any | None = None,
+    *, scheduler: Any | None = None, frozen_base: dict[str, str] | None = None, weights: Weights | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Collective: load model (and optimizer, LR schedule) state from ``path`` into ``chunks`` (``optimizer``,
     ``scheduler``).
@@ -163,12 +176,17 @@ def load(
     foreign pickled objects) and the model's shape (the saved ``model_config`` against ``model_config``, every
     tensor's global shape); a failure raises on every rank. Non-tensor entries are unpickled with
     ``weights_only=True``. Returns the checkpoint's other (common) entries: Lightning's loops, callbacks, ...
+
+    ``weights``: ``None`` loads what the checkpoint holds -- all weights, or only the trainable ones when it was
+    saved so (then the chunks must already hold its frozen base: ``frozen_base`` names where theirs came from);
+    ``"frozen"`` loads all but the trainable parameters (a base for LoRA adapters, which keep their own init).
     """
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    state = sharded_state_dict(chunks, optimizer, is_loading=True)
-    _raise_on_every_rank(lambda: _check(path, state, model_config))
+    plan: dict[str, Any] = {}
+    _raise_on_every_rank(lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights)))
+    state = plan["state"]
     try:
         with checks.weights_only():
             loaded = dist_checkpointing.load(state, str(path))
@@ -180,7 +198,9 @@ def load(
         ) from error
     loaded.pop(MODEL_CONFIG_KEY, None)
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded.pop(chunk_key(i)))
+        # A part of the weights: the rest stays as it is (the frozen base, or the adapters' own init).
+        _, unexpected = chunk.load_state_dict(loaded.pop(chunk_key(i)), strict=plan["weights"] == "all")
+        assert not unexpected, unexpected
     if optimizer is not None:
         # Copying into fp32 main params that require grad must not be recorded by autograd.
         with torch.no_grad(), mcore_fixes.keep_step_on_load():
@@ -200,7 +220,33 @@ def load(
     return loaded
 
 
-def _check(path: Path, state: dict[str, Any], model_config: dict[str, Any] | None) -> None:
+def _weights(
+    path: Path, common: dict[str, Any], frozen_base: dict[str, str] | None, weights: Weights | None
+) -> Weights:
+    """Which weights to load: see :func:`load`."""
+    if "trainable" not in common.get(CONTENTS_KEY, ["model"]):
+        return weights or "all"
+    base = common.get(FROZEN_BASE_KEY)
+    if weights == "frozen":
+        raise ValueError(f"{path} holds only the trainable weights (LoRA adapters), not a base model; its base: {base}")
+    if frozen_base is None:
+        raise ValueError(
+            f"checkpoint {path} holds only the trainable weights (LoRA adapters) and their optimizer state; the frozen "
+            f"base weights come from {base}: build the module on that base (from_hf(dir, lora=...) for an HF "
+            f"directory), or with YourModule.load_from_checkpoint({str(path)!r}), which does it"
+        )
+    if frozen_base != base:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"checkpoint {path} was trained on the frozen base {base}; this module's base is {frozen_base}")
+    return "trainable"
+
+
+def _plan(
+    path: Path, chunks: Sequence[nn.Module], optimizer: Any | None, model_config: dict[str, Any] | None,
+    frozen_base: dict[str, str] | None, weights: Weights | None,
+) -> dict[str, Any]:  # fmt: skip
+    """Check the files and the model against them; the state dict to load into and which weights it holds."""
     if path.name.endswith(PARTIAL_SUFFIX):
         final = path.with_name(path.name.removesuffix(PARTIAL_SUFFIX))
         raise ValueError(f"{path} is an unfinished save (a run stopped while writing it); load {final} or an older one")
@@ -212,18 +258,21 @@ def _check(path: Path, state: dict[str, Any], model_config: dict[str, Any] | Non
     metadata = checks.read_metadata(path)
     checks.check_files(path, metadata)
     common = read_common_state(path)
-    if _OPTIMIZER_KEY in state and "optimizer" not in common.get(CONTENTS_KEY, ["model", "optimizer"]):
+    if optimizer is not None and "optimizer" not in common.get(CONTENTS_KEY, ["model", "optimizer"]):
         raise KeyError(
             f"Trying to restore optimizer state but checkpoint {path} contains only the model (it was saved with "
             "weights_only=True, e.g. ModelCheckpoint(save_weights_only=True), or after validate/test/predict). "
             "It loads for validate/test/predict; to fine-tune from its weights build the module with "
             f"YourModule.load_from_checkpoint({str(path)!r}) and call trainer.fit without ckpt_path"
         )
+    selected = _weights(path, common, frozen_base, weights)
+    state = sharded_state_dict(chunks, optimizer, is_loading=True, weights=selected)
     diff = checks.config_mismatch(common.get(MODEL_CONFIG_KEY), model_config)
     model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
     checks.check_shapes(path, metadata, model_state, diff)  # a model of another shape first: the clearer error
-    if _OPTIMIZER_KEY in state:
+    if optimizer is not None:
         checks.check_optimizer_split(path, metadata, state[_OPTIMIZER_KEY])
+    return {"state": state, "weights": selected}
 
 
 def read_common_state(path: str | Path) -> dict[str, Any]:

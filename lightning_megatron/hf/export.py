@@ -1,7 +1,8 @@
 """Hugging Face out: stream or write the full HF state dict of a running model.
 
-:func:`export_weights` yields full HF tensors one at a time (gathered over tensor parallelism, broadcast from the
-pipeline stage that owns them); :func:`save_pretrained` writes them as an HF model directory with rank 0.
+:func:`export_weights` yields full HF tensors, one parameter's or a bucket of about N bytes at a time (gathered over
+tensor parallelism, broadcast from the pipeline stage that owns them; LoRA adapters merged in, or streamed alone in
+PEFT's names); :func:`save_pretrained` writes them as an HF model directory with rank 0.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from lightning_megatron.config import ModelConfig
 from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.hf.config import check_exportable, hf_config_dict
 from lightning_megatron.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint
-from lightning_megatron.hf.mapping import SPLIT_DIM, Param, chunk_params, hf_weight_shapes, split_local
+from lightning_megatron.hf.mapping import SPLIT_DIM, Param, adapter_params, chunk_params, hf_weight_shapes, split_local
+from lightning_megatron.lora.config import LoRAConfig
 
 _NOT_RUNNING = (
     "HF export needs the built model and Megatron's parallel state: call it from a hook while the Trainer runs "
@@ -53,8 +55,12 @@ def check_running(module: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- export
-def _owners(chunks: Sequence[nn.Module], config: ModelConfig) -> list[tuple[int, int, Param]]:
-    """(pipeline rank, chunk index on that rank, param) for every HF tensor of the model, in HF order."""
+Owner = tuple[int, int, Param]
+"""(pipeline rank, chunk index on that rank, param): who holds one exported parameter."""
+
+
+def _owners(chunks: Sequence[nn.Module], config: ModelConfig, lora: LoRAConfig | None = None) -> list[Owner]:
+    """Who holds every HF tensor of the model (with ``lora``: every PEFT tensor of its adapters), in HF order."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     tconfig = chunks[0].config
@@ -65,7 +71,10 @@ def _owners(chunks: Sequence[nn.Module], config: ModelConfig) -> list[tuple[int,
         for rank in range(pp):
             offset = get_transformer_layer_offset(tconfig, vp if vpp else None, pp_rank=rank)
             pre, post = rank == 0 and vp == 0, rank == pp - 1 and vp == (vpp or 1) - 1
-            params = chunk_params(config, pre=pre, post=post, offset=offset, num_layers=per_chunk)
+            if lora is None:
+                params = chunk_params(config, pre=pre, post=post, offset=offset, num_layers=per_chunk)
+            else:
+                params = adapter_params(config, lora, offset=offset, num_layers=per_chunk)
             stages.append((offset, rank, vp, params))
     owners, seen = [], set()
     for _, rank, vp, params in sorted(stages, key=lambda s: s[0]):
@@ -76,45 +85,99 @@ def _owners(chunks: Sequence[nn.Module], config: ModelConfig) -> list[tuple[int,
     return owners
 
 
+def _buckets(owners: list[Owner], itemsize: int, bucket_bytes: int | None) -> list[list[Owner]]:
+    """Consecutive params of one pipeline rank, about ``bucket_bytes`` of HF tensors each (a bigger param alone);
+    one param per bucket without ``bucket_bytes``."""
+    buckets: list[list[Owner]] = []
+    size = 0
+    for owner in owners:
+        nbytes = itemsize * sum(int(torch.Size(shape).numel()) for _, shape in owner[2].hf)
+        full = bucket_bytes is None or (buckets and size + nbytes > bucket_bytes)
+        if not buckets or full or buckets[-1][0][0] != owner[0]:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(owner)
+        size += nbytes
+    return buckets
+
+
 def export_weights(
-    chunks: Sequence[nn.Module], config: ModelConfig, *, include_tied: bool = True
-) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(hf_name, full tensor)`` one at a time, on every rank. Collective: every rank must exhaust it."""
+    chunks: Sequence[nn.Module], config: ModelConfig, *, include_tied: bool = True, merged: bool = True,
+    lora: LoRAConfig | None = None, bucket_bytes: int | None = None,
+) -> Iterator[list[tuple[str, Tensor]]]:  # fmt: skip
+    """Yield buckets of ``(hf_name, full tensor)`` on every rank: each param alone, or about ``bucket_bytes`` of
+    tensors per bucket, with one tensor-parallel gather and one pipeline broadcast per bucket. ``merged`` adds
+    the LoRA adapters to their base weights; ``lora`` streams the adapters alone (PEFT names) instead of the
+    model. Collective: every rank must exhaust it."""
     from megatron.core import parallel_state as ps
 
     check_exportable(config)  # before any collective: every rank raises alike
-    owners = _owners(chunks, config)
-    if config.share_embeddings_and_output_weights and include_tied:
+    owners = _owners(chunks, config, lora)
+    if config.share_embeddings_and_output_weights and include_tied and lora is None:
         rank, vp, embed = owners[0]
         owners.append((rank, vp, dataclasses.replace(embed, hf=(("lm_head.weight", embed.hf[0][1]),))))
     first = next(chunks[0].parameters())
     pp_group, my_rank = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
-    for rank, vp, p in owners:
-        tensors = _gather(chunks[vp], p, config) if rank == my_rank else None
-        for i, (name, shape) in enumerate(p.hf):
-            tensor = tensors[i] if tensors is not None else torch.empty(shape, dtype=first.dtype, device=first.device)
-            if ps.get_pipeline_model_parallel_world_size() > 1:
-                src = torch.distributed.get_global_rank(pp_group, rank)
-                torch.distributed.broadcast(tensor, src=src, group=pp_group)
-            yield name, tensor
-        del tensors
+    for bucket in _buckets(owners, first.dtype.itemsize, bucket_bytes):
+        rank, names = bucket[0][0], [hf for _, _, p in bucket for hf in p.hf]
+        if rank == my_rank:
+            tensors = _gather(chunks, bucket, config, merged and lora is None)
+        else:
+            tensors = [torch.empty(shape, dtype=first.dtype, device=first.device) for _, shape in names]
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            tensors = _broadcast(tensors, torch.distributed.get_global_rank(pp_group, rank), pp_group)
+        yield [(name, tensor) for (name, _), tensor in zip(names, tensors, strict=True)]
 
 
-def _gather(chunk: nn.Module, p: Param, config: ModelConfig) -> list[Tensor]:
-    """Full HF tensors of p from this tensor-parallel group's shards."""
-    from megatron.core import parallel_state as ps
+def _flat(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])  # mixed dtypes promote exactly; _unflat casts back
+
+
+def _unflat(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    sizes = [t.numel() for t in like]
+    return [piece.view(t.shape).to(t.dtype) for piece, t in zip(flat.split(sizes), like, strict=True)]
+
+
+def _broadcast(tensors: list[Tensor], src: int, group: Any) -> list[Tensor]:
+    """One broadcast of the bucket's tensors (flattened) from the stage that holds them."""
+    flat = _flat(tensors)
+    torch.distributed.broadcast(flat, src=src, group=group)
+    return _unflat(flat, tensors)
+
+
+def _local(chunk: nn.Module, p: Param, merged: bool) -> Tensor:
+    """This rank's tensor of p; a LoRA-adapted weight with its adapters' product added when ``merged``."""
+    from lightning_megatron.lora.layers import is_adapter
 
     local = chunk.get_parameter(p.megatron).detach()
-    dim, tp = SPLIT_DIM[p.kind], ps.get_tensor_model_parallel_world_size()
-    if dim is None:
-        return [local.clone()]
-    shards = [local]
-    if tp > 1:
-        shards = [torch.empty_like(local) for _ in range(tp)]
-        torch.distributed.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-    per_rank = [split_local(p, shard, config, tp) for shard in shards]  # [tp][HF tensors of p]
-    full = [torch.cat([parts[i] for parts in per_rank], dim=dim) for i in range(len(p.hf))]
-    for tensor, (name, shape) in zip(full, p.hf, strict=True):
+    owner, _, leaf = p.megatron.rpartition(".")
+    if merged and leaf == "weight" and is_adapter(module := chunk.get_submodule(owner)):
+        local = local + module.delta_weight().detach().to(local.dtype)  # type: ignore[operator]
+    return local
+
+
+def _gather(chunks: Sequence[nn.Module], bucket: list[Owner], config: ModelConfig, merged: bool) -> list[Tensor]:
+    """Full HF tensors of the bucket's params from this tensor-parallel group's shards: one all-gather."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    locals_ = [_local(chunks[vp], p, merged) for _, vp, p in bucket]
+    split = [i for i, (_, _, p) in enumerate(bucket) if SPLIT_DIM[p.kind] is not None]
+    per_rank = {i: [locals_[i]] for i in split}  # param index -> its shard on every TP rank
+    if tp > 1 and split:
+        flat = _flat([locals_[i] for i in split])
+        shards = [torch.empty_like(flat) for _ in range(tp)]
+        torch.distributed.all_gather(shards, flat, group=ps.get_tensor_model_parallel_group())
+        for i, *pieces in zip(split, *(_unflat(shard, [locals_[i] for i in split]) for shard in shards), strict=True):
+            per_rank[i] = pieces
+    full: list[Tensor] = []
+    for i, (_, _, p) in enumerate(bucket):
+        if i not in per_rank:  # replicated
+            full.append(locals_[i].clone())
+            continue
+        parts = [split_local(p, shard, config, tp) for shard in per_rank[i]]  # [tp][HF tensors of p]
+        full += [torch.cat([rank_parts[j] for rank_parts in parts], dim=SPLIT_DIM[p.kind]) for j in range(len(p.hf))]
+    for tensor, (name, shape) in zip(full, [hf for _, _, p in bucket for hf in p.hf], strict=True):
         assert tuple(tensor.shape) == shape, f"{name}: exported {tuple(tensor.shape)}, expected {shape}"
     return full
 
@@ -138,7 +201,7 @@ def save_pretrained(
         for old in [*path.glob("model*.safetensors"), path / SAFETENSORS_INDEX]:
             old.unlink(missing_ok=True)
     shard, bucket = 0, {}
-    for name, tensor in export_weights(list(module.chunks), config, include_tied=False):
+    for name, tensor in (pair for b in export_weights(list(module.chunks), config, include_tied=False) for pair in b):
         if not is_writer:
             continue
         bucket[name] = tensor.detach().to("cpu", dtype).contiguous()

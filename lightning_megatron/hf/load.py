@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from lightning_megatron.config import ModelConfig
 from lightning_megatron.hf import pickled
 from lightning_megatron.hf.config import architecture
-from lightning_megatron.hf.mapping import SPLIT_DIM, chunk_params, combine, hf_weight_shapes
+from lightning_megatron.hf.mapping import SPLIT_DIM, Param, adapter_params, chunk_params, combine, hf_weight_shapes
+from lightning_megatron.lora.config import LoRAConfig, is_adapter_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -113,20 +114,36 @@ class HFCheckpoint:
 
 def load_chunk(chunk: nn.Module, checkpoint: HFCheckpoint, config: ModelConfig, vp_stage: int | None) -> None:
     """Copy this rank's shard of the HF tensors into a freshly built ``GPTModel`` chunk (lazy slice reads)."""
-    from megatron.core import parallel_state
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    params = chunk_params(
-        config, pre=chunk.pre_process, post=chunk.post_process,
-        offset=get_transformer_layer_offset(chunk.config, vp_stage), num_layers=len(chunk.decoder.layers),
-    )  # fmt: skip
+    params = chunk_params(config, pre=chunk.pre_process, post=chunk.post_process, **_layers(chunk, vp_stage))
     # LoRA adapters are not HF weights: they start from their own seeded init (lightning_megatron.lora).
-    own = {name: p for name, p in chunk.named_parameters() if not name.endswith((".lora_A", ".lora_B"))}
+    own = {name: p for name, p in chunk.named_parameters() if not is_adapter_param(name)}
     unmapped = sorted(set(own) - {p.megatron for p in params})
     if unmapped:  # a parameter left at its random init would silently break parity
         raise RuntimeError(f"no HF tensor maps to {unmapped}; the HF mapping does not cover this model")
+    _copy_shards(own, params, checkpoint, config)
+
+
+def load_adapter_chunk(
+    chunk: nn.Module, adapter: HFCheckpoint, config: ModelConfig, lora: LoRAConfig, vp_stage: int | None
+) -> None:
+    """Copy this rank's shard of a PEFT adapter's tensors into the chunk's LoRA factors (every one of them)."""
+    params = adapter_params(config, lora, **_layers(chunk, vp_stage))
+    own = {name: p for name, p in chunk.named_parameters() if is_adapter_param(name)}
+    assert set(own) == {p.megatron for p in params}, sorted(set(own) ^ {p.megatron for p in params})
+    _copy_shards(own, params, adapter, config)
+
+
+def _layers(chunk: nn.Module, vp_stage: int | None) -> dict[str, int]:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return {"offset": get_transformer_layer_offset(chunk.config, vp_stage), "num_layers": len(chunk.decoder.layers)}
+
+
+def _copy_shards(own: dict[str, Tensor], params: list[Param], checkpoint: HFCheckpoint, config: ModelConfig) -> None:
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
     with checkpoint.lazy_tensors() as lazy, torch.no_grad():
         for p in params:
             local = combine(p, [_read_shard(lazy(name), SPLIT_DIM[p.kind], rank, tp) for name, _ in p.hf], config, tp)

@@ -11,8 +11,14 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
+from lightning_megatron.lora.config import COLUMN_TARGETS, HF_BLOCK, adapter_parts
+
 if TYPE_CHECKING:
     from lightning_megatron.config import ModelConfig
+    from lightning_megatron.lora.config import LoRAConfig
+
+PEFT_PREFIX = "base_model.model."
+"""What PEFT's ``PeftModel`` puts before the HF model's own names in an adapter's state dict."""
 
 Kind = Literal["copy", "rows", "cols", "qkv", "gate_up"]
 # The dimension each HF tensor of a kind is split along over tensor-parallel ranks (None: replicated).
@@ -66,6 +72,31 @@ def chunk_params(c: ModelConfig, *, pre: bool, post: bool, offset: int, num_laye
             head = embed if tied else ("lm_head.weight", (c.vocab_size, c.hidden_size))
             params.append(Param("output_layer.weight", (head,), "rows"))
     return params
+
+
+def adapter_params(c: ModelConfig, lora: LoRAConfig, *, offset: int, num_layers: int) -> list[Param]:
+    """The LoRA factors of one chunk's layers as PEFT names them (``base_model.model.model.layers.0.self_attn.
+    q_proj.lora_A.weight``), in PEFT's state-dict order. A column-parallel base's B is split like its rows and A
+    replicated; a row-parallel base's A is split like its columns and B replicated (lightning_megatron.lora)."""
+    params = []
+    for i in range(num_layers):
+        for target in (t for t in HF_BLOCK if t in lora.target_modules):  # HF order: q, k, v, o, gate, up, down
+            block = HF_BLOCK[target]
+            column = target in COLUMN_TARGETS
+            m = f"decoder.layers.{i}.{'self_attention' if block == 'self_attn' else 'mlp'}.{target}."
+            for part, n_in, n_out in adapter_parts(target, c):
+                h = f"{PEFT_PREFIX}model.layers.{offset + i}.{block}.{part}."
+                a_kind: Kind = "copy" if column else "cols"
+                b_kind: Kind = "rows" if column else "copy"
+                params.append(Param(f"{m}lora_A.{part}", ((h + "lora_A.weight", (lora.rank, n_in)),), a_kind))
+                params.append(Param(f"{m}lora_B.{part}", ((h + "lora_B.weight", (n_out, lora.rank)),), b_kind))
+    return params
+
+
+def adapter_shapes(config: ModelConfig, lora: LoRAConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a PEFT adapter's state dict for this model, in PEFT's order."""
+    params = adapter_params(config, lora, offset=0, num_layers=config.num_layers)
+    return {name: shape for p in params for name, shape in p.hf}
 
 
 def hf_weight_shapes(config: ModelConfig, *, include_tied: bool = True) -> dict[str, tuple[int, ...]]:

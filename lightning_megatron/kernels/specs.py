@@ -130,17 +130,19 @@ def with_adapters(spec: Any, lora: LoRAConfig, config: ModelConfig) -> Any:
     """Copy of a layer spec whose ``lora.target_modules`` linears are LoRA-adapted (lightning_megatron.lora)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from lightning_megatron.lora.config import COLUMN_TARGETS
+    from lightning_megatron.lora.config import COLUMN_TARGETS, adapter_parts
     from lightning_megatron.lora.layers import LoRAColumnParallelLinear, LoRARowParallelLinear
 
     def swap(value: Any, name: str) -> Any:
         adapted_already = value in (LoRAColumnParallelLinear, LoRARowParallelLinear)  # the new spec's own module
         if name not in lora.target_modules or not isinstance(value, type) or adapted_already:
             return value
+        parts = adapter_parts(name, config)
         if name not in COLUMN_TARGETS:
-            return ModuleSpec(module=LoRARowParallelLinear, params={"lora": lora})
-        gated = name == "linear_fc1" and config.gated_linear_unit
-        return ModuleSpec(module=LoRAColumnParallelLinear, params={"lora": lora, "gated": gated})
+            return ModuleSpec(module=LoRARowParallelLinear, params={"lora": lora, "part": parts[0][0]})
+        groups = config.effective_num_query_groups if name == "linear_qkv" else None
+        params = {"lora": lora, "parts": tuple((part, out) for part, _, out in parts), "query_groups": groups}
+        return ModuleSpec(module=LoRAColumnParallelLinear, params=params)
 
     return _map_spec(spec, swap)
 

@@ -15,6 +15,28 @@ from lightning_megatron.validation import check_positive_int
 COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
 ROW_TARGETS = ("linear_proj", "linear_fc2")
 TARGETS = COLUMN_TARGETS + ROW_TARGETS
+# Where each target's HF projections sit in an HF decoder layer (PEFT's module names are these).
+HF_BLOCK = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter name (``...linear_qkv.lora_A.q_proj``) is an adapter factor, not a base weight."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_parts(target: str, model: ModelConfig) -> tuple[tuple[str, int, int], ...]:
+    """The HF projections that Megatron's ``target`` linear fuses, as (name, full input size, full output size),
+    in Megatron's order within a group: one adapter each, as PEFT puts one on each HF projection."""
+    hidden, d, ffn = model.hidden_size, model.effective_kv_channels, model.effective_ffn_hidden_size
+    q, kv = model.num_attention_heads * d, model.effective_num_query_groups * d
+    if target == "linear_qkv":
+        return (("q_proj", hidden, q), ("k_proj", hidden, kv), ("v_proj", hidden, kv))
+    if target == "linear_proj":
+        return (("o_proj", q, hidden),)
+    if target == "linear_fc1":
+        gated = model.gated_linear_unit
+        return (("gate_proj", hidden, ffn), ("up_proj", hidden, ffn)) if gated else (("up_proj", hidden, ffn),)
+    return (("down_proj", ffn, hidden),)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -1,10 +1,15 @@
 """LoRA adapters on Megatron's tensor-parallel linears, sharded so that TP needs no gather of the base weights.
 
-Column-parallel base (weight [out/tp, in]): A [r, in] replicated, B [out/tp, r] sharded like the base's rows, so the
-adapter's output is sharded like the base's. Row-parallel base (weight [out, in/tp], input split over ``in``): A
-[r, in/tp] sharded like the base's columns, its partial products summed over TP (an all-reduce of r values per
-token), B [out, r] replicated. The base weights are frozen (Megatron's DDP then gives them no gradient buffer and
-the optimizer no state).
+Each adapted linear holds one adapter per Hugging Face projection it fuses, as PEFT does on the HF model: the
+fused ``linear_qkv`` gets separate q, k and v adapters, a gated ``linear_fc1`` separate gate and up adapters. So a
+PEFT adapter maps onto ours exactly, in both directions, and trains the same parameters.
+
+Column-parallel base (weight [out/tp, in]): every A [r, in] replicated, every B [out_part/tp, r] sharded like the
+base's rows (a rank holds whole query groups, hence a contiguous block of each of q, k and v), so the adapter's
+output is sharded like the base's. Row-parallel base (weight [out, in/tp], input split over ``in``): A [r, in/tp]
+sharded like the base's columns, its partial products summed over TP (an all-reduce of r values per token), B
+[out, r] replicated. The base weights are frozen (Megatron's DDP then gives them no gradient buffer and the
+optimizer no state).
 
 Gradients of the replicated factors: column-parallel A gets its gradient from the rank's B shard only, so without
 sequence parallelism the adapter's hidden gradient is all-reduced over TP before A (Megatron's
@@ -17,9 +22,11 @@ same (all-gathered) output gradient on every rank.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from contextlib import nullcontext
+from typing import Any
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -37,82 +44,121 @@ def _kaiming_uniform(rows: int, cols: int, generator: torch.Generator) -> Tensor
     return torch.empty(rows, cols).uniform_(-bound, bound, generator=generator)
 
 
-class _Adapter:
-    """What both adapted linears share: freezing the base, the factors, their seeded initialisation, and the
-    checkpoint layout (the sharded factor saved as a slice of its full tensor, like the base weight)."""
+def interleave(parts: list[Tensor], groups: int, dim: int) -> Tensor:
+    """The fused linear's local layout from its parts' local blocks along ``dim``: per group (query group of
+    linear_qkv; one for gate/up) the parts' rows of that group, in order -- Megatron's [q; k; v] per group."""
+    dim = dim % parts[0].dim()
+    blocks = [part.unflatten(dim, (groups, -1)) for part in parts]  # [..., groups, rows_per_group, ...]
+    return torch.cat(blocks, dim=dim + 1).flatten(dim, dim + 1)
+
+
+class _Adapter(nn.Module):
+    """What both adapted linears share: freezing the base, the factors (one A and B per part), their seeded
+    initialisation, the merged weight, and the checkpoint layout (sharded factors saved as slices of their full
+    tensors, like the base weight)."""
 
     lora: LoRAConfig
-    lora_A: nn.Parameter
-    lora_B: nn.Parameter
-    tp_axes: ClassVar[dict[str, int]]
-    """Tensor-parallel axis of each sharded entry of the state dict (the rest is replicated)."""
+    lora_A: nn.ParameterDict
+    lora_B: nn.ParameterDict
+    parts: tuple[str, ...]
+    """The parts' names in Megatron's order within a group (ParameterDict sorts the names it is given)."""
+    groups: int
+
+    def _add_adapter(self, lora: LoRAConfig, shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]]) -> None:
+        """``shapes``: per part (HF projection name), the local shapes of its A and B."""
+        for param in self.parameters(recurse=False):
+            param.requires_grad_(False)
+        self.lora, self.parts = lora, tuple(shapes)
+        dtype, device = self.weight.dtype, self.weight.device
+        zeros = {n: (torch.zeros(a, dtype=dtype, device=device), torch.zeros(b, dtype=dtype, device=device))
+                 for n, (a, b) in shapes.items()}  # fmt: skip
+        self.lora_A = nn.ParameterDict({n: nn.Parameter(a) for n, (a, _) in zeros.items()})
+        self.lora_B = nn.ParameterDict({n: nn.Parameter(b) for n, (_, b) in zeros.items()})
+        # One dropout per part, as PEFT's separate modules: each part sees its own mask.
+        self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+
+    def tp_axes(self) -> dict[str, int]:
+        """Tensor-parallel axis of each sharded entry of the state dict (the rest is replicated)."""
+        raise NotImplementedError
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        assert isinstance(self, nn.Module)
         state_dict = self.state_dict(prefix="", keep_vars=True)
         dp_cp_group = (metadata or {})["dp_cp_group"]
         return make_sharded_tensors_for_checkpoint(
-            state_dict, prefix, self.tp_axes, sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp_group
+            state_dict, prefix, self.tp_axes(), sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp_group
         )
 
-    def _add_adapter(self, lora: LoRAConfig, a_shape: tuple[int, int], b_shape: tuple[int, int]) -> None:
-        assert isinstance(self, nn.Module)
-        for param in self.parameters(recurse=False):
-            param.requires_grad_(False)
-        self.lora = lora
-        dtype, device = self.weight.dtype, self.weight.device
-        self.lora_A = nn.Parameter(torch.zeros(a_shape, dtype=dtype, device=device))
-        self.lora_B = nn.Parameter(torch.zeros(b_shape, dtype=dtype, device=device))
-        self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+    def adapter_shard(self) -> slice:
+        """This rank's columns of the full A (all of them unless A is sharded)."""
+        return slice(None)
 
-    def reset_adapter(self, seed: int, full_in: int, shard: slice) -> None:
-        """A from the full [r, full_in] draw of ``seed``, cut to this rank's ``shard`` of ``in``; B zeros."""
-        generator = torch.Generator().manual_seed(seed)
+    def reset_adapter(self, seed: int) -> None:
+        """Every A drawn from ``seed`` and its part at the full [r, in] shape, cut to this rank's shard; B zeros."""
+        full_in = self.input_size
         with torch.no_grad():
-            full = _kaiming_uniform(self.lora.rank, full_in, generator)
-            self.lora_A.copy_(full[:, shard])
-            self.lora_B.zero_()
+            for i, name in enumerate(self.parts):
+                generator = torch.Generator().manual_seed(seed * 10 + i)
+                self.lora_A[name].copy_(_kaiming_uniform(self.lora.rank, full_in, generator)[:, self.adapter_shard()])
+                self.lora_B[name].zero_()
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        """The parts' A products side by side: [..., parts * r] (one GEMM when there is no dropout)."""
+        if isinstance(self.lora_dropout, nn.Identity):
+            return nn.functional.linear(x, torch.cat([self.lora_A[name] for name in self.parts]))
+        return torch.cat([nn.functional.linear(self.lora_dropout(x), self.lora_A[n]) for n in self.parts], dim=-1)
+
+    def _delta(self, hidden: Tensor) -> Tensor:
+        """[..., parts * r] -> the adapters' output in the base's local output layout, scaled."""
+        parts = hidden.split(self.lora.rank, dim=-1)  # per part [..., r]
+        outs = [nn.functional.linear(h, self.lora_B[name]) for h, name in zip(parts, self.parts, strict=True)]
+        return interleave(outs, self.groups, dim=-1) * self.lora.scaling
+
+    def delta_weight(self) -> Tensor:
+        """``scaling * B A`` of every part, laid out like this rank's base weight shard (for merged export)."""
+        parts = [self.lora_B[name] @ self.lora_A[name] for name in self.parts]
+        return interleave(parts, self.groups, dim=0) * self.lora.scaling
 
 
 class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
-    """``ColumnParallelLinear`` (frozen) plus a LoRA adapter: A replicated, B sharded like the base."""
+    """``ColumnParallelLinear`` (frozen) plus LoRA adapters: A replicated, B sharded like the base.
 
-    tp_axes: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0, "lora_B": 0}
+    Args:
+        parts: the HF projections fused in this linear and their full output sizes, in the order Megatron lays
+            them out within a group: ``(("q_proj", q), ("k_proj", kv), ("v_proj", kv))`` for linear_qkv,
+            ``(("gate_proj", ffn), ("up_proj", ffn))`` for a gated linear_fc1.
+        query_groups: linear_qkv's query groups, which interleave q, k and v (split over TP ranks); for gate/up,
+            ``None``: every rank's rows are [its gate rows; its up rows].
+    """
 
-    def __init__(self, *args: Any, lora: LoRAConfig, gated: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, lora: LoRAConfig, parts: tuple[tuple[str, int], ...], query_groups: int | None = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
-        self.gated = gated  # a SwiGLU/GeGLU linear_fc1: each rank's rows are [gate shard; up shard]
-        self._add_adapter(lora, (lora.rank, self.input_size), (self.output_size_per_partition, lora.rank))
-        set_tensor_model_parallel_attributes(self.lora_B, is_parallel=True, dim=0, stride=1)
+        tp = self.tp_group.size()
+        self.groups = 1 if query_groups is None else query_groups // tp  # a rank holds whole query groups
+        shapes = {name: ((lora.rank, self.input_size), (size // tp, lora.rank)) for name, size in parts}
+        self._add_adapter(lora, shapes)
+        for b in self.lora_B.values():
+            set_tensor_model_parallel_attributes(b, is_parallel=True, dim=0, stride=1)
         if self.sequence_parallel:
-            self.lora_A.sequence_parallel = True  # gradient summed over TP by finalize_model_grads
+            for a in self.lora_A.values():
+                a.sequence_parallel = True  # gradient summed over TP by finalize_model_grads
 
-    def adapter_shard(self) -> slice:
-        return slice(None)  # A is replicated
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
-        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if self.gated:  # B's rows are laid out like the base weight's: saved as Megatron saves that (gate, up)
-            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-            key, meta = f"{prefix}lora_B", metadata or {}
-            state[key] = apply_swiglu_sharded_factory(
-                state[key], sharded_offsets, meta.get("singleton_local_shards", False), tp_group=self.tp_group,
-                dp_group=meta["dp_cp_group"],
-            )  # fmt: skip
-        return state
+    def tp_axes(self) -> dict[str, int]:
+        return {"weight": 0, "bias": 0, **{f"lora_B.{name}": 0 for name in self.lora_B}}
 
     def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None) -> Any:
         output, bias = super().forward(input_, weight, runtime_gather_output)
         x = input_
         if self.sequence_parallel:  # [S/tp, B, in] -> [S, B, in]; backward reduce-scatters (partial per rank)
             x = mappings.gather_from_sequence_parallel_region(x, group=self.tp_group)
-        hidden = nn.functional.linear(self.lora_dropout(x), self.lora_A)  # [S, B, r]
+        hidden = self._hidden(x)  # [S, B, parts * r]
         if not self.sequence_parallel:  # backward: the B shards' partial gradients summed over TP
             hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
-        delta = nn.functional.linear(hidden, self.lora_B) * self.lora.scaling  # [S, B, out/tp]
+        delta = self._delta(hidden)  # [S, B, out/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             delta = mappings.gather_from_tensor_model_parallel_region(delta, group=self.tp_group)
@@ -120,14 +166,21 @@ class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
 
 
 class LoRARowParallelLinear(_Adapter, RowParallelLinear):
-    """``RowParallelLinear`` (frozen) plus a LoRA adapter: A sharded like the base's input, B replicated."""
+    """``RowParallelLinear`` (frozen) plus a LoRA adapter: A sharded like the base's input, B replicated.
 
-    tp_axes: ClassVar[dict[str, int]] = {"weight": 1, "lora_A": 1}
+    Args:
+        part: the HF projection this linear is (``o_proj``, ``down_proj``).
+    """
 
-    def __init__(self, *args: Any, lora: LoRAConfig, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, lora: LoRAConfig, part: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._add_adapter(lora, (lora.rank, self.input_size_per_partition), (self.output_size, lora.rank))
-        set_tensor_model_parallel_attributes(self.lora_A, is_parallel=True, dim=1, stride=1)
+        self.groups = 1
+        self._add_adapter(lora, {part: ((lora.rank, self.input_size_per_partition), (self.output_size, lora.rank))})
+        for a in self.lora_A.values():
+            set_tensor_model_parallel_attributes(a, is_parallel=True, dim=1, stride=1)
+
+    def tp_axes(self) -> dict[str, int]:
+        return {"weight": 1, **{f"lora_A.{name}": 1 for name in self.lora_A}}
 
     def adapter_shard(self) -> slice:
         rank = self.tp_group.rank()
@@ -135,18 +188,24 @@ class LoRARowParallelLinear(_Adapter, RowParallelLinear):
 
     def forward(self, input_: Tensor) -> Any:
         output, bias = super().forward(input_)
-        x = input_  # [S, B, in/tp] (the base's input is already split over in)
-        hidden = nn.functional.linear(self.lora_dropout(x), self.lora_A)  # partial [S, B, r]
+        # [S, B, in/tp]: each rank holds other input columns, so each draws its own dropout mask (TP-rank RNG).
+        dropout = not isinstance(self.lora_dropout, nn.Identity)
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else nullcontext():
+            hidden = self._hidden(input_)  # partial [S, B, r]
         hidden = mappings.reduce_from_tensor_model_parallel_region(hidden, group=self.tp_group)
-        delta = nn.functional.linear(hidden, self.lora_B) * self.lora.scaling  # [S, B, out]
+        delta = self._delta(hidden)  # [S, B, out]
         if self.sequence_parallel:  # the base's output is reduce-scattered over the sequence: keep our chunk
             delta = mappings.scatter_to_sequence_parallel_region(delta, group=self.tp_group)
         return output + delta, bias
 
 
+def is_adapter(module: nn.Module) -> bool:
+    return isinstance(module, _Adapter)
+
+
 def init_adapters(chunk: nn.Module, lora: LoRAConfig) -> None:
     """Freeze everything of a freshly built chunk but its adapters, and draw each adapter from a seed of
-    (``lora.seed``, global layer number, linear), so that every layout builds the same adapters."""
+    (``lora.seed``, global layer number, linear, part), so that every layout builds the same adapters."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     for param in chunk.parameters():
@@ -157,7 +216,6 @@ def init_adapters(chunk: nn.Module, lora: LoRAConfig) -> None:
         for name, module in layer.named_modules():
             if isinstance(module, _Adapter):
                 leaf = name.rsplit(".", 1)[-1]
-                seed = (lora.seed * 1_000_003 + layer.layer_number) * 10 + TARGETS.index(leaf)
-                module.reset_adapter(seed, module.input_size, module.adapter_shard())
-                module.lora_A.requires_grad_(True)
-                module.lora_B.requires_grad_(True)
+                module.reset_adapter((lora.seed * 1_000_003 + layer.layer_number) * 10 + TARGETS.index(leaf))
+                for param in [*module.lora_A.values(), *module.lora_B.values()]:
+                    param.requires_grad_(True)

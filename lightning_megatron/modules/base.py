@@ -46,6 +46,9 @@ class MegatronLightningModule(L.LightningModule):
     weights_checkpoint: str | None = None
     """A MegatronStrategy checkpoint whose model weights are loaded into the chunks when they are built (once); set
     by :meth:`load_from_checkpoint`."""
+    base_checkpoint: str | None = None
+    """A MegatronStrategy checkpoint whose frozen weights (all but the trainable parameters, e.g. LoRA adapters) are
+    loaded into the chunks when they are built, before :attr:`weights_checkpoint`."""
     _in_schedule: bool = False
     _built_for: list[ChunkSpec]
 
@@ -93,7 +96,8 @@ class MegatronLightningModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Build this rank's chunks once (the strategy says which stages they are), then load
-        :attr:`weights_checkpoint` into them if set. A module built for one layout refuses another."""
+        :attr:`base_checkpoint` and :attr:`weights_checkpoint` into them if set. A module built for one layout
+        refuses another."""
         specs = self._runtime().chunk_specs()
         if hasattr(self, "chunks"):
             if specs != self._built_for:
@@ -106,11 +110,19 @@ class MegatronLightningModule(L.LightningModule):
             return
         self.chunks = nn.ModuleList(self.build_chunk(spec) for spec in specs)
         self._built_for = specs
-        if self.weights_checkpoint is not None:
-            from lightning_megatron.checkpointing import sharded
+        from lightning_megatron.checkpointing import sharded
 
-            sharded.load(list(self.chunks), None, self.weights_checkpoint, sharded.model_config_dict(self))
+        config = sharded.model_config_dict(self)
+        if self.base_checkpoint is not None:
+            sharded.load(list(self.chunks), None, self.base_checkpoint, config, weights="frozen")
+        if self.weights_checkpoint is not None:
+            sharded.load(list(self.chunks), None, self.weights_checkpoint, config, frozen_base=self.frozen_base())
             self.weights_checkpoint = None  # loaded once: a later fit continues from the trained weights
+
+    def frozen_base(self) -> dict[str, str] | None:
+        """Where the frozen weights can be read again -- ``{"hf": dir}`` or ``{"checkpoint": dir}`` -- when only the
+        trainable parameters (LoRA adapters) need saving; ``None`` (the default): checkpoints hold every weight."""
+        return None
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | Path, **kwargs: Any) -> Self:  # type: ignore[override]

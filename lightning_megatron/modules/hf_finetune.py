@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from lightning_megatron.hf.load import open_pretrained
+from lightning_megatron.hf.peft import with_adapter
 from lightning_megatron.modules.lm import MegatronLMModule
 
 
@@ -27,18 +28,20 @@ class MegatronLMFromHF(MegatronLMModule):
             must keep matching the weights.
         allow_pickle: read PyTorch pickle weights (``pytorch_model.bin``) when there are no safetensors; only for
             trusted directories (read with ``torch.load(weights_only=True)``).
-        kwargs: ``MegatronLMModule``'s arguments (``lr``, ``warmup_steps``, ``clip_grad``, ...).
+        adapter: a PEFT LoRA adapter directory to start the adapters from (see ``MegatronLMModule.from_hf``).
+        kwargs: ``MegatronLMModule``'s arguments (``lr``, ``warmup_steps``, ``clip_grad``, ``lora``, ...).
     """
 
     def __init__(
         self, hf_path: str, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
-        allow_pickle: bool = False, **kwargs: Any,
+        allow_pickle: bool = False, adapter: str | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         checkpoint, config = open_pretrained(
             hf_path, seq_length=seq_length, config_overrides=config_overrides, allow_pickle=allow_pickle
         )
+        hf_adapter, kwargs["lora"] = with_adapter(adapter, config, kwargs.get("lora"))
         super().__init__(config, **kwargs)
-        self.hf_checkpoint = checkpoint
+        self.hf_checkpoint, self.hf_adapter = checkpoint, hf_adapter
 
     @classmethod
     def init_args_from_checkpoint(cls, common: Mapping[str, Any]) -> dict[str, Any]:
@@ -48,10 +51,10 @@ class MegatronLMFromHF(MegatronLMModule):
     @classmethod
     def from_hf(
         cls, path: str | Path, *, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
-        allow_pickle: bool = False, **module_kwargs: Any,
+        allow_pickle: bool = False, adapter: str | Path | None = None, **module_kwargs: Any,
     ) -> Self:  # fmt: skip
         """The same as the constructor (the parent's classmethod would pass a ``ModelConfig`` as ``hf_path``)."""
         return cls(
             str(path), seq_length=seq_length, config_overrides=config_overrides, allow_pickle=allow_pickle,
-            **module_kwargs,
+            adapter=None if adapter is None else str(adapter), **module_kwargs,
         )  # fmt: skip

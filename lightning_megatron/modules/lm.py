@@ -95,10 +95,13 @@ class MegatronLMModule(MegatronLightningModule):
     fp8: bool = False
     """Whether the chunks' transformer layers run their linears' GEMMs in fp8 (``ModelConfig.fp8``)."""
 
+    hf_adapter: HFCheckpoint | None = None
+    """The PEFT adapter directory :meth:`from_hf` was given; ``build_chunk`` loads it into the LoRA factors."""
+
     @classmethod
     def from_hf(
         cls, path: str | Path, *, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
-        allow_pickle: bool = False, **module_kwargs: Any,
+        allow_pickle: bool = False, adapter: str | Path | None = None, **module_kwargs: Any,
     ) -> Self:  # fmt: skip
         """A module initialised from a local HF directory (config.json + safetensors, one file or sharded).
 
@@ -114,15 +117,20 @@ class MegatronLMModule(MegatronLightningModule):
                 recompute, ...); architecture fields must keep matching the weights.
             allow_pickle: read PyTorch pickle weights (``pytorch_model.bin``) when there are no safetensors; only
                 for trusted directories (read with ``torch.load(weights_only=True)``). Off: such weights raise.
-            module_kwargs: the module's arguments (``lr``, ``warmup_steps``, ...).
+            adapter: a PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``, e.g.
+                from ``PeftModel.save_pretrained`` or ``save_hf(adapter=True)``) to start the adapters from; its
+                rank, alpha and targets become the module's ``lora`` (a ``lora=`` given too must match them).
+            module_kwargs: the module's arguments (``lr``, ``warmup_steps``, ``lora``, ...).
         """
         from lightning_megatron.hf.load import open_pretrained
+        from lightning_megatron.hf.peft import with_adapter
 
         checkpoint, config = open_pretrained(
             path, seq_length=seq_length, config_overrides=config_overrides, allow_pickle=allow_pickle
         )
+        hf_adapter, module_kwargs["lora"] = with_adapter(adapter, config, module_kwargs.get("lora"))
         module = cls(config, **module_kwargs)
-        module.hf_checkpoint = checkpoint
+        module.hf_checkpoint, module.hf_adapter = checkpoint, hf_adapter
         return module
 
     def __init__(
@@ -180,6 +188,39 @@ class MegatronLMModule(MegatronLightningModule):
         # The ModelConfig is saved on its own (not among the hyper-parameters).
         return {**super().init_args_from_checkpoint(common), "config": ModelConfig(**common[MODEL_CONFIG_KEY])}
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path, **kwargs: Any) -> Self:  # type: ignore[override]
+        """As :meth:`MegatronLightningModule.load_from_checkpoint`; with LoRA, also from a checkpoint holding only
+        adapters (its frozen base is read from where the checkpoint says: an HF directory or another checkpoint),
+        and, with ``lora=`` given, from a checkpoint without adapters: its weights become the frozen base of new,
+        seeded adapters."""
+        from lightning_megatron.checkpointing import sharded
+
+        module = super().load_from_checkpoint(checkpoint_path, **kwargs)
+        if module.lora is None or module.hf_checkpoint is not None:  # MegatronLMFromHF: the base is its hf_path
+            return module
+        common = sharded.read_common_state(checkpoint_path)
+        base = common.get(sharded.FROZEN_BASE_KEY)
+        if base is not None and "hf" in base:
+            from lightning_megatron.hf.load import HFCheckpoint
+
+            module.hf_checkpoint = HFCheckpoint.open(base["hf"])
+            module.hf_checkpoint.check(module.config)
+        elif base is not None:
+            module.base_checkpoint = base["checkpoint"]
+        elif not (common.get("hyper_parameters") or {}).get("lora"):  # saved without adapters: the new base
+            module.base_checkpoint, module.weights_checkpoint = str(checkpoint_path), None
+        return module
+
+    def frozen_base(self) -> dict[str, str] | None:
+        """With LoRA, where the frozen base weights come from (so checkpoints hold only the adapters): the HF
+        directory of :meth:`from_hf`, or the checkpoint :meth:`load_from_checkpoint` took them from."""
+        if self.lora is None:
+            return None
+        if self.hf_checkpoint is not None:
+            return {"hf": str(self.hf_checkpoint.path.resolve())}
+        return None if self.base_checkpoint is None else {"checkpoint": str(Path(self.base_checkpoint).resolve())}
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # On the host, before the batch reaches the accelerator: bad token ids fail here with the field and
         # value named, not as an index error inside an embedding kernel (or silently, on some devices).
@@ -232,42 +273,65 @@ class MegatronLMModule(MegatronLightningModule):
             from lightning_megatron.lora.layers import init_adapters
 
             init_adapters(chunk, self.lora)  # also freezes everything but the adapters
+            if self.hf_adapter is not None:
+                from lightning_megatron.hf.load import load_adapter_chunk
+
+                load_adapter_chunk(chunk, self.hf_adapter, self.config, self.lora, spec.vp_stage)
         return chunk
 
-    def export_hf_weights(self, *, include_tied: bool = True) -> Iterator[tuple[str, Tensor]]:
-        """Yield ``(hf_name, tensor)``: the full HF state dict, one tensor at a time, on every rank.
+    def export_hf_weights(
+        self, *, include_tied: bool = True, bucket_bytes: int | None = None, lora_only: bool = False,
+        merged: bool = True,
+    ) -> Iterator[tuple[str, Tensor]] | Iterator[list[tuple[str, Tensor]]]:  # fmt: skip
+        """Yield the full HF state dict on every rank: ``(hf_name, tensor)`` one at a time, or with
+        ``bucket_bytes`` lists of them of about that many bytes (a bigger tensor alone), for weight sync.
 
         Collective (every rank must exhaust the generator): tensors are gathered over tensor parallelism and
-        broadcast from the pipeline stage that holds them, so peak extra memory is about one (fused) tensor.
-        Names and shapes are those of ``AutoModelForCausalLM``'s ``state_dict()``; with tied embeddings
-        ``include_tied=False`` leaves out ``lm_head.weight`` (as ``save_pretrained`` files do). Call it while the
-        strategy is set up (any hook of ``fit``/``validate``/``predict``).
+        broadcast from the pipeline stage that holds them -- one collective per tensor, or per bucket with
+        ``bucket_bytes``; peak extra memory is about one tensor or bucket. Names and shapes are those of
+        ``AutoModelForCausalLM``'s ``state_dict()``; with tied embeddings ``include_tied=False`` leaves out
+        ``lm_head.weight`` (as ``save_pretrained`` files do). With LoRA, the weights come with the adapters merged
+        in (``W + alpha/r B A``; ``merged=False``: the frozen base alone), or ``lora_only=True`` streams just the
+        adapters in PEFT's names (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``). Call it
+        while the strategy is set up (any hook of ``fit``/``validate``/``predict``).
         """
         from lightning_megatron.hf.export import check_running, export_weights
 
-        self._check_no_lora()
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not bucket_bytes > 0):
+            raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive number of bytes, or None")
+        if lora_only and self.lora is None:
+            raise ValueError("lora_only=True streams LoRA adapters; this module has none (lora=None)")
         check_running(self)  # now, not at the generator's first step
-        return export_weights(list(self.chunks), self.config, include_tied=include_tied)
+        chunks, lora = list(self.chunks), self.lora if lora_only else None
+        buckets = export_weights(
+            chunks, self.config, include_tied=include_tied, merged=merged, lora=lora, bucket_bytes=bucket_bytes
+        )
+        return buckets if bucket_bytes is not None else (pair for bucket in buckets for pair in bucket)
 
-    def save_hf(self, path: str | Path, *, dtype: torch.dtype | None = None, max_shard_size: int = 5 * 2**30) -> None:
+    def save_hf(
+        self, path: str | Path, *, dtype: torch.dtype | None = None, max_shard_size: int = 5 * 2**30,
+        adapter: bool = False,
+    ) -> None:  # fmt: skip
         """Collective: write an HF model directory that ``AutoModelForCausalLM.from_pretrained(path)`` loads.
 
         Rank 0 writes config.json (the one :meth:`from_hf` read, with ``dtype`` updated; else generated: Llama,
         Qwen2 for q/k/v biases, Qwen3 for q/k norms), the safetensors (``max_shard_size`` bytes per file,
         with an index when there are several) and, from an HF source directory, its tokenizer and generation
-        files. ``dtype`` (default: the parameters' dtype) is the dtype of the written tensors.
+        files. ``dtype`` (default: the parameters' dtype) is the dtype of the written tensors. With LoRA the
+        weights are merged (base + adapters); ``adapter=True`` writes the adapters alone as a PEFT adapter
+        directory instead (``adapter_config.json`` + ``adapter_model.safetensors``), which
+        ``peft.PeftModel.from_pretrained(base, path)`` loads.
         """
         from lightning_megatron.hf.export import save_pretrained
 
-        self._check_no_lora()
-        save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
+        if adapter:
+            from lightning_megatron.hf.peft import save_adapter
 
-    def _check_no_lora(self) -> None:
-        if self.lora is not None:  # exporting the base alone would silently drop the trained adapters
-            raise NotImplementedError(
-                "HF export of a LoRA module (merged weights or a PEFT adapter) is not implemented yet; save it with "
-                "ModelCheckpoint / trainer.save_checkpoint (the adapters and the frozen base)"
-            )
+            if self.lora is None:
+                raise ValueError("save_hf(adapter=True) writes LoRA adapters; this module has none (lora=None)")
+            save_adapter(self, path, dtype=dtype)
+            return
+        save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
 
     def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]:
         tokens = self.rank_tokens(batch)

@@ -1,0 +1,151 @@
+"""PEFT adapter directories: ``adapter_config.json`` + ``adapter_model.safetensors``, in PEFT's names.
+
+Our adapters are PEFT's (one per HF projection, :mod:`lightning_megatron.lora.layers`), so a directory written by
+:func:`save_adapter` loads with ``peft.PeftModel.from_pretrained(base, path)``, and one written by PEFT
+(``get_peft_model(...).save_pretrained(path)``) opens with :func:`open_adapter`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lightning_megatron.config import ModelConfig
+from lightning_megatron.hf.load import HFCheckpoint
+from lightning_megatron.hf.mapping import adapter_shapes
+from lightning_megatron.lora.config import HF_BLOCK, TARGETS, LoRAConfig, adapter_parts
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+# PEFT LoraConfig fields whose other values change the adapter's math or scope: only these values are read.
+_PLAIN = {
+    "use_rslora": False, "use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+    "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+    "layer_replication": None, "trainable_token_indices": None, "lora_bias": False, "exclude_modules": None,
+}  # fmt: skip
+
+
+def hf_targets(lora: LoRAConfig, config: ModelConfig) -> list[str]:
+    """PEFT's ``target_modules`` for our adapters: the HF projections of every adapted linear."""
+    return [
+        part for target in HF_BLOCK if target in lora.target_modules for part, _, _ in adapter_parts(target, config)
+    ]
+
+
+def adapter_config_dict(lora: LoRAConfig, config: ModelConfig, base: str | None) -> dict[str, Any]:
+    """The ``adapter_config.json`` of our adapters (PEFT ``LoraConfig`` fields)."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
+        "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": hf_targets(lora, config),
+        "inference_mode": True, "init_lora_weights": True, **_PLAIN,
+    }  # fmt: skip
+
+
+def _targets(peft_targets: Any, config: ModelConfig, path: Path) -> tuple[str, ...]:
+    """Megatron target names of a PEFT ``target_modules`` list; ValueError if they do not cover whole linears."""
+    if not isinstance(peft_targets, list):
+        raise ValueError(
+            f"{path / ADAPTER_CONFIG}: target_modules={peft_targets!r}; only a list of module names is read here "
+            "(e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'])"
+        )
+    leaves = {name.rsplit(".", 1)[-1] for name in peft_targets}
+    targets, covered = [], set()
+    for target in TARGETS:
+        parts = {part for part, _, _ in adapter_parts(target, config)}
+        if parts & leaves and not parts <= leaves:
+            raise ValueError(
+                f"{path / ADAPTER_CONFIG}: target_modules={sorted(leaves)} adapt only {sorted(parts & leaves)} of "
+                f"{sorted(parts)}, which Megatron fuses into {target}; adapters on some of a fused linear's "
+                f"projections are not supported: train with all of {sorted(parts)} or none"
+            )
+        if parts <= leaves:
+            targets.append(target)
+            covered |= parts
+    if unknown := sorted(leaves - covered):
+        raise ValueError(f"{path / ADAPTER_CONFIG}: target_modules {unknown} are not projections of a decoder layer")
+    return tuple(targets)
+
+
+def _tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def open_adapter(
+    path: str | Path, config: ModelConfig, lora: LoRAConfig | None = None
+) -> tuple[HFCheckpoint, LoRAConfig]:
+    """A PEFT LoRA adapter directory for a model of ``config``, checked (settings, names, shapes) before anything
+    is built, and the :class:`~lightning_megatron.LoRAConfig` it implies (``lora``'s dropout and seed kept;
+    its rank, alpha and targets must match the adapter's)."""
+    path = Path(path)
+    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a PEFT adapter directory ({ADAPTER_CONFIG} + {ADAPTER_FILE})")
+    peft_config = json.loads((path / ADAPTER_CONFIG).read_text())
+    if peft_config.get("peft_type") != "LORA":
+        raise ValueError(f"{path / ADAPTER_CONFIG}: peft_type={peft_config.get('peft_type')!r}; only 'LORA' loads")
+    for field, plain in _PLAIN.items():
+        value = peft_config.get(field, plain)
+        if value != plain and not (plain == {} and value is None):
+            raise ValueError(
+                f"{path / ADAPTER_CONFIG}: {field}={peft_config[field]!r} is not supported (only {plain!r})"
+            )
+    found = LoRAConfig(
+        rank=peft_config["r"], alpha=float(peft_config["lora_alpha"]), dropout=float(peft_config["lora_dropout"]),
+        target_modules=_targets(peft_config["target_modules"], config, path),
+        seed=lora.seed if lora is not None else 0,
+    )  # fmt: skip
+    if lora is not None:
+        for field in ("rank", "alpha", "target_modules"):
+            if set(_tuple(getattr(lora, field))) != set(_tuple(getattr(found, field))):
+                raise ValueError(
+                    f"LoRAConfig({field}={getattr(lora, field)!r}) differs from the adapter in {path} "
+                    f"({field}={getattr(found, field)!r}); leave lora= out to take the adapter's settings"
+                )
+        found = dataclasses.replace(found, dropout=lora.dropout)
+    with safe_open(path / ADAPTER_FILE, framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    want = adapter_shapes(config, found)
+    if wrong := [n for n in set(want) | set(shapes) if want.get(n) != shapes.get(n)]:
+        name = sorted(wrong)[0]
+        raise ValueError(
+            f"{path / ADAPTER_FILE} does not fit this base model: {name} is {shapes.get(name, 'missing')} there and "
+            f"{want.get(name, 'not a tensor of the model')} here ({len(wrong)} such tensor(s)); was the adapter "
+            "trained on another base?"
+        )
+    return HFCheckpoint(path=path, config=peft_config, files=dict.fromkeys(shapes, ADAPTER_FILE)), found
+
+
+def with_adapter(
+    adapter: str | Path | None, config: ModelConfig, lora: LoRAConfig | dict[str, Any] | None
+) -> tuple[HFCheckpoint | None, LoRAConfig | dict[str, Any] | None]:
+    """For ``from_hf(..., adapter=, lora=)``: the opened adapter (None without one) and the module's ``lora``."""
+    if adapter is None:
+        return None, lora
+    return open_adapter(adapter, config, LoRAConfig(**lora) if isinstance(lora, dict) else lora)
+
+
+def save_adapter(module: Any, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
+    """Collective: write ``module``'s adapters as a PEFT adapter directory with rank 0."""
+    from lightning_megatron.hf.export import check_running, export_weights
+
+    check_running(module)
+    lora, config = module.lora, module.config
+    tensors = {}
+    is_writer = torch.distributed.get_rank() == 0
+    for bucket in export_weights(list(module.chunks), config, lora=lora):
+        for name, tensor in bucket:
+            if is_writer:
+                tensors[name] = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
+    if is_writer:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, path / ADAPTER_FILE, metadata={"format": "pt"})
+        source = getattr(module, "hf_checkpoint", None)
+        base = str(source.path) if source is not None else None
+        (path / ADAPTER_CONFIG).write_text(json.dumps(adapter_config_dict(lora, config, base), indent=2) + "\n")
+    torch.distributed.barrier()
