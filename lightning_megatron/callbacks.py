@@ -6,7 +6,8 @@ ranks of a model replica see the same samples), needs a ``flops_per_batch`` and 
 This callback logs the same metric names (``train/samples_per_sec``, ``train/items_per_sec`` (tokens),
 ``train/device/items_per_sec``, ``train/device/flops_per_sec``, ``train/device/mfu``, ``train/batches_per_sec``)
 computed from the parallel layout, with model FLOPs per token ``6 N + 6 layers hidden seq`` (N: parameters,
-the attention term counting the causal score and value matmuls in full, as the usual MFU figures do).
+the attention term counting the causal score and value matmuls in full, as the usual MFU figures do); a frozen
+parameter (LoRA's base) counts 4 instead of 6: forward and input gradient, no weight gradient.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class MegatronThroughput(L.Callback):
         self._ends: deque[float] = deque(maxlen=window)
         self._tokens: deque[int] = deque(maxlen=window)
         self._samples: deque[int] = deque(maxlen=window)
-        self._params = 0
+        self._params = (0, 0)  # trainable, frozen
         self._shape = (0, 0)  # layers, hidden
         self.last: dict[str, float] = {}
         """The metrics logged last."""
@@ -89,7 +90,8 @@ class MegatronThroughput(L.Callback):
         tokens = sum(list(self._tokens)[1:])  # the steps that ended inside the window
         samples = sum(list(self._samples)[1:])
         layers, hidden = self._shape
-        flops_per_token = 6 * self._params + 6 * layers * hidden * seq_length
+        trainable, frozen = self._params
+        flops_per_token = 6 * trainable + 4 * frozen + 6 * layers * hidden * seq_length
         device_flops = tokens * flops_per_token / elapsed / gpus
         metrics = {
             "train/batches_per_sec": steps / elapsed,
@@ -128,21 +130,21 @@ def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
     return _PEAK_FLOPS[chip][key]
 
 
-def model_parameters(module: Any) -> int:
-    """Parameters of the whole model: this rank's chunks, tensor-parallel shards summed once, replicated
-    parameters (norms) counted once, pipeline stages summed. Collective over the model-parallel group."""
+def model_parameters(module: Any) -> tuple[int, int]:
+    """Trainable and frozen parameters of the whole model: this rank's chunks, tensor-parallel shards summed once,
+    replicated parameters (norms) counted once, pipeline stages summed. Collective over the model-parallel group."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    local = 0.0
+    local = [0.0, 0.0]
     for chunk in module.chunks:
         for param in chunk.parameters():
             sharded = getattr(param, "tensor_model_parallel", False)
-            local += param.numel() if sharded else param.numel() / tp
-    total = torch.tensor([local], dtype=torch.float64, device=module.trainer.strategy.root_device)
+            local[0 if param.requires_grad else 1] += param.numel() if sharded else param.numel() / tp
+    total = torch.tensor(local, dtype=torch.float64, device=module.trainer.strategy.root_device)
     if parallel_state.get_model_parallel_group().size() > 1:
         torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    return round(total.item())
+    return round(total[0].item()), round(total[1].item())
 
 
 class SaveHF(L.Callback):
