@@ -83,14 +83,24 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
 
         return output, loss_fn
 
-    from benchmarks.throughput import SyncCounter
+    from benchmarks.throughput import SyncCounter, timeline_path, total_steps
+
+    timeline = None
+    if args.host_timeline:
+        from benchmarks import host_timeline
+
+        host_timeline.annotate_megatron()
+        host_timeline.annotate_optimizer(optimizer)
+        host_timeline.annotate_chunks(chunks)
+        forward_backward = _ranged(forward_backward, "raw.forward_backward")
 
     if args.pin_memory:
         data = data.pin_memory()  # as DataLoader(pin_memory=True) in variants a and c: slices stay pinned
     syncs = SyncCounter(args.sync_debug)
     stamps: list[float] = []  # wall clock at the end of the warm-up and of the last step, the GPU drained
     total = args.warmup + args.steps
-    for step in range(total):
+    summary = None
+    for step in range(total_steps(args)):
         start = (step * parallel_state.get_data_parallel_world_size() + dp_rank) * batch
         micro = list(data[start : start + batch].split(args.micro_batch_size))
         for chunk in chunks:
@@ -108,6 +118,10 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
         if step in (args.warmup - 1, total - 1):
             torch.cuda.synchronize()
             stamps.append(time.perf_counter())
+        if timeline is not None and step == total + args.timeline_steps - 1:
+            summary = host_timeline.stop(timeline, timeline_path(args), args.timeline_steps)
+        if args.host_timeline and step == total - 1:
+            timeline = host_timeline.start()
         if step == args.warmup - 1:
             syncs.start()
             torch.cuda.reset_peak_memory_stats()
@@ -120,4 +134,17 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
 
         write_profile(profiler, f"{args.profile}.b")
     params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-    return {"elapsed": stamps[1] - stamps[0], "steps": args.steps, "params": params, "syncs": syncs.counts}
+    return {
+        "elapsed": stamps[1] - stamps[0], "steps": args.steps, "params": params, "syncs": syncs.counts,
+        "timeline": summary,
+    }  # fmt: skip
+
+
+def _ranged(fn: Any, label: str) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not torch.autograd.profiler._is_profiler_enabled:
+            return fn(*args, **kwargs)
+        with torch.autograd.profiler.record_function(label):
+            return fn(*args, **kwargs)
+
+    return wrapped

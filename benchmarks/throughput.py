@@ -13,7 +13,10 @@ pick without us: ``transformers`` Llama with FSDP2 ``fully_shard`` per block (fp
 fp32 gradient reduction), ``torch.compile`` per block, fused AdamW, the same micro-batches (benchmarks/hf_fsdp2.py).
 All use bf16 compute with fp32 master weights, Adam, grad clipping 1.0, the same synthetic tokens, pinned host
 batches unless ``--no-pin-memory``. ``--sync-debug`` counts each variant's host-GPU synchronisations per step by
-call site (``torch.cuda.set_sync_debug_mode``) instead of measuring speed.
+call site (``torch.cuda.set_sync_debug_mode``) instead of measuring speed. ``--host-timeline PREFIX`` profiles
+``--timeline-steps`` more steps after the timed ones (benchmarks/host_timeline.py) and prints, per variant, the GPU's
+idle time per step and what the host ran meanwhile (named ranges around Lightning's hooks, the adapter, Megatron's
+schedule and optimizer), a short form of it last.
 MFU = tokens/s x (6 N + 6 layers hidden seq) / (989e12 x GPUs): N all parameters, 989 TFLOP/s the dense bf16
 peak of an H100/H200. Timing: wall clock over ``--steps`` steps after ``--warmup`` steps, the GPU drained at
 both ends only.
@@ -75,6 +78,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", help="write each variant's torch.profiler kernel table to PROFILE.<variant>")
     p.add_argument(
+        "--host-timeline", metavar="PREFIX",
+        help="after the timed steps, profile --timeline-steps more with host ranges (benchmarks/host_timeline.py): "
+        "print the GPU's idle time per step and what the host ran meanwhile; trace in PREFIX.<variant>.<run>.json.gz",
+    )  # fmt: skip
+    p.add_argument("--timeline-steps", type=int, default=3)
+    p.add_argument("--run-index", type=int, default=0, help=argparse.SUPPRESS)  # set for the per-variant child job
+    p.add_argument(
         "--no-pin-memory", dest="pin_memory", action="store_false",
         help="pageable batches (default: pinned, so that the host-to-device copy does not wait for the GPU)",
     )  # fmt: skip
@@ -102,7 +112,18 @@ def dataset(args: argparse.Namespace, dp: int) -> torch.Tensor:
     from lightning_megatron.data.corpus import synthetic_tokens
 
     batch = args.micro_batch_size * args.micro_batches
-    return synthetic_tokens(batch * dp * (args.warmup + args.steps), args.seq_length, VOCAB)
+    return synthetic_tokens(batch * dp * total_steps(args), args.seq_length, VOCAB)
+
+
+def total_steps(args: argparse.Namespace) -> int:
+    """Warm-up, timed steps, and the host timeline's profiled steps after them."""
+    return args.warmup + args.steps + (args.timeline_steps if args.host_timeline else 0)
+
+
+def timeline_path(args: argparse.Namespace) -> str:
+    """Where this rank writes its host-timeline trace (each rank its own file; rank 0's summary is printed)."""
+    rank = int(os.environ.get("RANK", 0))
+    return f"{args.host_timeline}.{args.variant}.{args.run_index}{f'.rank{rank}' if rank else ''}.json.gz"
 
 
 def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: torch.Tensor, dp: int) -> dict:
@@ -117,8 +138,22 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
             self.stamps: list[float] = []
             self.profiler: Any = None
             self.syncs = SyncCounter(args.sync_debug)
+            self.timeline: Any = None
+            self.timeline_summary: dict | None = None
+
+        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            if args.host_timeline and hasattr(trainer.strategy, "megatron_optimizer"):
+                from benchmarks import host_timeline
+
+                strategy = trainer.strategy
+                host_timeline.annotate_optimizer(strategy.megatron_optimizer, strategy._scheduler)
+                host_timeline.annotate_chunks(strategy._ddp_chunks)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if args.host_timeline and trainer.global_step == args.warmup + args.steps + args.timeline_steps:
+                from benchmarks import host_timeline
+
+                self.timeline_summary = host_timeline.stop(self.timeline, timeline_path(args), args.timeline_steps)
             if trainer.global_step == args.warmup + args.steps:
                 self.syncs.stop()
             if trainer.global_step in (args.warmup, args.warmup + args.steps):
@@ -129,20 +164,35 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
                 if args.profile:
                     self.profiler = start_profiler()
                 self.syncs.start()
+            if args.host_timeline and trainer.global_step == args.warmup + args.steps:
+                from benchmarks import host_timeline
+
+                self.timeline = host_timeline.start()
 
         def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
             if self.profiler is not None:
                 write_profile(self.profiler, f"{args.profile}.{args.variant}")
 
     clock = Clock()
+    profiler = None
+    if args.host_timeline:
+        from benchmarks import host_timeline
+
+        host_timeline.annotate_megatron()
+        host_timeline.annotate_strategy()
+        host_timeline.annotate_lightning_loop()
+        profiler = host_timeline.lightning_profiler()
     trainer = L.Trainer(
         accelerator="gpu", devices=args.devices, precision="bf16-mixed", strategy=strategy, logger=False,
-        max_steps=args.warmup + args.steps, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[clock],
+        max_steps=total_steps(args), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[clock], profiler=profiler,
     )  # fmt: skip
     batch = args.micro_batch_size * args.micro_batches
     trainer.fit(module, DataLoader(data, batch_size=batch, pin_memory=args.pin_memory))
-    return {"elapsed": clock.stamps[1] - clock.stamps[0], "steps": args.steps, "syncs": clock.syncs.counts}
+    return {
+        "elapsed": clock.stamps[1] - clock.stamps[0], "steps": args.steps, "syncs": clock.syncs.counts,
+        "timeline": clock.timeline_summary,
+    }  # fmt: skip
 
 
 def variant_a(args: argparse.Namespace) -> dict:
@@ -302,6 +352,8 @@ def child(args: argparse.Namespace) -> None:
         }),
         flush=True,
     )  # fmt: skip
+    if result.get("timeline"):
+        print("TIMELINE " + json.dumps({"variant": VARIANTS[args.variant], **result["timeline"]}), flush=True)
 
 
 def sync_report(counts: dict[str, int], steps: int) -> dict[str, Any]:
@@ -311,14 +363,17 @@ def sync_report(counts: dict[str, int], steps: int) -> dict[str, Any]:
 
 def main() -> None:
     args = parse()
+    if args.profile and args.host_timeline:
+        raise SystemExit("--profile and --host-timeline each run torch.profiler: use one of them per run")
     if args.variant:
         child(args)
         return
-    for variant in args.variants.split(","):
+    timelines = []
+    for index, variant in enumerate(args.variants.split(",")):
         if variant in ("c", "d") and args.tp * args.pp > 1:
             continue  # the HF model runs data-parallel only (DDP / FSDP2)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.devices}"]
-        cmd += [__file__, *sys.argv[1:], "--variant", variant]
+        cmd += [__file__, *sys.argv[1:], "--variant", variant, "--run-index", str(index)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -326,6 +381,15 @@ def main() -> None:
             print(json.dumps({"variant": variant, "error": (proc.stdout + proc.stderr)[-3000:]}), flush=True)
         else:
             print(lines[-1], flush=True)
+        for line in proc.stdout.splitlines():
+            if line.startswith("TIMELINE "):
+                print(line, flush=True)
+                timelines.append(json.loads(line[len("TIMELINE ") :]))
+    if timelines:  # the short form last, where a truncated log still shows it
+        from benchmarks.host_timeline import brief
+
+        for summary in timelines:
+            print(brief(summary), flush=True)
 
 
 if __name__ == "__main__":
