@@ -60,13 +60,14 @@ def make_hf_model(arch: str, path: Path) -> Path:
     return path
 
 
-def make_peft_adapter(base: Path, path: Path) -> Path:
-    """An adapter made by ``peft`` on every projection, with B away from its zero init (so it changes logits)."""
+def make_peft_adapter(base: Path, path: Path, targets: tuple[str, ...] | None = None) -> Path:
+    """An adapter made by ``peft`` (default: on every projection), with B away from its zero init (so it changes
+    logits)."""
     import peft
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    targets = targets or ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, param in model.named_parameters():

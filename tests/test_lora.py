@@ -18,8 +18,12 @@ from lightning_megatron.lora.config import is_adapter_param
 def test_lora_config_errors() -> None:
     with pytest.raises(ValueError, match=r"rank=0 must be a positive integer"):
         LoRAConfig(rank=0)
-    with pytest.raises(ValueError, match=r"unknown \['q_proj'\]; pick from \['linear_qkv', 'linear_fc1'"):
-        LoRAConfig(target_modules=("q_proj",))
+    with pytest.raises(ValueError, match=r"unknown \['qkv'\]; pick from \['linear_qkv', 'linear_fc1'.*\['q_proj'"):
+        LoRAConfig(target_modules=("qkv",))
+    with pytest.raises(ValueError, match=r"names \['gate_proj'\], which this model does not have"):
+        MegatronLMModule(tiny_gpt(gated_linear_unit=False), lora=LoRAConfig(target_modules=("gate_proj",)))
+    with pytest.raises(ValueError, match=r"targets \['down_proj'\] of an MoE model"):
+        MegatronLMModule(tiny_gpt(num_moe_experts=4), lora=LoRAConfig(target_modules=("q_proj", "down_proj")))
     with pytest.raises(ValueError, match=r"alpha=0"):
         LoRAConfig(alpha=0)
     with pytest.raises(ValueError, match=r"adapters on experts are not supported"):
@@ -255,3 +259,42 @@ def test_value_module_with_lora_trains_the_adapters_and_its_head() -> None:
     assert {n for n in trainable if not is_adapter_param(n)} == head  # and the adapters (A, B per projection)
     assert len(trainable) == 2 * 7 * 4 + 2
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.gpu
+def test_lora_on_gpu_trains_and_exports_merged_weights() -> None:
+    """bf16-mixed on one GPU (torch-native kernels, the fused LM head frozen): the loss falls, only the adapters
+    move, and the merged export is the base plus each projection's alpha/r B A."""
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    batch = synthetic_tokens(8, 32, 256, seed=4)
+    batch[:, 16:] = batch[:, :16]
+    torch.manual_seed(0)
+    module = MegatronLMModule(tiny_gpt(kernels="torch"), lr=1e-2, decay_steps=12, lora=lora)
+    losses: list[float] = []
+    exported: dict[str, dict] = {}
+
+    class Record(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            exported["before"] = dict(pl_module.export_hf_weights(merged=False))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            losses.append(float(outputs["loss"]))
+
+        def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+            exported["merged"] = dict(pl_module.export_hf_weights())
+            exported["base"] = dict(pl_module.export_hf_weights(merged=False))
+            qkv = pl_module.chunks[0].decoder.layers[0].self_attention.linear_qkv
+            exported["q_delta"] = {"q": (qkv.lora_B["q_proj"].float() @ qkv.lora_A["q_proj"].float()) * 2.0}
+
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, precision="bf16-mixed", strategy=MegatronStrategy(micro_batch_size=4),
+        max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Record()],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(batch.repeat(12, 1), batch_size=8))
+    assert losses[-1] < losses[0] - 0.2, losses
+    assert all(torch.equal(t, exported["before"][n]) for n, t in exported["base"].items())  # the base is frozen
+    name = "model.layers.0.self_attn.q_proj.weight"
+    delta = exported["merged"][name].float() - exported["base"][name].float()
+    assert delta.abs().max() > 0
+    torch.testing.assert_close(delta, exported["q_delta"]["q"], rtol=2e-2, atol=2e-2)  # bf16 rounding of W + d

@@ -49,6 +49,12 @@ def peft_adapter(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_peft_adapter(base, tmp_path_factory.mktemp("peft") / "adapter")
 
 
+@pytest.fixture(scope="module")
+def qv_adapter(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PEFT's Llama default: q_proj and v_proj only (k, fused with them in linear_qkv, gets no adapter)."""
+    return make_peft_adapter(base, tmp_path_factory.mktemp("peft") / "qv", targets=("q_proj", "v_proj"))
+
+
 def _peft_logits(base: Path, adapter: Path, tokens: torch.Tensor) -> torch.Tensor:
     model = peft.PeftModel.from_pretrained(_hf(base), adapter).eval()
     with torch.no_grad():
@@ -64,7 +70,18 @@ def test_a_peft_adapter_loads_with_peft_logits(base: Path, peft_adapter: Path, t
     torch.testing.assert_close(torch.cat(_trainer().predict(from_yaml, DataLoader(tokens, batch_size=4))), logits)
 
 
-def test_lora_trains_step_for_step_like_peft_and_adamw(base: Path, peft_adapter: Path) -> None:
+def test_an_adapter_on_some_projections_of_a_fused_linear(base: Path, qv_adapter: Path, tmp_path: Path) -> None:
+    tokens = torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    module = MegatronLMModule.from_hf(base, seq_length=SEQ, adapter=qv_adapter)
+    assert module.lora.target_modules == ("q_proj", "v_proj")
+    logits = torch.cat(_trainer().predict(module, DataLoader(tokens, batch_size=4)))
+    assert sorted({n.split(".")[-1] for n, _ in module.named_parameters() if ".lora_" in n}) == ["q_proj", "v_proj"]
+    torch.testing.assert_close(logits, _peft_logits(base, qv_adapter, tokens), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["all", "qv"])
+def test_lora_trains_step_for_step_like_peft_and_adamw(which: str, base: Path, request: pytest.FixtureRequest) -> None:
+    peft_adapter = request.getfixturevalue("peft_adapter" if which == "all" else "qv_adapter")
     samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(3))
     settings = {"lr": 2e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     model = peft.PeftModel.from_pretrained(_hf(base), peft_adapter, is_trainable=True)
@@ -152,9 +169,8 @@ def _adapter_with(src: Path, dst: Path, **changes: object) -> Path:
 
 
 def test_adapter_errors(base: Path, peft_adapter: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"adapt only \['q_proj', 'v_proj'\] of \['k_proj', 'q_proj', 'v_proj'\]"):
-        MegatronLMModule.from_hf(base, adapter=_adapter_with(peft_adapter, tmp_path / "a", target_modules=["q_proj",
-                                 "v_proj"]))  # fmt: skip
+    with pytest.raises(ValueError, match=r"target_modules \['lm_head'\] are not projections of a decoder layer"):
+        MegatronLMModule.from_hf(base, adapter=_adapter_with(peft_adapter, tmp_path / "a", target_modules=["lm_head"]))
     with pytest.raises(ValueError, match=r"use_dora=True is not supported"):
         MegatronLMModule.from_hf(base, adapter=_adapter_with(peft_adapter, tmp_path / "b", use_dora=True))
     with pytest.raises(ValueError, match=r"LoRAConfig\(rank=8\) differs from the adapter .* \(rank=4\)"):

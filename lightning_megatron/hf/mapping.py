@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from lightning_megatron.lora.config import COLUMN_TARGETS, HF_BLOCK, adapter_parts
+from lightning_megatron.lora.config import COLUMN_TARGETS, HF_BLOCK
 
 if TYPE_CHECKING:
     from lightning_megatron.config import ModelConfig
@@ -80,11 +80,11 @@ def adapter_params(c: ModelConfig, lora: LoRAConfig, *, offset: int, num_layers:
     replicated; a row-parallel base's A is split like its columns and B replicated (lightning_megatron.lora)."""
     params = []
     for i in range(num_layers):
-        for target in (t for t in HF_BLOCK if t in lora.target_modules):  # HF order: q, k, v, o, gate, up, down
+        for target in HF_BLOCK:  # HF order: q, k, v, o, gate, up, down
             block = HF_BLOCK[target]
             column = target in COLUMN_TARGETS
             m = f"decoder.layers.{i}.{'self_attention' if block == 'self_attn' else 'mlp'}.{target}."
-            for part, n_in, n_out in adapter_parts(target, c):
+            for part, n_in, n_out in lora.adapted_parts(target, c):
                 h = f"{PEFT_PREFIX}model.layers.{offset + i}.{block}.{part}."
                 a_kind: Kind = "copy" if column else "cols"
                 b_kind: Kind = "rows" if column else "copy"

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from lightning_megatron.config import ModelConfig
 from lightning_megatron.hf.load import HFCheckpoint
 from lightning_megatron.hf.mapping import adapter_shapes
-from lightning_megatron.lora.config import HF_BLOCK, TARGETS, LoRAConfig, adapter_parts
+from lightning_megatron.lora.config import HF_BLOCK, PROJECTIONS, TARGETS, LoRAConfig, adapter_parts
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -33,9 +33,7 @@ _PLAIN = {
 
 def hf_targets(lora: LoRAConfig, config: ModelConfig) -> list[str]:
     """PEFT's ``target_modules`` for our adapters: the HF projections of every adapted linear."""
-    return [
-        part for target in HF_BLOCK if target in lora.target_modules for part, _, _ in adapter_parts(target, config)
-    ]
+    return [part for target in HF_BLOCK for part, _, _ in lora.adapted_parts(target, config)]
 
 
 def adapter_config_dict(lora: LoRAConfig, config: ModelConfig, base: str | None) -> dict[str, Any]:
@@ -48,32 +46,26 @@ def adapter_config_dict(lora: LoRAConfig, config: ModelConfig, base: str | None)
 
 
 def _targets(peft_targets: Any, config: ModelConfig, path: Path) -> tuple[str, ...]:
-    """Megatron target names of a PEFT ``target_modules`` list; ValueError if they do not cover whole linears."""
+    """``LoRAConfig.target_modules`` for a PEFT ``target_modules`` list: Megatron's name for a linear whose every
+    projection is adapted, the HF names of the others'."""
     if not isinstance(peft_targets, list):
         raise ValueError(
             f"{path / ADAPTER_CONFIG}: target_modules={peft_targets!r}; only a list of module names is read here "
             "(e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'])"
         )
     leaves = {name.rsplit(".", 1)[-1] for name in peft_targets}
-    targets, covered = [], set()
-    for target in TARGETS:
-        parts = {part for part, _, _ in adapter_parts(target, config)}
-        if parts & leaves and not parts <= leaves:
-            raise ValueError(
-                f"{path / ADAPTER_CONFIG}: target_modules={sorted(leaves)} adapt only {sorted(parts & leaves)} of "
-                f"{sorted(parts)}, which Megatron fuses into {target}; adapters on some of a fused linear's "
-                f"projections are not supported: train with all of {sorted(parts)} or none"
-            )
-        if parts <= leaves:
-            targets.append(target)
-            covered |= parts
-    if unknown := sorted(leaves - covered):
+    if unknown := sorted(leaves - set(PROJECTIONS)):
         raise ValueError(f"{path / ADAPTER_CONFIG}: target_modules {unknown} are not projections of a decoder layer")
+    targets: list[str] = []
+    for target in TARGETS:
+        parts = [part for part, _, _ in adapter_parts(target, config)]
+        targets += [target] if set(parts) <= leaves else [part for part in parts if part in leaves]
     return tuple(targets)
 
 
-def _tuple(value: Any) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
+def _compared(field: str, lora: LoRAConfig, config: ModelConfig) -> Any:
+    # Targets as the projections they adapt: ("linear_qkv",) is ("q_proj", "k_proj", "v_proj").
+    return set(hf_targets(lora, config)) if field == "target_modules" else getattr(lora, field)
 
 
 def open_adapter(
@@ -101,7 +93,7 @@ def open_adapter(
     )  # fmt: skip
     if lora is not None:
         for field in ("rank", "alpha", "target_modules"):
-            if set(_tuple(getattr(lora, field))) != set(_tuple(getattr(found, field))):
+            if _compared(field, lora, config) != _compared(field, found, config):
                 raise ValueError(
                     f"LoRAConfig({field}={getattr(lora, field)!r}) differs from the adapter in {path} "
                     f"({field}={getattr(found, field)!r}); leave lora= out to take the adapter's settings"

@@ -135,13 +135,16 @@ def with_adapters(spec: Any, lora: LoRAConfig, config: ModelConfig) -> Any:
 
     def swap(value: Any, name: str) -> Any:
         adapted_already = value in (LoRAColumnParallelLinear, LoRARowParallelLinear)  # the new spec's own module
-        if name not in lora.target_modules or not isinstance(value, type) or adapted_already:
+        if not lora.adapts(name) or not isinstance(value, type) or adapted_already:
             return value
         parts = adapter_parts(name, config)
         if name not in COLUMN_TARGETS:
             return ModuleSpec(module=LoRARowParallelLinear, params={"lora": lora, "part": parts[0][0]})
-        groups = config.effective_num_query_groups if name == "linear_qkv" else None
-        params = {"lora": lora, "parts": tuple((part, out) for part, _, out in parts), "query_groups": groups}
+        params = {
+            "lora": lora, "parts": tuple((part, out) for part, _, out in parts),
+            "query_groups": config.effective_num_query_groups if name == "linear_qkv" else None,
+            "adapted": tuple(part for part, _, _ in lora.adapted_parts(name, config)),
+        }  # fmt: skip
         return ModuleSpec(module=LoRAColumnParallelLinear, params=params)
 
     return _map_spec(spec, swap)

@@ -17,6 +17,11 @@ ROW_TARGETS = ("linear_proj", "linear_fc2")
 TARGETS = COLUMN_TARGETS + ROW_TARGETS
 # Where each target's HF projections sit in an HF decoder layer (PEFT's module names are these).
 HF_BLOCK = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
+# The HF projections, each with the Megatron linear that holds it: targets for a part of a fused linear.
+PROJECTIONS = {
+    "q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",
+}  # fmt: skip
 
 
 def is_adapter_param(name: str) -> bool:
@@ -50,7 +55,9 @@ class LoRAConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input (the base path sees the input unchanged)."""
     target_modules: tuple[str, ...] = TARGETS
-    """Megatron names of the linears that get adapters: any of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    """What gets adapters: Megatron's linears (linear_qkv, linear_proj, linear_fc1, linear_fc2: every HF projection
+    each fuses) and/or single HF projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; e.g.
+    PEFT's Llama default q_proj + v_proj, where k gets none)."""
     seed: int = 0
     """Seed of A's Kaiming-uniform initialisation (B starts at zero), drawn per layer and linear from the full
     unsharded shape, so every parallel layout builds the same adapters."""
@@ -62,14 +69,26 @@ class LoRAConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         targets = tuple(self.target_modules)
-        unknown = sorted(set(targets) - set(TARGETS))
+        unknown = sorted(set(targets) - set(TARGETS) - set(PROJECTIONS))
         if unknown or not targets:
-            raise ValueError(f"target_modules={list(targets)}: unknown {unknown or 'empty'}; pick from {list(TARGETS)}")
+            raise ValueError(
+                f"target_modules={list(targets)}: unknown {unknown or 'empty'}; pick from {list(TARGETS)} (whole "
+                f"linears) or {list(PROJECTIONS)} (HF projections)"
+            )
         object.__setattr__(self, "target_modules", targets)  # lists from YAML become tuples
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    def adapts(self, target: str) -> bool:
+        """Whether Megatron's ``target`` linear gets adapters (on all its projections or some)."""
+        return target in self.target_modules or any(PROJECTIONS.get(t) == target for t in self.target_modules)
+
+    def adapted_parts(self, target: str, model: ModelConfig) -> tuple[tuple[str, int, int], ...]:
+        """The projections of ``target`` (see :func:`adapter_parts`) that get an adapter."""
+        parts = adapter_parts(target, model)
+        return parts if target in self.target_modules else tuple(p for p in parts if p[0] in self.target_modules)
 
 
 def check_lora(lora: LoRAConfig, model: ModelConfig) -> None:
@@ -79,9 +98,19 @@ def check_lora(lora: LoRAConfig, model: ModelConfig) -> None:
             f"LoRAConfig with ModelConfig(fp8={model.fp8!r}): the adapted linears run in bf16, not fp8; use fp8=None "
             "with LoRA"
         )
-    mlp = sorted(set(lora.target_modules) & {"linear_fc1", "linear_fc2"})
+    missing = [t for t in lora.target_modules if t in PROJECTIONS and t not in _names(PROJECTIONS[t], model)]
+    if missing:
+        raise ValueError(
+            f"LoRAConfig(target_modules=...) names {missing}, which this model does not have (gated_linear_unit="
+            f"{model.gated_linear_unit}: linear_fc1 holds {list(_names('linear_fc1', model))})"
+        )
+    mlp = sorted(t for t in lora.target_modules if HF_BLOCK[PROJECTIONS.get(t, t)] == "mlp")
     if model.num_moe_experts is not None and mlp:
         raise ValueError(
             f"LoRAConfig(target_modules=...) targets {mlp} of an MoE model (num_moe_experts={model.num_moe_experts}):"
             " adapters on experts are not supported; use target_modules=('linear_qkv', 'linear_proj')"
         )
+
+
+def _names(target: str, model: ModelConfig) -> tuple[str, ...]:
+    return tuple(name for name, _, _ in adapter_parts(target, model))

@@ -60,15 +60,19 @@ class _Adapter(nn.Module):
     lora: LoRAConfig
     lora_A: nn.ParameterDict
     lora_B: nn.ParameterDict
+    rows: dict[str, int]
+    """Every part's local output rows, in Megatron's order within a group (ParameterDict sorts its names)."""
     parts: tuple[str, ...]
-    """The parts' names in Megatron's order within a group (ParameterDict sorts the names it is given)."""
+    """The parts with an adapter, in that order (the others add nothing)."""
     groups: int
 
-    def _add_adapter(self, lora: LoRAConfig, shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]]) -> None:
-        """``shapes``: per part (HF projection name), the local shapes of its A and B."""
+    def _add_adapter(
+        self, lora: LoRAConfig, rows: dict[str, int], shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]]
+    ) -> None:
+        """``rows``: every part's local output rows; ``shapes``: per adapted part, the local shapes of A and B."""
         for param in self.parameters(recurse=False):
             param.requires_grad_(False)
-        self.lora, self.parts = lora, tuple(shapes)
+        self.lora, self.rows, self.parts = lora, rows, tuple(name for name in rows if name in shapes)
         dtype, device = self.weight.dtype, self.weight.device
         zeros = {n: (torch.zeros(a, dtype=dtype, device=device), torch.zeros(b, dtype=dtype, device=device))
                  for n, (a, b) in shapes.items()}  # fmt: skip
@@ -98,7 +102,9 @@ class _Adapter(nn.Module):
         """Every A drawn from ``seed`` and its part at the full [r, in] shape, cut to this rank's shard; B zeros."""
         full_in = self.input_size
         with torch.no_grad():
-            for i, name in enumerate(self.parts):
+            for i, name in enumerate(self.rows):  # the part's place among all: the same draw for any subset
+                if name not in self.lora_A:
+                    continue
                 generator = torch.Generator().manual_seed(seed * 10 + i)
                 self.lora_A[name].copy_(_kaiming_uniform(self.lora.rank, full_in, generator)[:, self.adapter_shard()])
                 self.lora_B[name].zero_()
@@ -111,13 +117,21 @@ class _Adapter(nn.Module):
 
     def _delta(self, hidden: Tensor) -> Tensor:
         """[..., parts * r] -> the adapters' output in the base's local output layout, scaled."""
-        parts = hidden.split(self.lora.rank, dim=-1)  # per part [..., r]
-        outs = [nn.functional.linear(h, self.lora_B[name]) for h, name in zip(parts, self.parts, strict=True)]
+        parts = dict(zip(self.parts, hidden.split(self.lora.rank, dim=-1), strict=True))  # per part [..., r]
+        lead = hidden.shape[:-1]
+        outs = [
+            nn.functional.linear(parts[name], self.lora_B[name]) if name in parts else hidden.new_zeros(*lead, rows)
+            for name, rows in self.rows.items()
+        ]  # [..., rows of each part]
         return interleave(outs, self.groups, dim=-1) * self.lora.scaling
 
     def delta_weight(self) -> Tensor:
         """``scaling * B A`` of every part, laid out like this rank's base weight shard (for merged export)."""
-        parts = [self.lora_B[name] @ self.lora_A[name] for name in self.parts]
+        cols = self.weight.shape[1]
+        parts = [
+            self.lora_B[name] @ self.lora_A[name] if name in self.lora_A else self.weight.new_zeros(rows, cols)
+            for name, rows in self.rows.items()
+        ]  # fmt: skip
         return interleave(parts, self.groups, dim=0) * self.lora.scaling
 
 
@@ -128,19 +142,21 @@ class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
         parts: the HF projections fused in this linear and their full output sizes, in the order Megatron lays
             them out within a group: ``(("q_proj", q), ("k_proj", kv), ("v_proj", kv))`` for linear_qkv,
             ``(("gate_proj", ffn), ("up_proj", ffn))`` for a gated linear_fc1.
+        adapted: the parts that get an adapter (default: all).
         query_groups: linear_qkv's query groups, which interleave q, k and v (split over TP ranks); for gate/up,
             ``None``: every rank's rows are [its gate rows; its up rows].
     """
 
     def __init__(
         self, *args: Any, lora: LoRAConfig, parts: tuple[tuple[str, int], ...], query_groups: int | None = None,
-        **kwargs: Any,
+        adapted: tuple[str, ...] | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         tp = self.tp_group.size()
         self.groups = 1 if query_groups is None else query_groups // tp  # a rank holds whole query groups
-        shapes = {name: ((lora.rank, self.input_size), (size // tp, lora.rank)) for name, size in parts}
-        self._add_adapter(lora, shapes)
+        rows = {name: size // tp for name, size in parts}
+        chosen = rows if adapted is None else adapted
+        self._add_adapter(lora, rows, {n: ((lora.rank, self.input_size), (rows[n], lora.rank)) for n in chosen})
         for b in self.lora_B.values():
             set_tensor_model_parallel_attributes(b, is_parallel=True, dim=0, stride=1)
         if self.sequence_parallel:
@@ -175,7 +191,8 @@ class LoRARowParallelLinear(_Adapter, RowParallelLinear):
     def __init__(self, *args: Any, lora: LoRAConfig, part: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.groups = 1
-        self._add_adapter(lora, {part: ((lora.rank, self.input_size_per_partition), (self.output_size, lora.rank))})
+        shape = ((lora.rank, self.input_size_per_partition), (self.output_size, lora.rank))
+        self._add_adapter(lora, {part: self.output_size}, {part: shape})
         for a in self.lora_A.values():
             set_tensor_model_parallel_attributes(a, is_parallel=True, dim=1, stride=1)
 
