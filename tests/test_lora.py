@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -151,8 +152,7 @@ def test_lora_checkpoint_reshards_to_tp2(sp: bool, lora_one_process: dict, tmp_p
 
 
 # ------------------------------------------------------------------------ adapter-only checkpoints (HF base)
-@pytest.fixture(scope="module")
-def hf_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _small_llama(path: Path, seed: int) -> Path:
     """A small Llama whose weights, not the checkpoint format's per-tensor overhead, make a checkpoint's size."""
     import transformers
 
@@ -160,10 +160,14 @@ def hf_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
         vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("base") / "llama"
+    torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _small_llama(tmp_path_factory.mktemp("base") / "llama", seed=0)
 
 
 def _hf_fit(module: MegatronLMModule, steps: int, root: Path, ckpt_path: str | None = None) -> dict[int, float]:
@@ -210,11 +214,23 @@ def test_adapter_checkpoints_are_small_resume_exactly_and_load(hf_base: Path, tm
                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     want = torch.cat(trainer.predict(module, DataLoader(tokens, batch_size=4)))
     loaded = MegatronLMModule.load_from_checkpoint(tmp_path / "again" / "epoch=0-step=4.ckpt")
-    assert loaded.frozen_base() == {"hf": str(hf_base.resolve())}
+    assert loaded.frozen_base() == {"hf": str(hf_base.resolve()), "fingerprint": module.frozen_base()["fingerprint"]}
     got = torch.cat(trainer.predict(loaded, DataLoader(tokens, batch_size=4)))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"holds only the trainable weights \(LoRA adapters\) and their optimizer"):
         _hf_fit(MegatronLMModule(loaded.config, lr=5e-2, lora=lora), 4, tmp_path / "x", ckpt_path=str(adapters))
+    other = _small_llama(tmp_path / "other", seed=1)  # same shapes, other weights
+    with pytest.raises(ValueError, match=r"this module's base .* holds other weights"):
+        _hf_fit(MegatronLMModule.from_hf(other, seq_length=16, lr=5e-2, lora=lora), 4, tmp_path / "y", str(adapters))
+    moved = tmp_path / "moved"  # a copy of the base elsewhere is the same base
+    shutil.copytree(hf_base, moved)
+    again = _hf_fit(
+        MegatronLMModule.from_hf(moved, seq_length=16, lr=5e-2, lora=lora), 4, tmp_path / "z", str(adapters)
+    )
+    assert again == resumed
+    fewer = MegatronLMModule.load_from_checkpoint(adapters, lora={**lora, "target_modules": ["q_proj", "v_proj"]})
+    with pytest.raises(ValueError, match=r"holds \d+ trained tensor\(s\) this module has no place for"):
+        trainer.predict(fewer, DataLoader(tokens, batch_size=4))
 
 
 def test_lora_on_a_checkpoint_without_adapters(hf_base: Path, tmp_path: Path) -> None:

@@ -171,6 +171,12 @@ def _adapter_with(src: Path, dst: Path, **changes: object) -> Path:
 def test_adapter_errors(base: Path, peft_adapter: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"target_modules \['lm_head'\] are not projections of a decoder layer"):
         MegatronLMModule.from_hf(base, adapter=_adapter_with(peft_adapter, tmp_path / "a", target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match=r"target_modules \['model.layers.0.self_attn.q_proj'\] name modules by"):
+        MegatronLMModule.from_hf(base, adapter=_adapter_with(
+            peft_adapter, tmp_path / "c", target_modules=["model.layers.0.self_attn.q_proj"]))  # fmt: skip
+    with pytest.raises(ValueError, match=r"alora_invocation_tokens=\[1, 2\] is not supported: plain LoRA"):
+        MegatronLMModule.from_hf(base, adapter=_adapter_with(peft_adapter, tmp_path / "d", alora_invocation_tokens=[1,
+                                 2]))  # fmt: skip
     with pytest.raises(ValueError, match=r"use_dora=True is not supported"):
         MegatronLMModule.from_hf(base, adapter=_adapter_with(peft_adapter, tmp_path / "b", use_dora=True))
     with pytest.raises(ValueError, match=r"LoRAConfig\(rank=8\) differs from the adapter .* \(rank=4\)"):
@@ -189,3 +195,7 @@ def test_adapter_errors(base: Path, peft_adapter: Path, tmp_path: Path) -> None:
         module.export_hf_weights(lora_only=True)
     with pytest.raises(ValueError, match=r"bucket_bytes=0 must be a positive number of bytes"):
         module.export_hf_weights(bucket_bytes=0)
+    tuned = MegatronLMModule.from_hf(base, adapter=peft_adapter, lora={"dropout": 0.1, "seed": 3})  # these only
+    assert (tuned.lora.rank, tuned.lora.alpha, tuned.lora.dropout, tuned.lora.seed) == (4, 8.0, 0.1, 3)
+    with pytest.raises(ValueError, match=r"merged=False with lora_only=True"):
+        tuned.export_hf_weights(lora_only=True, merged=False)

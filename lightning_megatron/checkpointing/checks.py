@@ -156,6 +156,20 @@ def check_shapes(path: Path, metadata: Any, state: Mapping[str, Any], config_dif
     )
 
 
+def check_nothing_left_out(path: Path, metadata: Any, state: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` if the checkpoint holds model tensors that ``state`` does not ask for."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    asked = {item.key for item in nested_values(dict(state)) if isinstance(item, ShardedBase)}
+    saved = (k for k in metadata.state_dict_metadata if not k.startswith(("optimizer.", "common_state")))
+    if extra := sorted(k for k in saved if k not in asked):
+        raise ValueError(
+            f"checkpoint {path} holds {len(extra)} trained tensor(s) this module has no place for, e.g. "
+            f"{', '.join(extra[:3])}; build it with the LoRAConfig it was saved with (load_from_checkpoint reads it)"
+        )
+
+
 @contextlib.contextmanager
 def weights_only() -> Iterator[None]:
     """Force ``torch.load(weights_only=True)`` for the duration (torch reads this variable on every call)."""

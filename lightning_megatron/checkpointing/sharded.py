@@ -50,12 +50,12 @@ def sharded_state_dict(
     chunks: Sequence[nn.Module], optimizer: Any | None = None, *, is_loading: bool = False, weights: Weights = "all"
 ) -> dict[str, Any]:
     """Model chunks' (and optionally the Megatron optimizer's) sharded state dict: all weights, the trainable
-    parameters only, or all but those (``weights``)."""
+    parameters only (LoRA adapters count as trainable even if frozen for a while), or all but those (``weights``)."""
     state: dict[str, Any] = {}
     for i, chunk in enumerate(chunks):
         chunk_state = chunk.sharded_state_dict(metadata=_METADATA)  # type: ignore[operator]
         if weights != "all":
-            trainable = {name for name, param in chunk.named_parameters() if param.requires_grad}
+            trainable = {n for n, p in chunk.named_parameters() if p.requires_grad or getattr(p, "is_adapter", False)}
             chunk_state = {k: v for k, v in chunk_state.items() if (k in trainable) == (weights == "trainable")}
         state[chunk_key(i)] = chunk_state
     if optimizer is not None:
@@ -235,7 +235,13 @@ def _weights(
             f"base weights come from {base}: build the module on that base (from_hf(dir, lora=...) for an HF "
             f"directory), or with YourModule.load_from_checkpoint({str(path)!r}), which does it"
         )
-    if frozen_base != base:
+    ours, theirs = frozen_base.get("fingerprint"), (base or {}).get("fingerprint")
+    if ours and theirs and ours != theirs:
+        raise ValueError(
+            f"checkpoint {path} holds LoRA adapters trained on the frozen base {base}, and this module's base "
+            f"{frozen_base} holds other weights (config.json or the weight files differ); build it on that base"
+        )
+    if not (ours and theirs) and frozen_base != base:  # no fingerprints to compare (a checkpoint base): the paths
         from lightning.pytorch.utilities import rank_zero_warn
 
         rank_zero_warn(f"checkpoint {path} was trained on the frozen base {base}; this module's base is {frozen_base}")
@@ -270,6 +276,8 @@ def _plan(
     diff = checks.config_mismatch(common.get(MODEL_CONFIG_KEY), model_config)
     model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
     checks.check_shapes(path, metadata, model_state, diff)  # a model of another shape first: the clearer error
+    if selected == "trainable":  # adapters this module has no place for would be dropped silently
+        checks.check_nothing_left_out(path, metadata, model_state)
     if optimizer is not None:
         checks.check_optimizer_split(path, metadata, state[_OPTIMIZER_KEY])
     return {"state": state, "weights": selected}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,20 +85,32 @@ def _owners(chunks: Sequence[nn.Module], config: ModelConfig, lora: LoRAConfig |
     return owners
 
 
+def _group[T](
+    items: list[T], nbytes: Callable[[T], int], max_bytes: int | None, key: Callable[[T], Any] = lambda _: None
+) -> list[list[T]]:
+    """Consecutive items in groups of at most ``max_bytes`` (a bigger item alone; each item alone without
+    ``max_bytes``), a new group wherever ``key`` changes."""
+    groups: list[list[T]] = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        full = max_bytes is None or (groups and size + n > max_bytes)
+        if not groups or full or key(groups[-1][0]) != key(item):
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+    return groups
+
+
 def _buckets(owners: list[Owner], itemsize: int, bucket_bytes: int | None) -> list[list[Owner]]:
     """Consecutive params of one pipeline rank, about ``bucket_bytes`` of HF tensors each (a bigger param alone);
     one param per bucket without ``bucket_bytes``."""
-    buckets: list[list[Owner]] = []
-    size = 0
-    for owner in owners:
-        nbytes = itemsize * sum(int(torch.Size(shape).numel()) for _, shape in owner[2].hf)
-        full = bucket_bytes is None or (buckets and size + nbytes > bucket_bytes)
-        if not buckets or full or buckets[-1][0][0] != owner[0]:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(owner)
-        size += nbytes
-    return buckets
+
+    def nbytes(owner: Owner) -> int:
+        return itemsize * sum(int(torch.Size(shape).numel()) for _, shape in owner[2].hf)
+
+    return _group(owners, nbytes, bucket_bytes, key=lambda owner: owner[0])
 
 
 def export_weights(
@@ -130,7 +142,9 @@ def export_weights(
 
 
 def _flat(tensors: list[Tensor]) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])  # mixed dtypes promote exactly; _unflat casts back
+    # (Mixed dtypes promote exactly and _unflat casts back; the chunks' parameters share one dtype, which the
+    # ranks receiving a pipeline broadcast allocate.)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _unflat(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
@@ -215,16 +229,7 @@ def save_pretrained(
 
 def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, max_bytes: int) -> list[list[str]]:
     """Consecutive names grouped into files of at most ``max_bytes`` (a bigger single tensor gets its own)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, shape in shapes.items():
-        nbytes = itemsize * int(torch.Size(shape).numel())
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
+    return _group(list(shapes), lambda name: itemsize * int(torch.Size(shapes[name]).numel()), max_bytes)
 
 
 def _write_metadata(

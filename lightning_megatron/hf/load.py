@@ -9,6 +9,7 @@ rank materialises the full model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -92,6 +93,15 @@ class HFCheckpoint:
                 if (shape := tuple(lazy(name).get_shape())) != expected:
                     where = self.path / self.files[name]
                     raise ValueError(f"{name} in {where} has shape {shape}, but config.json implies {expected}")
+
+    def fingerprint(self) -> str:
+        """A digest of config.json and each weight file's name, size and first MiB (its header and the start of
+        its tensors): the same for a copy of the model anywhere, another for other weights of the same shape."""
+        digest = hashlib.sha256((self.path / "config.json").read_bytes())
+        for file in sorted(set(self.files.values())):
+            with open(self.path / file, "rb") as f:
+                digest.update(f"{file}:{(self.path / file).stat().st_size}:".encode() + f.read(2**20))
+        return digest.hexdigest()[:16]
 
     @contextmanager
     def lazy_tensors(self) -> Iterator[Callable[[str], Any]]:

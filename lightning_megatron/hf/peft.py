@@ -23,16 +23,33 @@ from lightning_megatron.lora.config import HF_BLOCK, PROJECTIONS, TARGETS, LoRAC
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapter_model.safetensors"
-# PEFT LoraConfig fields whose other values change the adapter's math or scope: only these values are read.
+# What we write of PEFT's LoraConfig fields beyond rank, alpha, dropout and targets: plain LoRA.
 _PLAIN = {
     "use_rslora": False, "use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
     "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
     "layer_replication": None, "trainable_token_indices": None, "lora_bias": False, "exclude_modules": None,
 }  # fmt: skip
+# Fields that do not change an adapter's weights or math once trained (bookkeeping, the init it started from).
+_HARMLESS = {
+    "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+    "init_lora_weights", "megatron_core", "qalora_group_size", "ensure_weight_tying", "r", "lora_alpha",
+    "lora_dropout", "target_modules",
+}  # fmt: skip
+
+
+def _check_plain(peft_config: dict[str, Any], path: Path) -> None:
+    """Any other field -- those of a PEFT version to come too -- must be unset (None, False, empty, ``bias='none'``):
+    an allow-list, so that a LoRA variant (DoRA, rsLoRA, LoftQ, aLoRA, ...) is refused, not loaded with wrong math."""
+    for field, value in peft_config.items():
+        if field not in _HARMLESS and value not in (None, False, {}, [], "none"):
+            raise ValueError(
+                f"{path / ADAPTER_CONFIG}: {field}={value!r} is not supported: plain LoRA adapters only (that field "
+                "unset)"
+            )
 
 
 def hf_targets(lora: LoRAConfig, config: ModelConfig) -> list[str]:
-    """PEFT's ``target_modules`` for our adapters: the HF projections of every adapted linear."""
+    """PEFT's ``target_modules`` for our adapters: the HF projections that have one."""
     return [part for target in HF_BLOCK for part, _, _ in lora.adapted_parts(target, config)]
 
 
@@ -53,7 +70,12 @@ def _targets(peft_targets: Any, config: ModelConfig, path: Path) -> tuple[str, .
             f"{path / ADAPTER_CONFIG}: target_modules={peft_targets!r}; only a list of module names is read here "
             "(e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'])"
         )
-    leaves = {name.rsplit(".", 1)[-1] for name in peft_targets}
+    if dotted := [name for name in peft_targets if "." in name]:  # e.g. one layer's q_proj: not every layer's
+        raise ValueError(
+            f"{path / ADAPTER_CONFIG}: target_modules {dotted} name modules by path; only projection names "
+            "(q_proj, ...; adapted in every layer) are read here"
+        )
+    leaves = set(peft_targets)
     if unknown := sorted(leaves - set(PROJECTIONS)):
         raise ValueError(f"{path / ADAPTER_CONFIG}: target_modules {unknown} are not projections of a decoder layer")
     targets: list[str] = []
@@ -69,36 +91,32 @@ def _compared(field: str, lora: LoRAConfig, config: ModelConfig) -> Any:
 
 
 def open_adapter(
-    path: str | Path, config: ModelConfig, lora: LoRAConfig | None = None
+    path: str | Path, config: ModelConfig, lora: LoRAConfig | dict[str, Any] | None = None
 ) -> tuple[HFCheckpoint, LoRAConfig]:
     """A PEFT LoRA adapter directory for a model of ``config``, checked (settings, names, shapes) before anything
-    is built, and the :class:`~lightning_megatron.LoRAConfig` it implies (``lora``'s dropout and seed kept;
-    its rank, alpha and targets must match the adapter's)."""
+    is built, and the :class:`~lightning_megatron.LoRAConfig` it implies. ``lora`` may add the dropout and seed;
+    its rank, alpha and targets must match the adapter's (as a dict: those of them it names)."""
     path = Path(path)
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a PEFT adapter directory ({ADAPTER_CONFIG} + {ADAPTER_FILE})")
     peft_config = json.loads((path / ADAPTER_CONFIG).read_text())
     if peft_config.get("peft_type") != "LORA":
         raise ValueError(f"{path / ADAPTER_CONFIG}: peft_type={peft_config.get('peft_type')!r}; only 'LORA' loads")
-    for field, plain in _PLAIN.items():
-        value = peft_config.get(field, plain)
-        if value != plain and not (plain == {} and value is None):
-            raise ValueError(
-                f"{path / ADAPTER_CONFIG}: {field}={peft_config[field]!r} is not supported (only {plain!r})"
-            )
+    _check_plain(peft_config, path)
+    given = dataclasses.asdict(lora) if isinstance(lora, LoRAConfig) else dict(lora or {})
     found = LoRAConfig(
         rank=peft_config["r"], alpha=float(peft_config["lora_alpha"]), dropout=float(peft_config["lora_dropout"]),
         target_modules=_targets(peft_config["target_modules"], config, path),
-        seed=lora.seed if lora is not None else 0,
     )  # fmt: skip
-    if lora is not None:
-        for field in ("rank", "alpha", "target_modules"):
-            if _compared(field, lora, config) != _compared(field, found, config):
-                raise ValueError(
-                    f"LoRAConfig({field}={getattr(lora, field)!r}) differs from the adapter in {path} "
-                    f"({field}={getattr(found, field)!r}); leave lora= out to take the adapter's settings"
-                )
-        found = dataclasses.replace(found, dropout=lora.dropout)
+    found = dataclasses.replace(found, **{k: v for k, v in given.items() if k in ("dropout", "seed")})
+    for field in (f for f in ("rank", "alpha", "target_modules") if f in given):
+        wanted = dataclasses.replace(found, **{field: given[field]})
+        if _compared(field, wanted, config) != _compared(field, found, config):
+            raise ValueError(
+                f"LoRAConfig({field}={given[field]!r}) differs from the adapter in {path} ({field}="
+                f"{getattr(found, field)!r}); leave lora= out, or pass a dict of dropout/seed only (lora="
+                "{'dropout': 0.05}), to take the adapter's rank, alpha and targets"
+            )
     with safe_open(path / ADAPTER_FILE, framework="pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     want = adapter_shapes(config, found)
@@ -118,7 +136,7 @@ def with_adapter(
     """For ``from_hf(..., adapter=, lora=)``: the opened adapter (None without one) and the module's ``lora``."""
     if adapter is None:
         return None, lora
-    return open_adapter(adapter, config, LoRAConfig(**lora) if isinstance(lora, dict) else lora)
+    return open_adapter(adapter, config, lora)
 
 
 def save_adapter(module: Any, path: str | Path, *, dtype: torch.dtype | None = None) -> None:

@@ -65,7 +65,7 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         check_positive_int("rank", self.rank)
         if not self.alpha > 0:
-            raise ValueError(f"alpha={self.alpha} must be positive (PEFT's default is 2 * rank)")
+            raise ValueError(f"alpha={self.alpha} must be positive (often 2 * rank; PEFT's default is 8)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         targets = tuple(self.target_modules)

@@ -14,8 +14,9 @@ optimizer no state).
 Gradients of the replicated factors: column-parallel A gets its gradient from the rank's B shard only, so without
 sequence parallelism the adapter's hidden gradient is all-reduced over TP before A (Megatron's
 ``copy_to_tensor_model_parallel_region``), making A's gradient and the input gradient whole on every rank; under
-sequence parallelism the input gradient is reduce-scattered like the base's, and A is marked ``sequence_parallel``
-so that Megatron's ``finalize_model_grads`` sums its gradient over TP (as for the norms). Row-parallel B sees the
+sequence parallelism each rank puts its own tokens through A and the r-wide product is all-gathered (no second
+gathered copy of the input is kept), and A is marked ``sequence_parallel`` so that Megatron's
+``finalize_model_grads`` sums its per-rank gradients over TP (as for the norms). Row-parallel B sees the
 same (all-gathered) output gradient on every rank.
 """
 
@@ -78,6 +79,8 @@ class _Adapter(nn.Module):
                  for n, (a, b) in shapes.items()}  # fmt: skip
         self.lora_A = nn.ParameterDict({n: nn.Parameter(a) for n, (a, _) in zeros.items()})
         self.lora_B = nn.ParameterDict({n: nn.Parameter(b) for n, (_, b) in zeros.items()})
+        for param in [*self.lora_A.values(), *self.lora_B.values()]:
+            param.is_adapter = True  # kept in adapter-only checkpoints even if frozen later (staged training)
         # One dropout per part, as PEFT's separate modules: each part sees its own mask.
         self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
 
@@ -168,11 +171,13 @@ class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
 
     def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None) -> Any:
         output, bias = super().forward(input_, weight, runtime_gather_output)
-        x = input_
-        if self.sequence_parallel:  # [S/tp, B, in] -> [S, B, in]; backward reduce-scatters (partial per rank)
-            x = mappings.gather_from_sequence_parallel_region(x, group=self.tp_group)
-        hidden = self._hidden(x)  # [S, B, parts * r]
-        if not self.sequence_parallel:  # backward: the B shards' partial gradients summed over TP
+        hidden = self._hidden(input_)  # [S(/tp), B, parts * r]
+        if self.sequence_parallel:
+            # Each rank's own tokens through A (its dropout mask, from the TP-rank RNG Megatron runs SP layers
+            # under, on its tokens only), then the r-wide result gathered: [S/tp, B, .] -> [S, B, .]; backward
+            # reduce-scatters the B shards' partial gradients back to each rank's tokens.
+            hidden = mappings.gather_from_sequence_parallel_region(hidden, group=self.tp_group)
+        else:  # the same full input on every rank; backward: the B shards' partial gradients summed over TP
             hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
         delta = self._delta(hidden)  # [S, B, out/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output

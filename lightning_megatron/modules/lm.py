@@ -204,7 +204,14 @@ class MegatronLMModule(MegatronLightningModule):
         if base is not None and "hf" in base:
             from lightning_megatron.hf.load import HFCheckpoint
 
-            module.hf_checkpoint = HFCheckpoint.open(base["hf"])
+            try:
+                module.hf_checkpoint = HFCheckpoint.open(base["hf"])
+            except FileNotFoundError as error:
+                raise FileNotFoundError(
+                    f"{checkpoint_path} holds LoRA adapters whose frozen base was {base['hf']}: {error}. With the base "
+                    f"elsewhere, build the module with {cls.__name__}.from_hf(new_path, lora=...) and pass "
+                    "ckpt_path= to trainer.fit / validate / test / predict (the base's files are checked to match)"
+                ) from error
             module.hf_checkpoint.check(module.config)
         elif base is not None:
             module.base_checkpoint = base["checkpoint"]
@@ -214,11 +221,12 @@ class MegatronLMModule(MegatronLightningModule):
 
     def frozen_base(self) -> dict[str, str] | None:
         """With LoRA, where the frozen base weights come from (so checkpoints hold only the adapters): the HF
-        directory of :meth:`from_hf`, or the checkpoint :meth:`load_from_checkpoint` took them from."""
+        directory of :meth:`from_hf` (and a fingerprint of its files, so a moved copy is recognised and other
+        weights at the same path are not), or the checkpoint :meth:`load_from_checkpoint` took them from."""
         if self.lora is None:
             return None
         if self.hf_checkpoint is not None:
-            return {"hf": str(self.hf_checkpoint.path.resolve())}
+            return {"hf": str(self.hf_checkpoint.path.resolve()), "fingerprint": self.hf_checkpoint.fingerprint()}
         return None if self.base_checkpoint is None else {"checkpoint": str(Path(self.base_checkpoint).resolve())}
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -301,6 +309,8 @@ class MegatronLMModule(MegatronLightningModule):
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive number of bytes, or None")
         if lora_only and self.lora is None:
             raise ValueError("lora_only=True streams LoRA adapters; this module has none (lora=None)")
+        if lora_only and not merged:
+            raise ValueError("merged=False with lora_only=True: the adapters alone are never merged; drop merged=")
         check_running(self)  # now, not at the generator's first step
         chunks, lora = list(self.chunks), self.lora if lora_only else None
         buckets = export_weights(
