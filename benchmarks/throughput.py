@@ -69,6 +69,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="variant b: foreach AdamW")
     p.add_argument("--recompute", choices=["selective", "full"], default=None)
     p.add_argument("--fp8", action="store_true", help="variant a: ModelConfig(fp8='hybrid'), fp8 GEMMs without TE")
+    p.add_argument("--lora-rank", type=int, default=0, help="variant a: LoRA of this rank on every linear, alpha 2r")
     p.add_argument(
         "--wgrad-fusion", choices=["auto", "on", "off"], default="auto",
         help="variant a: ModelConfig.gradient_accumulation_fusion (auto: on with the torch kernels on GPU); "
@@ -196,17 +197,19 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
 
 
 def variant_a(args: argparse.Namespace) -> dict:
-    from lightning_megatron import MegatronLMModule, MegatronStrategy
+    from lightning_megatron import LoRAConfig, MegatronLMModule, MegatronStrategy
 
     config = model_config(args)
     dp = args.devices // (args.tp * args.pp)
-    module = MegatronLMModule(config, lr=1e-4, decay_steps=1000)
+    lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
+    module = MegatronLMModule(config, lr=1e-4, decay_steps=1000, lora=lora)
     strategy = MegatronStrategy(
         tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size
     )
     result = run_lightning(args, module, strategy, dataset(args, dp), dp)
     params = sum(p.numel() for c in module.chunks for p in c.parameters())
-    return {**result, "params": params, "fused_wgrad": module.fused_wgrad, "fp8": module.fp8}
+    frozen = sum(p.numel() for c in module.chunks for p in c.parameters() if not p.requires_grad)
+    return {**result, "params": params, "frozen": frozen, "fused_wgrad": module.fused_wgrad, "fp8": module.fp8}
 
 
 def hf_llama_config(args: argparse.Namespace) -> Any:
@@ -319,7 +322,7 @@ def child(args: argparse.Namespace) -> None:
         result = run(args, hf_llama_config(args), dataset(args, args.devices))
     else:
         result = {"a": variant_a, "c": variant_c}[args.variant](args)
-    params = torch.tensor([float(result["params"])], device="cuda")
+    params = torch.tensor([float(result["params"]), float(result.get("frozen", 0))], device="cuda")
     if args.variant in ("a", "b") and args.tp * args.pp > 1:  # each rank holds 1/(tp*pp): sum over the first such group
         ranks = list(range(args.tp * args.pp))  # global ranks 0..tp*pp-1 form one model replica (Megatron order)
         group = torch.distributed.new_group(ranks)
@@ -335,14 +338,18 @@ def child(args: argparse.Namespace) -> None:
     tokens *= args.devices // (args.tp * args.pp)
     tokens_per_s = tokens / result["elapsed"]
     shape = SHAPES[args.shape]
-    flops_per_token = 6 * params.item() + 6 * shape["num_layers"] * shape["hidden_size"] * args.seq_length
+    total, frozen = params.tolist()  # a frozen parameter (LoRA's base) gets no weight-gradient GEMM: 4 FLOPs, not 6
+    flops_per_token = (
+        6 * (total - frozen) + 4 * frozen + 6 * shape["num_layers"] * shape["hidden_size"] * args.seq_length
+    )
     print(
         "RESULT " + json.dumps({
             "variant": VARIANTS[args.variant],
             "shape": args.shape, "devices": args.devices, "tp": args.tp, "pp": args.pp, "vpp": args.vpp,
             "sp": args.sp, "kernels": args.kernels if args.variant in ("a", "b") else "hf_sdpa",
             "micro_batch": f"{args.micro_batch_size}x{args.micro_batches}", "seq": args.seq_length,
-            "recompute": args.recompute, "params": int(params.item()), "tokens_per_s": round(tokens_per_s),
+            "recompute": args.recompute, "params": int(total), "frozen_params": int(frozen),
+            "lora_rank": args.lora_rank if args.variant == "a" else 0, "tokens_per_s": round(tokens_per_s),
             "step_time_s": round(result["elapsed"] / args.steps, 4),
             "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
             "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(),
