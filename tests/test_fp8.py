@@ -43,18 +43,10 @@ def test_quantize_scales_amax_to_the_largest_fp8_value(dtype: torch.dtype) -> No
 
 
 def _pair(kind: str, bias: bool, tokens: int = 16) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from tests.test_fused_wgrad import linear_pair
 
-    config = tiny_gpt().to_transformer_config(params_dtype=torch.float32)
-    base, fp8_cls = {
-        "column": (ColumnParallelLinear, linear.Fp8ColumnParallelLinear),
-        "row": (RowParallelLinear, linear.Fp8RowParallelLinear),
-    }[kind]
-    extra = {"gather_output": False} if kind == "column" else {"input_is_parallel": True}
-    kwargs = dict(config=config, init_method=torch.nn.init.normal_, bias=bias, skip_bias_add=False, **extra)
-    torch.manual_seed(0)
-    reference, layer = base(32, 48, **kwargs), fp8_cls(32, 48, **kwargs)
-    layer.load_state_dict(reference.state_dict())
+    classes = (linear.Fp8ColumnParallelLinear, linear.Fp8RowParallelLinear)
+    reference, layer = linear_pair(kind, bias, classes, (32, 48))
     return reference, layer, torch.randn(tokens // 2, 2, 32)  # [S, B, H]
 
 

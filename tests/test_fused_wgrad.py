@@ -34,20 +34,25 @@ def test_accumulate_wgrad_adds_the_weight_gradient() -> None:
     torch.testing.assert_close(main, g.bfloat16().float().t() @ x.bfloat16().float())
 
 
-def _pair(kind: str, bias: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+def linear_pair(
+    kind: str, bias: bool, classes: tuple[type, type], sizes: tuple[int, int]
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Megatron's column- or row-parallel linear and one of ``classes`` (column, row subclass) of ``sizes`` (in,
+    out), with the same weights."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     config = tiny_gpt().to_transformer_config(params_dtype=torch.float32)
-    base, fused = {
-        "column": (ColumnParallelLinear, linear.FusedWgradColumnParallelLinear),
-        "row": (RowParallelLinear, linear.FusedWgradRowParallelLinear),
-    }[kind]
+    base, subclass = (ColumnParallelLinear, classes[0]) if kind == "column" else (RowParallelLinear, classes[1])
     extra = {"gather_output": False} if kind == "column" else {"input_is_parallel": True}
     kwargs = dict(config=config, init_method=torch.nn.init.normal_, bias=bias, skip_bias_add=False, **extra)
     torch.manual_seed(0)
-    reference, layer = base(8, 12, **kwargs), fused(8, 12, **kwargs)
+    reference, layer = base(*sizes, **kwargs), subclass(*sizes, **kwargs)
     layer.load_state_dict(reference.state_dict())
     return reference, layer
+
+
+def _pair(kind: str, bias: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return linear_pair(kind, bias, (linear.FusedWgradColumnParallelLinear, linear.FusedWgradRowParallelLinear), (8, 12))
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])
