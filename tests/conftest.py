@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -51,6 +52,18 @@ def run_worker(args: dict, tmp_path: Path, timeout: float = 600, torchrun: bool 
             f"worker failed ({proc.returncode}) for {args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return json.loads(out.read_text())
+
+
+def run_workers(runs: list[dict], tmp_path: Path, timeout: float = 600) -> list[dict]:
+    """Several independent ``run_worker`` launches at once; their results in order.
+
+    A launch started by Lightning imports rank 0 first and only then starts (and imports) the other ranks, leaving
+    a core idle for ~10 s; two launches side by side keep both of CI's cores busy. Each launch binds its own free
+    port (Lightning's default when no MASTER_PORT is set, which ``child_env`` ensures).
+    """
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        futures = [pool.submit(run_worker, args, tmp_path, timeout) for args in runs]
+        return [future.result() for future in futures]
 
 
 @contextlib.contextmanager

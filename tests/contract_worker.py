@@ -62,7 +62,8 @@ def main(args: dict) -> None:
     val = DataLoader(synthetic_tokens(8, 32, 256, seed=9), batch_size=4)
     record = Record()
     best = ModelCheckpoint(dirpath=out / "best", monitor="train_loss", every_n_train_steps=1, filename="{step}")
-    every = ModelCheckpoint(dirpath=out / "every", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    # Only the last step's checkpoint is resumed below: saving it alone spares PP=2 saves nobody reads.
+    every = ModelCheckpoint(dirpath=out / "every", every_n_train_steps=steps, save_top_k=-1, filename="{step}")
     trainer = _trainer(out, steps, [LogRank(), record, best, every], CSVLogger(out, name="csv"))
     model = Logged(tiny_gpt(num_layers=2), lr=3e-3, warmup_steps=1, decay_steps=16)
     trainer.fit(model, train)

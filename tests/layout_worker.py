@@ -172,12 +172,19 @@ def main(args: dict) -> None:
 
         class RecordRouting(L.Callback):
             def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+                from megatron.core import parallel_state
+
                 recorded["routing"] = pl_module.record_routing(val[:8])
+                recorded["sizes"] = {  # the layout the routing was recorded at
+                    "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+                    "ep": parallel_state.get_expert_model_parallel_world_size(),
+                }
 
         trainer.callbacks.append(RecordRouting())
         trainer.validate(model, val_loader, ckpt_path=args.get("resume") if mode == "routing" else None)
         out = args["pred_out"] if mode == "routing" else args["routing_out"]
         torch.save(recorded["routing"], f"{out}.rank{trainer.global_rank}.pt")
+        result["routing_sizes"] = recorded["sizes"]
     if mode == "predict":
         _save_predictions(
             trainer.predict(model, val_loader, ckpt_path=args.get("resume")), args["pred_out"], trainer.global_rank

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_worker
+from tests.conftest import run_worker, run_workers
 
 REL = 2e-4
 CKPT_STEP = 2
@@ -50,8 +50,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One process: a run that checkpoints at step 2, and the uninterrupted run to step 4 (with validation)."""
     tmp = tmp_path_factory.mktemp("reference")
     ckpt_dir = tmp / "ckpt"
-    run_worker({"devices": 1, "max_steps": CKPT_STEP, "ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}, tmp)
-    full = run_worker({"devices": 1, "max_steps": MAX_STEPS, **VAL}, tmp)
+    # Two independent runs, launched side by side.
+    saving = {"devices": 1, "max_steps": CKPT_STEP, "ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}
+    _, full = run_workers([saving, {"devices": 1, "max_steps": MAX_STEPS, **VAL}], tmp)
     ckpt = ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt"
     assert (ckpt / "metadata.json").is_file(), sorted(p.name for p in ckpt_dir.iterdir())
     return {"ckpt": str(ckpt), "full": full, "tmp": tmp}
@@ -63,8 +64,12 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
         assert got[step] == pytest.approx(value, rel=REL), f"{what} at step {step}: {got[step]} != {value}"
 
 
+def _resume_args(layout: dict, reference: dict, **extra: object) -> dict:
+    return {**layout, "max_steps": MAX_STEPS, "resume": reference["ckpt"], **VAL, **extra}
+
+
 def _resume(layout: dict, reference: dict, tmp_path: Path, **extra: object) -> dict:
-    return run_worker({**layout, "max_steps": MAX_STEPS, "resume": reference["ckpt"], **VAL, **extra}, tmp_path)
+    return run_worker(_resume_args(layout, reference, **extra), tmp_path)
 
 
 def test_resume_is_exact_at_one_layout(reference: dict, tmp_path: Path) -> None:
@@ -127,8 +132,8 @@ def test_token_budget_at_cp2_pp2_equals_fixed_micro_batches(reference: dict, tmp
     """Samples of 4-32 tokens: micro-batches of at most 70 tokens (each cut to its longest sample rounded up to a
     multiple of 2*cp, shapes sent between the pipeline stages, each CP rank holding its chunks of them) give the
     loss of fixed micro-batches of 2 padded samples at one process."""
-    fixed = _resume({"devices": 1, "varlen": True}, reference, tmp_path)
-    budget = _resume({"devices": 4, "pp": 2, "cp": 2, "varlen": True, "max_tokens": 70}, reference, tmp_path)
+    layouts = [{"devices": 1, "varlen": True}, {"devices": 4, "pp": 2, "cp": 2, "varlen": True, "max_tokens": 70}]
+    fixed, budget = run_workers([_resume_args(layout, reference) for layout in layouts], tmp_path)  # side by side
     _assert_close(budget["train"], fixed["train"], "budgeted train_loss")
     # The budget was applied: micro-batches within 70 tokens, some cut below the fixed ones' 32.
     shapes = budget["shapes"]
@@ -143,10 +148,10 @@ def test_tied_embeddings_across_pipeline_stages(tmp_path: Path) -> None:
     """Tied input/output embeddings live on the first and the last stage at PP=2 and must stay one tensor."""
     tied = {"model": {"share_embeddings_and_output_weights": True}}
     ckpt_dir = tmp_path / "ckpt"
-    run_worker(
-        {**tied, "devices": 1, "max_steps": CKPT_STEP, "ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}, tmp_path
-    )
-    full = run_worker({**tied, "devices": 1, "max_steps": MAX_STEPS}, tmp_path)
+    # One process runs to MAX_STEPS, checkpointing at CKPT_STEP on the way (checkpointing does not change the run:
+    # test_resume_is_exact_at_one_layout).
+    saves = {"ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}
+    full = run_worker({**tied, "devices": 1, "max_steps": MAX_STEPS, **saves}, tmp_path)
     ckpt = str(ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt")
     pp2 = {**LAYOUTS["pp2"], "model": {**LAYOUTS["pp2"]["model"], **tied["model"]}}  # the fused LM head too
     resumed = run_worker({**pp2, "max_steps": MAX_STEPS, "resume": ckpt}, tmp_path)
@@ -170,24 +175,25 @@ def test_sanity_validation_runs_with_pipeline_parallelism(tmp_path: Path) -> Non
     assert 5.0 < result["val"]["-1"] < 6.0  # ~ln(256) for an untrained byte-level model
 
 
-@pytest.fixture(scope="module")
-def evaluated(reference: dict) -> dict:
-    """One process: validation loss and predicted logits from the reference checkpoint."""
-    tmp = reference["tmp"]
-    args = {"mode": "validate+predict", "limit_val_batches": 2, "resume": reference["ckpt"]}
-    one = run_worker({**args, "devices": 1, "pred_out": str(tmp / "one")}, tmp)
-    return {"args": args, "val": one["val"], "logits": torch.load(tmp / "one.rank0.pt")}
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["pp2"])  # TP=2 and CP=2 logits: tests/test_hf.py, against transformers
-def test_validate_and_predict_parity(name: str, evaluated: dict, tmp_path: Path) -> None:
-    many = run_worker({**LAYOUTS[name], **evaluated["args"], "pred_out": str(tmp_path / "many")}, tmp_path)
-    assert many["val"] == pytest.approx(evaluated["val"], rel=REL)
+def test_validate_and_predict_parity(name: str, reference: dict, tmp_path: Path) -> None:
+    # One process and the layout: validation loss and predicted logits from the reference checkpoint (two
+    # independent runs, launched side by side).
+    args = {"mode": "validate+predict", "limit_val_batches": 2, "resume": reference["ckpt"]}
+    one, many = run_workers(
+        [
+            {**args, "devices": 1, "pred_out": str(tmp_path / "one")},
+            {**LAYOUTS[name], **args, "pred_out": str(tmp_path / "many")},
+        ],
+        tmp_path,
+    )
+    one_logits = torch.load(tmp_path / "one.rank0.pt")
+    assert many["val"] == pytest.approx(one["val"], rel=REL)
     for rank in range(LAYOUTS[name]["devices"]):
         logits = torch.load(tmp_path / f"many.rank{rank}.pt")
-        assert logits.shape == evaluated["logits"].shape == (16, 32, 256)  # full vocabulary on every rank
-        torch.testing.assert_close(logits, evaluated["logits"], rtol=1e-4, atol=1e-4)
+        assert logits.shape == one_logits.shape == (16, 32, 256)  # full vocabulary on every rank
+        torch.testing.assert_close(logits, one_logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu(devices=2)

@@ -73,14 +73,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]
     env = child_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     runs = {}
 
-    # One node, 2 processes started by Lightning.
-    _launch([([sys.executable, *_worker({**args, "devices": 2}, tmp / "single")], env)], tmp)
-    runs["single"] = _results(tmp / "single")
-
+    # One node, 2 processes started by Lightning (it picks its own free port).
+    single = [([sys.executable, *_worker({**args, "devices": 2}, tmp / "single")], env)]
     # Lightning's launcher on each "node": Trainer(num_nodes=2, devices=1), node rank and rendezvous from the env.
     port, cmd = _free_port(), _worker({**args, "devices": 1, "num_nodes": 2}, tmp / "lightning")
     node_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    _launch([([sys.executable, *cmd], {**env, **node_env, "NODE_RANK": str(node)}) for node in (0, 1)], tmp)
+    nodes = [([sys.executable, *cmd], {**env, **node_env, "NODE_RANK": str(node)}) for node in (0, 1)]
+    # Both independent jobs at once: the single node's launcher starts its second rank only after the first has
+    # imported everything, which leaves a core idle that the two "nodes" use.
+    _launch(single + nodes, tmp)
+    runs["single"] = _results(tmp / "single")
     runs["lightning"] = _results(tmp / "lightning")
     return runs
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ParallelSizes, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
-from tests.conftest import run_worker
+from tests.conftest import run_worker, run_workers
 
 EXPERTS, TOPK = 4, 2
 
@@ -109,10 +109,14 @@ def test_recorded_routing_is_the_same_with_pipeline_and_expert_parallelism(tmp_p
     args = {**moe, "mode": "routing", "limit_val_batches": 1, "resume": str(ckpt / "epoch=0-step=2.ckpt")}
     one = torch.load(tmp_path / "one.rank0.pt")
     assert one.shape == (8, 4, 32, TOPK)
-    for layout in ({"devices": 2, "pp": 2}, {"devices": 2, "ep": 2}):
-        run_worker({**args, **layout, "pred_out": str(tmp_path / "many")}, tmp_path)
+    # The PP=2 and the EP=2 runs are independent: launched side by side.
+    layouts = {"pp2": {"pp": 2}, "ep2": {"ep": 2}}
+    runs = [{**args, "devices": 2, **layout, "pred_out": str(tmp_path / name)} for name, layout in layouts.items()]
+    results = run_workers(runs, tmp_path)
+    assert [result["routing_sizes"] for result in results] == [{"pp": 2, "ep": 1}, {"pp": 1, "ep": 2}]
+    for name in layouts:
         for rank in range(2):
-            assert torch.equal(torch.load(tmp_path / f"many.rank{rank}.pt"), one), layout
+            assert torch.equal(torch.load(tmp_path / f"{name}.rank{rank}.pt"), one), name
 
 
 def test_routing_replay_on_packed_rows() -> None:
