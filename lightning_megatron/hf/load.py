@@ -9,6 +9,7 @@ rank materialises the full model.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterator
@@ -94,9 +95,11 @@ class HFCheckpoint:
                     where = self.path / self.files[name]
                     raise ValueError(f"{name} in {where} has shape {shape}, but config.json implies {expected}")
 
+    @functools.cached_property
     def fingerprint(self) -> str:
         """A digest of config.json and each weight file's name, size and first MiB (its header and the start of
-        its tensors): the same for a copy of the model anywhere, another for other weights of the same shape."""
+        its tensors): the same for a copy of the model anywhere, another for other weights of the same shape.
+        Read once (every checkpoint save and load of a LoRA module asks for it)."""
         digest = hashlib.sha256((self.path / "config.json").read_bytes())
         for file in sorted(set(self.files.values())):
             with open(self.path / file, "rb") as f:

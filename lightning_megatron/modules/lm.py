@@ -226,7 +226,7 @@ class MegatronLMModule(MegatronLightningModule):
         if self.lora is None:
             return None
         if self.hf_checkpoint is not None:
-            return {"hf": str(self.hf_checkpoint.path.resolve()), "fingerprint": self.hf_checkpoint.fingerprint()}
+            return {"hf": str(self.hf_checkpoint.path.resolve()), "fingerprint": self.hf_checkpoint.fingerprint}
         return None if self.base_checkpoint is None else {"checkpoint": str(Path(self.base_checkpoint).resolve())}
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
