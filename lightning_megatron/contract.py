@@ -84,8 +84,9 @@ class StepStats:
 
     lr: float
     """The learning rate the step used."""
-    grad_norm: float | None
-    """Megatron's global gradient norm (before clipping); ``None`` for a skipped step."""
+    grad_norm: Tensor | float | None
+    """Megatron's global gradient norm (before clipping): a 0-dim device tensor, left where the optimizer computed
+    it (reading it on the host waits for the optimizer step); ``None`` for a skipped step."""
     skipped: bool
     """The weights were left unchanged (non-finite policy ``"skip"``, or an fp16 overflow)."""
 

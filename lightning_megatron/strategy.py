@@ -108,9 +108,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._scheduler: Any | None = None
         self._last_step: StepStats | None = None
         self._offloaded: offload_state.Offloaded | None = None
-        guards.check_policy(nonfinite)
-        self._nonfinite = nonfinite
-        self._skipped_steps = 0
+        self._guard = guards.StepGuard(nonfinite)
         self._writer = CheckpointWriter(async_save)
         self._failed = False
         self._collective_timeout = timeout
@@ -146,7 +144,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because of a non-finite loss/gradient (or a Megatron overflow) by this strategy."""
-        return self._skipped_steps
+        return self._guard.skipped_steps
 
     @property
     def module(self) -> MegatronLightningModule:
@@ -269,18 +267,15 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         )  # fmt: skip
         clip_grads.use_foreach_clip_grads()
         ddp.set_schedule_hooks(self._ddp_chunks, self._megatron_optimizer)
-        should_step = self._should_step if self._nonfinite == "skip" else None
+        should_step = self._should_step if self._guard.policy == "skip" else None
         adapter = LightningOptimizerAdapter(self._megatron_optimizer, self._scheduler, self._record_step, should_step)
         self.optimizers = [adapter]
         self.lr_scheduler_configs = []
 
     def _record_step(self, stats: StepStats) -> None:
         self._last_step = stats
-        self._skipped_steps += int(stats.skipped)
-        if self._nonfinite == "error":
-            # Megatron's own gradient norm (reduced over all ranks, read on the host by its clipping anyway): no
-            # extra synchronisation in the default policy. Raised before any callback could save this step.
-            guards.check_grad_norm(stats.grad_norm, self.module.trainer.global_step)
+        # Under "error", raised at the latest before any callback could save the bad step (guards.StepGuard).
+        self._guard.record(stats, self.module.trainer.global_step)
 
     def _should_step(self, loss: Tensor | None) -> bool:
         # nonfinite="skip": decide before the update, which costs one GPU synchronisation per step.
@@ -298,8 +293,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self.megatron_optimizer.zero_grad()
         with self.module.running_schedule():
             micro_batches = self._batching.split(schedule.as_batch(batch))
-            records = schedule.run(self.module, self._ddp_chunks, micro_batches, forward_only=False)
-        loss = schedule.reduce_step(records, self.root_device, self._log_names)
+            loss = schedule.train(self.module, self._ddp_chunks, micro_batches, self.root_device, self._log_names)
         self._step = schedule.TrainStep(loss, start, schedule.global_batch_size(batch)[1])
         return {"loss": loss.loss, "num_tokens": loss.num_tokens}
 
@@ -411,6 +405,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"MegatronStrategy.save_checkpoint takes no storage_options, got {storage_options!r}")
+        self._guard.check_pending()  # a non-finite step is never saved
         # During a run nothing is needed; after it, what the run kept comes back for the save.
         after_run = self._run_chunks is None and self._retained is not None  # set up from setup to teardown
         with self._retained.restored(self.module.chunks, self._megatron_optimizer) if after_run else nullcontext():
@@ -455,6 +450,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def on_train_end(self) -> None:
+        self._guard.check_pending()
         self.sync_params()  # the final weights, for whatever runs after fit
         self._writer.finalize()
 
@@ -485,6 +481,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def _drop_step_state(self) -> None:
         ddp_chunks, self._ddp_chunks, self._run_chunks = self._ddp_chunks, None, None
         self._last_step, self._step = None, None
+        self._guard.forget()
         if ddp_chunks:
             ddp.clear_hooks(ddp_chunks[0].config)
 

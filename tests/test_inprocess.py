@@ -157,7 +157,7 @@ def test_resumable_loader_after_an_epoch_end_checkpoint() -> None:
 
 
 def test_host_scalar_is_a_snapshot_on_the_host() -> None:
-    from lightning_megatron.schedule import HostScalar
+    from lightning_megatron.training.host import HostScalar
 
     value = torch.tensor(2.5)
     host = HostScalar(value)
@@ -168,7 +168,7 @@ def test_host_scalar_is_a_snapshot_on_the_host() -> None:
 
 @pytest.mark.gpu
 def test_host_scalar_copies_a_cuda_value_without_later_work() -> None:
-    from lightning_megatron.schedule import HostScalar
+    from lightning_megatron.training.host import HostScalar
 
     value = torch.tensor(2.5, device="cuda")
     host = HostScalar(value)

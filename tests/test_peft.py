@@ -79,34 +79,46 @@ def test_an_adapter_on_some_projections_of_a_fused_linear(base: Path, qv_adapter
     torch.testing.assert_close(logits, _peft_logits(base, qv_adapter, tokens), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("which", ["all", "qv"])
-def test_lora_trains_step_for_step_like_peft_and_adamw(which: str, base: Path, request: pytest.FixtureRequest) -> None:
+# "qv" also clips (clip 0.05, below every step's norm): Megatron's clipping, the norm kept on the device, against
+# torch.nn.utils.clip_grad_norm_.
+@pytest.mark.parametrize(("which", "clip"), [("all", 0.0), ("qv", 0.05)])
+def test_lora_trains_step_for_step_like_peft_and_adamw(
+    which: str, clip: float, base: Path, request: pytest.FixtureRequest
+) -> None:
     peft_adapter = request.getfixturevalue("peft_adapter" if which == "all" else "qv_adapter")
     samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(3))
     settings = {"lr": 2e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     model = peft.PeftModel.from_pretrained(_hf(base), peft_adapter, is_trainable=True)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **settings)
-    want = []
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, **settings)
+    want, norms = [], []
     for batch in samples.split(4):
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trained, clip if clip else float("inf"))))
         optimizer.step()
         optimizer.zero_grad()
         want.append(float(loss))
 
     module = MegatronLMModule.from_hf(
-        base, seq_length=SEQ, adapter=peft_adapter, clip_grad=0.0, warmup_steps=0, decay_style="constant", **settings
+        base, seq_length=SEQ, adapter=peft_adapter, clip_grad=clip, warmup_steps=0, decay_style="constant", **settings
     )  # fmt: skip
     got: list[float] = []
+    got_norms: list[float] = []
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             got.append(float(outputs["loss"]))
+            if clip:
+                got_norms.append(float(trainer.callback_metrics["grad_norm"]))
 
     trainer = _trainer(max_steps=3, callbacks=[Record()], use_distributed_sampler=False)  # PEFT's order
     trainer.fit(module, DataLoader(samples, batch_size=4))
     assert len(set(want)) == 3
     assert got == pytest.approx(want, rel=1e-5)
+    if clip:
+        assert min(norms) > clip  # every step clipped
+        assert got_norms == pytest.approx(norms, rel=1e-5)  # Megatron's norm, before clipping
 
 
 class Export(L.Callback):

@@ -210,6 +210,20 @@ def test_nonfinite_error_names_the_step(poison: int, clip_grad: float) -> None:
         _trainer(4).fit(Poisoned({2: poison}, clip_grad=clip_grad), DataLoader(_data(), batch_size=8))
 
 
+def test_nonfinite_error_is_raised_before_the_step_is_saved(tmp_path: Path) -> None:
+    # The norm is read one step late (no GPU synchronisation), but before any checkpoint of the bad step is written.
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = _trainer(4, callbacks=[saver], enable_checkpointing=True)
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient norm \(nan\) at optimizer step 2"):
+        trainer.fit(Poisoned({2: 2}), DataLoader(_data(), batch_size=8))
+    assert _complete(tmp_path) == ["step=1.ckpt", "step=2.ckpt"]
+
+
+def test_nonfinite_error_at_the_last_step_stops_the_fit() -> None:
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient norm \(nan\) at optimizer step 3"):
+        _trainer(4).fit(Poisoned({3: 2}), DataLoader(_data(), batch_size=8))
+
+
 def test_nonfinite_policy_is_checked() -> None:
     with pytest.raises(ValueError, match=r"nonfinite='ignore'.*'error'.*'skip'"):
         MegatronStrategy(nonfinite="ignore")  # type: ignore[arg-type]

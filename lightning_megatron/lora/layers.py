@@ -42,7 +42,9 @@ from lightning_megatron.lora.config import TARGETS, LoRAConfig
 def _kaiming_uniform(rows: int, cols: int, generator: torch.Generator) -> Tensor:
     """PEFT's (and nn.Linear's) init of lora_A: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))."""
     bound = 1.0 / math.sqrt(cols)
-    return torch.empty(rows, cols).uniform_(-bound, bound, generator=generator)
+    # On the generator's device (the host) even inside a `with torch.device("cuda")` block, where chunks are built:
+    # the same numbers on every device and layout.
+    return torch.empty(rows, cols, device=generator.device).uniform_(-bound, bound, generator=generator)
 
 
 def interleave(parts: list[Tensor], groups: int, dim: int) -> Tensor:

@@ -11,8 +11,9 @@ A subclass implements three things:
 * :meth:`MegatronLightningModule.configure_optimizers` -- return an :class:`OptimizerSpec` (Megatron's
   ``OptimizerConfig`` plus the LR schedule).
 
-The strategy owns the step: ``strategy.training_step -> schedule.run -> module.forward_step``. Lightning's
-``training_step``/``validation_step``/``predict_step`` of these modules are therefore never called.
+The strategy owns the step: ``strategy.training_step -> schedule.train -> module.forward_step`` (Megatron's schedule
+in between). Lightning's ``training_step``/``validation_step``/``predict_step`` of these modules are therefore never
+called.
 """
 
 from __future__ import annotations
@@ -194,8 +195,10 @@ class MegatronLightningModule(L.LightningModule):
 
     def log_train_step(self, metrics: Mapping[str, Tensor]) -> None:
         """Log one training step's metrics; called by the strategy right after the optimizer step, before any
-        callback's ``on_train_batch_end``, with host tensors (logging them costs no GPU synchronisation), all
-        identical on every rank but ``tokens_per_s`` (each rank's clock). Override to change what is logged."""
+        callback's ``on_train_batch_end``, all identical on every rank but ``tokens_per_s`` (each rank's clock). They
+        are host tensors (logging them costs no GPU synchronisation) but for ``grad_norm``, a device tensor that
+        Lightning reads only when a logger writes: keep it off the progress bar, where every step would wait for
+        the optimizer. Override to change what is logged."""
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name in _PROGRESS_BAR)
 

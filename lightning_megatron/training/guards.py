@@ -3,9 +3,10 @@
 Batch checks run on the host, in ``on_before_batch_transfer`` (before the batch moves to the accelerator), so they
 add no device synchronisation; tensors that already live on an accelerator are only checked for dtype and shape.
 Non-finite steps: under the default ``nonfinite="error"`` the gradient norm Megatron's optimizer computes anyway is
-checked after the step (no extra synchronisation; the run stops before anything saves that step); ``"skip"`` must
-decide before the update, so it reads the reduced loss and scans the contiguous gradient buffers once, at the cost of
-one GPU synchronisation per step.
+checked without a synchronisation: its host copy is read at the next optimizer step, or before a checkpoint is
+written or the fit ends if that comes first (:class:`StepGuard`); ``"skip"`` must decide before the update, so it
+reads the reduced loss and scans the contiguous gradient buffers once, at the cost of one GPU synchronisation per
+step.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron.contract import IGNORE_INDEX
+from lightning_megatron.contract import IGNORE_INDEX, StepStats
+from lightning_megatron.training.host import HostScalar
 
 NonFinite = Literal["error", "skip"]
 NONFINITE_POLICIES: tuple[str, ...] = ("error", "skip")
@@ -143,6 +145,46 @@ def check_grad_norm(grad_norm: float | None, step: int) -> None:
         "resume from the last checkpoint, or pass MegatronStrategy(nonfinite='skip') to skip such steps (weights "
         "unchanged) and count them in skipped_steps"
     )
+
+
+class StepGuard:
+    """The non-finite policy's bookkeeping after each optimizer step: skipped steps, and under ``"error"`` the
+    gradient-norm check.
+
+    The norm is a device tensor (Megatron's no-synchronisation clipping, :mod:`.clip_grads`). Reading it in its
+    own step would drain the GPU's queue before the next step is queued; its host copy is read instead at the
+    next step's :meth:`record` (long finished by then), or in :meth:`check_pending` before a checkpoint is
+    written and when the fit ends. So a non-finite step still never reaches a checkpoint, but the callbacks of
+    that one step run before the error.
+    """
+
+    def __init__(self, policy: NonFinite) -> None:
+        check_policy(policy)
+        self.policy = policy
+        self.skipped_steps = 0
+        self._pending: tuple[HostScalar, int] | None = None  # (the norm's host copy, its optimizer step)
+
+    def record(self, stats: StepStats, step: int) -> None:
+        """After optimizer step ``step``: count a skipped step; under ``"error"`` check the previous step's norm
+        and queue this one's host copy."""
+        self.skipped_steps += int(stats.skipped)
+        if self.policy != "error":
+            return
+        self.check_pending()
+        if isinstance(stats.grad_norm, Tensor):
+            self._pending = (HostScalar(stats.grad_norm), step)
+        else:
+            check_grad_norm(stats.grad_norm, step)
+
+    def check_pending(self) -> None:
+        """Raise ``FloatingPointError`` if the last recorded step's norm is not finite (waits for its copy only)."""
+        if self._pending is not None:
+            (norm, step), self._pending = self._pending, None
+            check_grad_norm(float(norm.get()), step)
+
+    def forget(self) -> None:
+        """Drop an unchecked norm (the run failed or ended)."""
+        self._pending = None
 
 
 def step_is_finite(loss: Tensor | None, chunks: Sequence[nn.Module], check_grads: bool = True) -> bool:

@@ -55,6 +55,8 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
             self._on_step(StepStats(lr=lr, grad_norm=None, skipped=True))
             return loss
         update_successful, grad_norm, _ = self._optimizer.step()
+        if isinstance(grad_norm, torch.Tensor):  # Megatron's no-sync clipping keeps it on the device, shape [1]
+            grad_norm = grad_norm.detach().reshape(()).float()
         if update_successful:
             self._scheduler.step(increment=1)
         self._on_step(StepStats(lr=lr, grad_norm=grad_norm, skipped=not update_successful))
