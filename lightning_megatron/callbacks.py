@@ -29,8 +29,8 @@ class MegatronThroughput(L.Callback):
     """Log training throughput over a sliding window of steps (rank 0, to every logger).
 
     Args:
-        window: steps the rates are averaged over (timings are host clocks between step ends; Megatron's
-            optimizer step waits for the gradient norm, so the host runs at most one step ahead of the GPUs).
+        window: steps the rates are averaged over (timings are host clocks between step ends; each step's
+            logging waits for its loss, so the host runs at most about one step ahead of the GPUs).
         peak_flops: dense peak FLOP/s of one GPU at the training dtype; default: this module's table for H200,
             H100 and A100 SXM parts (989 TFLOP/s bf16 on an H100/H200), else Lightning's (``get_available_flops``).
             Needed for ``mfu``.

@@ -86,7 +86,8 @@ class StepStats:
     """The learning rate the step used."""
     grad_norm: Tensor | float | None
     """Megatron's global gradient norm (before clipping): a 0-dim device tensor, left where the optimizer computed
-    it (reading it on the host waits for the optimizer step); ``None`` for a skipped step."""
+    it (reading it on the host waits for the optimizer step); a float where Megatron read it itself (MoE runs
+    whose expert and dense gradients reduce over different groups); ``None`` for a skipped step."""
     skipped: bool
     """The weights were left unchanged (non-finite policy ``"skip"``, or an fp16 overflow)."""
 

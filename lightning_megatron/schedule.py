@@ -105,7 +105,10 @@ def train(
             early.append(reduce_step(seen, device, known))
 
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
-    records = run(module, chunks, micro_batches, forward_only=False, on_record=None if pipelined else on_record)
+    # Megatron's hybrid-CP schedule regroups micro-batches per rank: the count would not mark the same point.
+    regrouped = getattr(getattr(chunks[0], "config", None), "hybrid_context_parallel", False)
+    early_ok = not pipelined and not regrouped
+    records = run(module, chunks, micro_batches, forward_only=False, on_record=on_record if early_ok else None)
     return early[0] if early else reduce_step(records, device, known)
 
 

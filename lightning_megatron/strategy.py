@@ -369,7 +369,10 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def sync_params(self) -> None:
         """Finish a parameter all-gather that ``overlap_param_gather`` deferred to the next forward, so the chunks
-        hold the last update (done for checkpoints, HF export and at the end of training; a no-op otherwise)."""
+        hold the last update (done for checkpoints, HF export and at the end of training; a no-op otherwise).
+        Under ``nonfinite="error"``, first raise ``FloatingPointError`` if that update came from a non-finite step
+        (its check is otherwise read at the next step: guards.StepGuard), so nothing saves or exports it."""
+        self._guard.check_pending()
         ddp.sync_params(self._ddp_chunks or [])
 
     # ------------------------------------------------------------------ offload (GPU shared with inference)
@@ -405,7 +408,6 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"MegatronStrategy.save_checkpoint takes no storage_options, got {storage_options!r}")
-        self._guard.check_pending()  # a non-finite step is never saved
         # During a run nothing is needed; after it, what the run kept comes back for the save.
         after_run = self._run_chunks is None and self._retained is not None  # set up from setup to teardown
         with self._retained.restored(self.module.chunks, self._megatron_optimizer) if after_run else nullcontext():
@@ -450,12 +452,12 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def on_train_end(self) -> None:
-        self._guard.check_pending()
         self.sync_params()  # the final weights, for whatever runs after fit
         self._writer.finalize()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._guard.warn_if_failed(exception)  # a non-finite step may be the root cause
         super().on_exception(exception)
         self._failed = True  # peers may be dead: teardown must not wait for them
 

@@ -96,11 +96,18 @@ def test_foreach_clip_grads_match_megatron_local_fallback() -> None:
             assert foreach_clip.use_foreach_clip_grads()
             assert clip_grads.l2_norm_impl is foreach_clip._foreach_l2_norm
             norm, grads = _norm_and_clip(max_norm=1.0)
+            unclipped_norm, unclipped = _norm_and_clip(max_norm=1e6)  # the factor clamps to exactly 1.0
+            clip_grads.clip_grad_by_total_norm_fp32([], 1.0, norm)  # a rank with nothing to clip
         finally:
             foreach_clip.restore_clip_grads()
     assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
+    assert clip_grads.multi_tensor_scale_tensor_impl is None  # Megatron's host-read branch again
+    assert isinstance(norm, torch.Tensor)  # Megatron's no-synchronisation branch: the norm is never read on the host
     assert local_norm > 10  # so that the clip really rescales
-    assert norm == pytest.approx(local_norm, rel=1e-6)
+    assert float(norm) == pytest.approx(local_norm, rel=1e-6)
     for ours, megatron in zip(grads, local_grads, strict=True):
         torch.testing.assert_close(ours, megatron)
+    assert float(unclipped_norm) == pytest.approx(local_norm, rel=1e-6)
+    for ours, raw in zip(unclipped, [p.grad for p in _params_with_grads()], strict=True):
+        assert torch.equal(ours, raw)
     assert sum(g.square().sum() for g in grads).sqrt() == pytest.approx(1.0, rel=1e-5)

@@ -219,9 +219,22 @@ def test_nonfinite_error_is_raised_before_the_step_is_saved(tmp_path: Path) -> N
     assert _complete(tmp_path) == ["step=1.ckpt", "step=2.ckpt"]
 
 
-def test_nonfinite_error_at_the_last_step_stops_the_fit() -> None:
+def test_nonfinite_error_at_the_last_step_stops_the_fit_before_its_export(tmp_path: Path) -> None:
+    # SaveHF's on_train_end runs before the strategy's: the export itself checks the pending norm.
+    from lightning_megatron import SaveHF
+
     with pytest.raises(FloatingPointError, match=r"non-finite gradient norm \(nan\) at optimizer step 3"):
-        _trainer(4).fit(Poisoned({3: 2}), DataLoader(_data(), batch_size=8))
+        _trainer(4, callbacks=[SaveHF(str(tmp_path / "hf"))]).fit(Poisoned({3: 2}), DataLoader(_data(), batch_size=8))
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").glob("*.safetensors"))
+
+
+def test_nonfinite_error_is_not_saved_on_exception_either(tmp_path: Path) -> None:
+    # ModelCheckpoint(save_on_exception=True) saves in on_exception, after the guard's own error: it raises again.
+    saver = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, every_n_train_steps=100, filename="{step}")
+    trainer = _trainer(4, callbacks=[saver], enable_checkpointing=True)
+    with pytest.raises(FloatingPointError, match=r"at optimizer step 1"):
+        trainer.fit(Poisoned({1: 2}), DataLoader(_data(), batch_size=8))
+    assert _complete(tmp_path) == []
 
 
 def test_nonfinite_policy_is_checked() -> None:

@@ -120,24 +120,34 @@ class _Adapter(nn.Module):
             return nn.functional.linear(x, torch.cat([self.lora_A[name] for name in self.parts]))
         return torch.cat([nn.functional.linear(self.lora_dropout(x), self.lora_A[n]) for n in self.parts], dim=-1)
 
+    def _b_matrix(self) -> Tensor:
+        """[local out, parts * r]: each adapted part's ``scaling * B`` at its rows of the base's local layout and at
+        its columns of :meth:`_hidden`, zeros elsewhere. One GEMM with it gives every part's output already in the
+        fused layout: the interleaving and the scaling happen on these small weights, not on the activations.
+        (Measured on an H200, 1B, rank 16: 70,963 tokens/s against 50,211 with per-part GEMMs interleaved
+        afterwards; a ``torch.block_diag`` + row-gather variant of this matrix gave 63,164.)"""
+        rank, width = self.lora.rank, len(self.parts) * self.lora.rank
+        blocks = []
+        for name, rows in self.rows.items():
+            if name in self.lora_B:
+                left = self.parts.index(name) * rank
+                blocks.append(nn.functional.pad(self.lora_B[name], (left, width - left - rank)))  # [rows, width]
+            else:
+                blocks.append(self.lora_B[self.parts[0]].new_zeros(rows, width))
+        return interleave(blocks, self.groups, dim=0) * self.lora.scaling
+
     def _delta(self, hidden: Tensor) -> Tensor:
         """[..., parts * r] -> the adapters' output in the base's local output layout, scaled."""
-        parts = dict(zip(self.parts, hidden.split(self.lora.rank, dim=-1), strict=True))  # per part [..., r]
-        lead = hidden.shape[:-1]
-        outs = [
-            nn.functional.linear(parts[name], self.lora_B[name]) if name in parts else hidden.new_zeros(*lead, rows)
-            for name, rows in self.rows.items()
-        ]  # [..., rows of each part]
-        return interleave(outs, self.groups, dim=-1) * self.lora.scaling
+        return nn.functional.linear(hidden, self._b_matrix())
+
+    def _add_delta(self, output: Tensor, hidden: Tensor) -> Tensor:
+        """``output + _delta(hidden)`` as one GEMM that adds into the base's output (no [..., out] temporaries)."""
+        out2d, hidden2d = output.reshape(-1, output.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
+        return torch.addmm(out2d, hidden2d, self._b_matrix().t()).view(output.shape)  # [S*B, out] -> [S, B, out]
 
     def delta_weight(self) -> Tensor:
         """``scaling * B A`` of every part, laid out like this rank's base weight shard (for merged export)."""
-        cols = self.weight.shape[1]
-        parts = [
-            self.lora_B[name] @ self.lora_A[name] if name in self.lora_A else self.weight.new_zeros(rows, cols)
-            for name, rows in self.rows.items()
-        ]  # fmt: skip
-        return interleave(parts, self.groups, dim=0) * self.lora.scaling
+        return self._b_matrix() @ torch.cat([self.lora_A[name] for name in self.parts])  # [out, parts*r] @ [., in]
 
 
 class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
@@ -181,11 +191,11 @@ class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
             hidden = mappings.gather_from_sequence_parallel_region(hidden, group=self.tp_group)
         else:  # the same full input on every rank; backward: the B shards' partial gradients summed over TP
             hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
-        delta = self._delta(hidden)  # [S, B, out/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
-        if gather:
-            delta = mappings.gather_from_tensor_model_parallel_region(delta, group=self.tp_group)
-        return output + delta, bias
+        if gather:  # the base's output is gathered over TP already: gather ours too
+            delta = mappings.gather_from_tensor_model_parallel_region(self._delta(hidden), group=self.tp_group)
+            return output + delta, bias
+        return self._add_delta(output, hidden), bias  # [S, B, out/tp]
 
 
 class LoRARowParallelLinear(_Adapter, RowParallelLinear):
@@ -217,10 +227,10 @@ class LoRARowParallelLinear(_Adapter, RowParallelLinear):
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else nullcontext():
             hidden = self._hidden(input_)  # partial [S, B, r]
         hidden = mappings.reduce_from_tensor_model_parallel_region(hidden, group=self.tp_group)
-        delta = self._delta(hidden)  # [S, B, out]
         if self.sequence_parallel:  # the base's output is reduce-scattered over the sequence: keep our chunk
-            delta = mappings.scatter_to_sequence_parallel_region(delta, group=self.tp_group)
-        return output + delta, bias
+            delta = mappings.scatter_to_sequence_parallel_region(self._delta(hidden), group=self.tp_group)
+            return output + delta, bias
+        return self._add_delta(output, hidden), bias  # [S, B, out]
 
 
 def is_adapter(module: nn.Module) -> bool:

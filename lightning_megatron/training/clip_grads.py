@@ -64,6 +64,8 @@ def _foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[to
 def _foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
     # amp_C.multi_tensor_scale's contract: dst = src * scale, tensor by tensor.
     src, dst = tensor_lists
+    if not dst:  # a rank without gradients to clip (Megatron filters by .grad); torch's foreach ops refuse []
+        return
     if all(s is d for s, d in zip(src, dst, strict=True)):
         torch._foreach_mul_(dst, scale)
     else:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_megatron.contract import IGNORE_INDEX, StepStats
@@ -140,10 +141,10 @@ def check_grad_norm(grad_norm: float | None, step: int) -> None:
     if grad_norm is None or math.isfinite(grad_norm):
         return
     raise FloatingPointError(
-        f"non-finite gradient norm ({grad_norm}) at optimizer step {step} (trainer.global_step={step}); the run stops "
-        "before any checkpoint of this step is written. Look for bad data or a too high learning rate there and "
-        "resume from the last checkpoint, or pass MegatronStrategy(nonfinite='skip') to skip such steps (weights "
-        "unchanged) and count them in skipped_steps"
+        f"non-finite gradient norm ({grad_norm}) at optimizer step {step} (trainer.global_step {step} during that "
+        "step); the run stops before any checkpoint or export of this step is written. Look for bad data or a too "
+        "high learning rate there and resume from the last checkpoint, or pass MegatronStrategy(nonfinite='skip') "
+        "to skip such steps (weights unchanged) and count them in skipped_steps"
     )
 
 
@@ -163,6 +164,8 @@ class StepGuard:
         self.policy = policy
         self.skipped_steps = 0
         self._pending: tuple[HostScalar, int] | None = None  # (the norm's host copy, its optimizer step)
+        # A non-finite step found: every later check raises again (an on-exception save must not write it either).
+        self._failed: tuple[float, int] | None = None
 
     def record(self, stats: StepStats, step: int) -> None:
         """After optimizer step ``step``: count a skipped step; under ``"error"`` check the previous step's norm
@@ -177,14 +180,29 @@ class StepGuard:
             check_grad_norm(stats.grad_norm, step)
 
     def check_pending(self) -> None:
-        """Raise ``FloatingPointError`` if the last recorded step's norm is not finite (waits for its copy only)."""
+        """Raise ``FloatingPointError`` if the last recorded step's norm is not finite (waits for its copy only),
+        and at every call after that until :meth:`forget`."""
         if self._pending is not None:
             (norm, step), self._pending = self._pending, None
-            check_grad_norm(float(norm.get()), step)
+            value = float(norm.get())
+            if not math.isfinite(value):
+                self._failed = (value, step)
+        if self._failed is not None:
+            check_grad_norm(*self._failed)
+
+    def warn_if_failed(self, exception: BaseException) -> None:
+        """While ``exception`` stops the run: warn if an unchecked norm whose copy has already arrived (nothing
+        waits) is not finite -- e.g. the step after a non-finite one failed first, on its NaN weights."""
+        if self._pending is None or not self._pending[0].ready():
+            return
+        try:
+            self.check_pending()
+        except FloatingPointError as error:
+            rank_zero_warn(f"{error} (found while handling {type(exception).__name__}: {exception})")
 
     def forget(self) -> None:
-        """Drop an unchecked norm (the run failed or ended)."""
-        self._pending = None
+        """Drop an unchecked norm and a found failure (the run failed or ended)."""
+        self._pending = self._failed = None
 
 
 def step_is_finite(loss: Tensor | None, chunks: Sequence[nn.Module], check_grads: bool = True) -> bool:

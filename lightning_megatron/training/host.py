@@ -24,6 +24,10 @@ class HostScalar:
         else:
             self._value = value.detach().to("cpu", copy=True)
 
+    def ready(self) -> bool:
+        """Whether :meth:`get` would return without waiting."""
+        return self._ready is None or self._ready.query()
+
     def get(self) -> Tensor:
         """The value as a CPU tensor (waits for its copy, not for later GPU work)."""
         if self._ready is not None:
