@@ -86,13 +86,13 @@ def train(
 ) -> StepLoss:
     """One training step's forward and backward passes through Megatron's schedule, and its reduced loss.
 
-    Without pipeline parallelism the loss is reduced in the last micro-batch's loss function, before that
-    micro-batch's backward pass: the host copy the step's logging waits for (``StepLoss.header``) is then ready
-    while the GPU still has the backward pass and the optimizer step queued, so the host queues the next step
-    before the GPU runs out of work. (Reduced after the schedule, it made the host wait for the whole backward
-    pass: about 13 ms of a 1B model's 200 ms step idle on an H200.) Every rank issues the reduction at the same
-    point of the same schedule. With pipeline stages the loss exists on the last stage only, and its broadcast to
-    the others must wait for the end of the schedule.
+    Without pipeline parallelism the loss is reduced in the last micro-batch's loss function, before that micro-batch's
+    backward pass: the host copy the step's logging waits for (``StepLoss.header``) is then ready while the GPU
+    still has the backward pass and the optimizer step queued, so the host queues the next step before the GPU runs
+    out of work. (Reduced after the schedule, it made the host wait for the whole backward pass: 1B on an H200, 8.5
+    ms of waiting and 13 ms of GPU idle per 200 ms step; 0.005 ms of waiting after.) Every rank issues the reduction
+    at the same point of the same schedule. With pipeline stages the loss exists on the last stage only, and its
+    broadcast to the others must wait for the end of the schedule.
     """
     from megatron.core import parallel_state
 

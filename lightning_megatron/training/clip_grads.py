@@ -23,11 +23,12 @@ def use_foreach_clip_grads() -> bool:
 
     It also supplies the tensor-scale kernel that only Transformer Engine provides, which switches Megatron to its
     no-synchronisation branch: the total norm stays a device tensor and gradients are multiplied by
-    ``min(1, clip / (norm + 1e-6))`` on the GPU, unconditionally (a multiply by exactly 1.0 when not clipping:
-    the same values). Otherwise Megatron reads the norm on the host in every step, which drains the GPU's queue
-    before the optimizer runs (about 20 ms of a 1B model's 210 ms step idle on an H200 while the host refills
-    it). Process-wide until :func:`restore_clip_grads`; does nothing (returns False) when Transformer Engine's
-    or apex's kernels are in use.
+    ``min(1, clip / (norm + 1e-6))`` on the GPU, unconditionally (a multiply by exactly 1.0 when not clipping: the
+    same values).
+    Otherwise Megatron reads the norm on the host in every step, which drains the GPU's queue before the optimizer
+    runs (host timeline of raw Megatron-Core, 1B on an H200: 32.9 ms of waiting and 21.8 ms of GPU idle per 213 ms
+    step, while the host refills the queue). Process-wide until :func:`restore_clip_grads`; does nothing (returns
+    False) when Transformer Engine's or apex's kernels are in use.
     """
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
