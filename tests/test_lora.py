@@ -134,7 +134,8 @@ def lora_one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     tmp = tmp_path_factory.mktemp("lora")
     one = run_worker({**LORA_RUN, "devices": 1, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}, tmp)
-    return {"train": one["train"], "ckpt": str(tmp / "ckpt" / "epoch=0-step=2.ckpt")}
+    norm = one["callback_metrics"]["grad_norm"]  # Megatron's norm of the adapters' gradients at the last step
+    return {"train": one["train"], "ckpt": str(tmp / "ckpt" / "epoch=0-step=2.ckpt"), "grad_norm": norm}
 
 
 @pytest.mark.multiprocess
@@ -149,6 +150,9 @@ def test_lora_checkpoint_reshards_to_tp2_sp(lora_one_process: dict, tmp_path) ->
     assert sorted(tp2["train"]) == ["3", "4"]
     for step in ("3", "4"):
         assert tp2["train"][step] == pytest.approx(lora_one_process["train"][step], rel=2e-4), step
+    # The gradients themselves: a replicated factor whose per-rank gradient is not summed over TP (column A under
+    # SP) would change the norm far more than the two steps' losses.
+    assert tp2["callback_metrics"]["grad_norm"] == pytest.approx(lora_one_process["grad_norm"], rel=1e-3)
 
 
 # ------------------------------------------------------------------------ adapter-only checkpoints (HF base)
