@@ -126,6 +126,8 @@ class _Adapter(nn.Module):
         fused layout: the interleaving and the scaling happen on these small weights, not on the activations.
         (Measured on an H200, 1B, rank 16: 70,963 tokens/s against 50,211 with per-part GEMMs interleaved
         afterwards; a ``torch.block_diag`` + row-gather variant of this matrix gave 63,164.)"""
+        if len(self.rows) == 1:  # a row-parallel or plain linear: its one B as it is
+            return self.lora_B[self.parts[0]] * self.lora.scaling
         rank, width = self.lora.rank, len(self.parts) * self.lora.rank
         blocks = []
         for name, rows in self.rows.items():

@@ -154,9 +154,10 @@ class StepGuard:
 
     The norm is a device tensor (Megatron's no-synchronisation clipping, :mod:`.clip_grads`). Reading it in its
     own step would drain the GPU's queue before the next step is queued; its host copy is read instead at the
-    next step's :meth:`record` (long finished by then), or in :meth:`check_pending` before a checkpoint is
-    written and when the fit ends. So a non-finite step still never reaches a checkpoint, but the callbacks of
-    that one step run before the error.
+    next step's :meth:`record` (long finished by then), or in :meth:`check_pending` before anything reads the
+    weights (the strategy's ``sync_params``: checkpoints, HF and weight-sync exports, the fit's end). So a
+    non-finite step never reaches a checkpoint or an export, but the callbacks of that one step run before the
+    error.
     """
 
     def __init__(self, policy: NonFinite) -> None:
