@@ -2,11 +2,17 @@
 
     python benchmarks/fp8_quantize_probe.py
 
-For an activation [8192, 2048], an output gradient [8192, 5632] and a weight [5632, 2048], microseconds per call of:
-``kernels.fp8.quantize`` (compiled), the amax two ways, the transposed copy ``_scaled_mm``'s layouts need (fp8 and
-bf16), a Triton cast-transpose kernel writing the fp8 tensor in both layouts at three tile sizes (and whether its
-bits equal ``quantize``'s), and an fp8 against a bf16 GEMM of that size. Prints one JSON line per tensor.
-Results: benchmarks/results/2026-12-02-h200-fp8-cast-transpose-probe.jsonl.
+For bf16 tensors of the 1B shape's sizes at 8192 tokens -- [8192, 2048] (an activation), [8192, 5632] (fc2's input)
+and [5632, 2048] (fc2's weight, transposed) -- microseconds per call of: ``kernels.fp8.quantize`` (compiled, amax
+included), the amax two ways, the transposed copy ``_scaled_mm``'s layouts need (fp8 and bf16), a Triton
+cast-transpose kernel writing the e4m3 tensor in both layouts at three tile sizes, given the scale (amax not
+included), whether its bits (at tile 64) equal ``quantize``'s, and an fp8 against a bf16 GEMM of the same size.
+Everything is e4m3 (gradients are e5m2 in training: not probed). Prints one JSON line per tensor.
+
+Caveats: back-to-back calls timed with CUDA events, so the host's launch cost counts (the Triton launcher and two
+``torch.empty`` per call: the ~26 us floor of the two smaller tensors), and inputs stay in the L2 cache between calls.
+Results: benchmarks/results/2026-12-02-h200-fp8-cast-transpose-probe.jsonl (one H200, torch 2.11; its "probe" key,
+added by hand, records that setup).
 """
 
 from __future__ import annotations
