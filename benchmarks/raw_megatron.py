@@ -26,7 +26,7 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
     from lightning_megatron.kernels.resolve import resolve
     from lightning_megatron.kernels.specs import block_spec
     from lightning_megatron.parallel.sizes import ParallelSizes
-    from lightning_megatron.parallel.state import chunk_stages, initialize, seed
+    from lightning_megatron.parallel.state import chunk_stages, graph_safe_rng, initialize, seed
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
@@ -34,6 +34,8 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
     sizes = ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp)
     initialize(sizes)
     seed(1234)
+    if config.cuda_graphs:
+        graph_safe_rng()  # as MegatronLMModule does: Megatron's graphs need a graph-safe RNG tracker
     kernels = resolve(config.kernels, "cuda")
     p2p = {"batch_p2p_comm": not (args.pp == 2 and args.vpp is not None)}  # see MegatronStrategy
     chunks = []

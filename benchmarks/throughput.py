@@ -75,6 +75,10 @@ def parse() -> argparse.Namespace:
         help="variant a: ModelConfig.gradient_accumulation_fusion (auto: on with the torch kernels on GPU); "
         "variant b stays Megatron's unfused path (no apex)",
     )  # fmt: skip
+    p.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="variants a and b: ModelConfig(cuda_graphs=True), Megatron's per-layer CUDA graphs",
+    )  # fmt: skip
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", help="write each variant's torch.profiler kernel table to PROFILE.<variant>")
@@ -105,7 +109,8 @@ def model_config(args: argparse.Namespace) -> Any:
     fusion = {"auto": None, "on": True, "off": False}[args.wgrad_fusion]
     return ModelConfig(
         **SHAPES[args.shape], vocab_size=VOCAB, seq_length=args.seq_length, kernels=args.kernels,
-        gradient_accumulation_fusion=fusion, fp8="hybrid" if args.fp8 and args.variant == "a" else None, **recompute,
+        gradient_accumulation_fusion=fusion, fp8="hybrid" if args.fp8 and args.variant == "a" else None,
+        cuda_graphs=args.cuda_graphs and args.variant in ("a", "b"), **recompute,
     )  # fmt: skip
 
 
@@ -354,7 +359,7 @@ def child(args: argparse.Namespace) -> None:
             "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
             "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(),
             "pinned_batches": args.pin_memory, "fused_wgrad": result.get("fused_wgrad", False),
-            "fp8": result.get("fp8", False),
+            "fp8": result.get("fp8", False), "cuda_graphs": args.cuda_graphs and args.variant in ("a", "b"),
             **(sync_report(result["syncs"], args.steps) if args.sync_debug else {}),
         }),
         flush=True,

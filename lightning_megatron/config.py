@@ -121,6 +121,13 @@ class ModelConfig:
     Engine (torch._scaled_mm; e4m3 activations and weights, e5m2 output gradients, each tensor scaled by its own
     amax per GEMM). Master weights, optimizer and checkpoints stay those of a bf16 run; the LM head stays bf16.
     Needs a GPU with fp8 tensor cores (Ada/Hopper or later) and kernels 'torch' or 'local'. None: no fp8."""
+    cuda_graphs: bool = False
+    """Capture each transformer layer's forward and backward as CUDA graphs (Megatron-Core's own per-layer graphs,
+    ``TransformerConfig.cuda_graph_impl='local'``) after Megatron's warm-up steps, and replay them: the host
+    launches one graph per layer instead of its hundreds of kernels. For small models whose steps wait on the
+    host (see the README's throughput table). GPU only, dense models only, and every batch must have the shapes
+    the graphs were captured for: rows of exactly ``seq_length`` tokens, no packed ``position_ids``. Same
+    numerics and checkpoints as without."""
     moe_enable_routing_replay: bool = False
     """Let batches carry the expert routing to use (``batch["routing"]``, e.g. recorded at rollout by
     ``MegatronLMModule.record_routing`` or an inference engine) instead of the router's own top-k (MoE only)."""
@@ -140,6 +147,11 @@ class ModelConfig:
             raise ValueError(
                 f"fp8={self.fp8!r} is the torch-native fp8 path; with kernels='te' use Transformer Engine's own fp8 "
                 "(Trainer(precision='transformer-engine')) and leave fp8=None"
+            )
+        if self.cuda_graphs and self.num_moe_experts is not None:
+            raise ValueError(
+                f"cuda_graphs=True with num_moe_experts={self.num_moe_experts}: the routed token counts change the "
+                "experts' shapes every step, which fixed graphs cannot replay; use cuda_graphs=False for MoE models"
             )
         for name in ("norm_epsilon", "init_method_std", "rotary_base", "rope_scaling_factor"):
             if getattr(self, name) <= 0:
@@ -342,6 +354,8 @@ class ModelConfig:
         model.update(kernel_fields(self, kernels, compile_fusions))
         model["layernorm_epsilon"] = self.norm_epsilon
         model["activation_func"] = _ACTIVATIONS[self.activation]
+        if self.cuda_graphs:
+            model["cuda_graph_impl"] = "local"  # Megatron's graphs, built without Transformer Engine
         if self.num_moe_experts is not None:
             # Passed explicitly: Megatron warns when it has to fall back to ffn_hidden_size itself.
             model["moe_ffn_hidden_size"] = self.moe_ffn_hidden_size or self.effective_ffn_hidden_size

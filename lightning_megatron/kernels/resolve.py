@@ -93,6 +93,16 @@ def use_fp8(requested: str | None, kernels: Resolved, device_type: str) -> bool:
     return True
 
 
+def use_cuda_graphs(requested: bool, device_type: str) -> bool:
+    """Whether the transformer layers run as Megatron's CUDA graphs (``ModelConfig.cuda_graphs``) on this device."""
+    if requested and device_type != "cuda":
+        raise ValueError(
+            f"ModelConfig(cuda_graphs=True) captures CUDA graphs, and this run is on {device_type}; "
+            "use cuda_graphs=False there"
+        )
+    return requested
+
+
 _DESCRIPTIONS = {
     "torch": "torch (SDPA attention with RoPE inside, fused vocab-parallel cross entropy)",
     "local": "local (Megatron's reference torch spec: unfused attention; the default on CPU)",

@@ -17,11 +17,12 @@ from lightning_megatron.contract import Batch, ChunkSpec, LossFn, OptimizerSpec
 from lightning_megatron.kernels import specs
 from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.kernels.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-from lightning_megatron.kernels.resolve import Resolved, describe, fuse_wgrad, resolve, use_fp8
+from lightning_megatron.kernels.resolve import Resolved, describe, fuse_wgrad, resolve, use_cuda_graphs, use_fp8
 from lightning_megatron.lora.config import LoRAConfig, check_lora
 from lightning_megatron.modules import routing
 from lightning_megatron.modules.base import MegatronLightningModule
 from lightning_megatron.modules.sequences import RankTokens, document_starts, rank_tokens, without_default_positions
+from lightning_megatron.parallel import state
 from lightning_megatron.training import guards
 
 if TYPE_CHECKING:
@@ -233,7 +234,18 @@ class MegatronLMModule(MegatronLightningModule):
         # On the host, before the batch reaches the accelerator: bad token ids fail here with the field and
         # value named, not as an index error inside an embedding kernel (or silently, on some devices).
         guards.check_token_batch(batch, self.config.vocab_size, self.config.seq_length)
-        return without_default_positions(batch)
+        batch = without_default_positions(batch)
+        if self.config.cuda_graphs:
+            guards.check_graphable_batch(batch, self.config.seq_length)
+        return batch
+
+    def teardown(self, stage: str) -> None:
+        if self.config.cuda_graphs and torch.cuda.is_available():
+            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+            # Megatron keeps the captured graphs process-wide: a later run (another module, or this one at other
+            # shapes) records its own, and validate/test after fit run eagerly.
+            delete_cuda_graphs()
 
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
         from megatron.core.models.gpt import GPTModel
@@ -255,6 +267,8 @@ class MegatronLMModule(MegatronLightningModule):
             self.kernels = "torch"  # 'auto' with LoRA (see LoRAConfig)
         self.fused_wgrad = fuse_wgrad(self.config.gradient_accumulation_fusion, self.kernels, spec.device_type)
         self.fp8 = use_fp8(self.config.fp8, self.kernels, spec.device_type)
+        if use_cuda_graphs(self.config.cuda_graphs, spec.device_type):
+            state.graph_safe_rng()  # before the layers are built: Megatron checks the tracker there
         config = self.config.to_transformer_config(
             kernels=self.kernels, compile_fusions=spec.device_type == "cuda", **spec.parallel
         )

@@ -73,6 +73,30 @@ def seed(base: int) -> dict[str, Any]:
     return saved
 
 
+def graph_safe_rng() -> None:
+    """Swap Megatron's model-parallel RNG tracker for its CUDA-graph-safe kind, keeping every state it holds.
+
+    Megatron's per-layer CUDA graphs (``ModelConfig.cuda_graphs``) refuse a tracker that stores generator states as
+    byte tensors; the graph-safe tracker keeps generators, which a graph can register. Seeded the same way, both
+    draw the same numbers (a later run in this process reseeds the graph-safe one). Idempotent; CUDA only.
+    """
+    from megatron.core.tensor_parallel import random
+
+    tracker = random.get_cuda_rng_tracker()
+    if getattr(tracker, "use_cudagraphable_rng", False):
+        return
+    states, seeds = tracker.get_states(), set(tracker.seeds_)
+    random.initialize_rng_tracker(use_cudagraphable_rng=True, force_reset=True)
+    safe = random.get_cuda_rng_tracker()
+    generators = {}
+    for name, state in states.items():
+        generator = torch.cuda.default_generators[torch.cuda.current_device()].clone_state()
+        generator.set_state(state)
+        generators[name] = generator
+    safe.set_states(generators)
+    safe.seeds_ = seeds
+
+
 def restore_rng(saved: dict[str, Any] | None) -> None:
     """Put back the global RNG states :func:`seed` returned (nothing for ``None``)."""
     if saved is None:

@@ -59,6 +59,23 @@ def check_token_batch(batch: Any, vocab_size: int, seq_length: int) -> None:
         check_positions(batch["position_ids"])
 
 
+def check_graphable_batch(batch: Any, seq_length: int) -> None:
+    """Raise ``ValueError`` for a batch that CUDA graphs captured at ``seq_length`` cannot replay
+    (``ModelConfig.cuda_graphs``): shorter rows, or packed rows (their document layout changes per batch)."""
+    ids = batch["input_ids"] if isinstance(batch, Mapping) else batch
+    if isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[1] != seq_length:
+        raise ValueError(
+            f"input_ids has sequences of length {ids.shape[1]}, and ModelConfig(cuda_graphs=True) replays graphs "
+            f"captured for rows of seq_length={seq_length} tokens; pad every batch to {seq_length} (labels -100 "
+            "where padded), or use cuda_graphs=False for variable lengths"
+        )
+    if isinstance(batch, Mapping) and "position_ids" in batch:
+        raise ValueError(
+            "the batch has packed position_ids, whose document layout changes from batch to batch, and "
+            "ModelConfig(cuda_graphs=True) replays fixed graphs; use cuda_graphs=False with packed sequences"
+        )
+
+
 def check_positions(positions: Any) -> None:
     """Raise ``ValueError`` unless ``position_ids`` [B, S] follow the packed convention: each row starts a document
     at 0, and inside a document positions count up by one (a new document starts where they go back to 0)."""
