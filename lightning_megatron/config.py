@@ -122,12 +122,12 @@ class ModelConfig:
     amax per GEMM). Master weights, optimizer and checkpoints stay those of a bf16 run; the LM head stays bf16.
     Needs a GPU with fp8 tensor cores (Ada/Hopper or later) and kernels 'torch' or 'local'. None: no fp8."""
     cuda_graphs: bool = False
-    """Capture each transformer layer's forward and backward as CUDA graphs (Megatron-Core's own per-layer graphs,
-    ``TransformerConfig.cuda_graph_impl='local'``) after Megatron's warm-up steps, and replay them: the host
-    launches one graph per layer instead of its hundreds of kernels. For small models whose steps wait on the
-    host (see the README's throughput table). GPU only, dense models only, and every batch must have the shapes
-    the graphs were captured for: rows of exactly ``seq_length`` tokens, no packed ``position_ids``. Same
-    numerics and checkpoints as without."""
+    """Capture each transformer layer's forward and backward as CUDA graphs in the first training step of a fit
+    (Megatron-Core's own per-layer graphs, ``TransformerConfig.cuda_graph_impl='local'``) and replay them: the host
+    launches one graph per layer instead of its hundreds of kernels. For small models whose steps wait on the host.
+    GPU only; dense models without dropout or recompute, at pp=1 and cp=1; every micro-batch (inference too) of
+    rows of exactly ``seq_length`` tokens, not packed. The same checkpoints as without; to run such a checkpoint
+    elsewhere, ``load_from_checkpoint(path, config=dataclasses.replace(config, cuda_graphs=False))``."""
     moe_enable_routing_replay: bool = False
     """Let batches carry the expert routing to use (``batch["routing"]``, e.g. recorded at rollout by
     ``MegatronLMModule.record_routing`` or an inference engine) instead of the router's own top-k (MoE only)."""
@@ -148,11 +148,7 @@ class ModelConfig:
                 f"fp8={self.fp8!r} is the torch-native fp8 path; with kernels='te' use Transformer Engine's own fp8 "
                 "(Trainer(precision='transformer-engine')) and leave fp8=None"
             )
-        if self.cuda_graphs and self.num_moe_experts is not None:
-            raise ValueError(
-                f"cuda_graphs=True with num_moe_experts={self.num_moe_experts}: the routed token counts change the "
-                "experts' shapes every step, which fixed graphs cannot replay; use cuda_graphs=False for MoE models"
-            )
+        self._check_cuda_graphs()
         for name in ("norm_epsilon", "init_method_std", "rotary_base", "rope_scaling_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
@@ -218,6 +214,26 @@ class ModelConfig:
                 f"between 1 and num_layers={self.num_layers}"
             )
 
+    def _check_cuda_graphs(self) -> None:
+        if not self.cuda_graphs:
+            return
+        if self.num_moe_experts is not None:
+            raise ValueError(
+                f"cuda_graphs=True with num_moe_experts={self.num_moe_experts}: the routed token counts change the "
+                "experts' shapes every step, which fixed graphs cannot replay; use cuda_graphs=False for MoE models"
+            )
+        for name in ("hidden_dropout", "attention_dropout"):
+            if getattr(self, name) > 0:
+                raise ValueError(
+                    f"cuda_graphs=True with {name}={getattr(self, name)}: graphs captured in training replay their "
+                    f"dropout in validation too; use {name}=0.0 with cuda_graphs, or cuda_graphs=False"
+                )
+        if self.recompute_granularity is not None:
+            raise ValueError(
+                f"cuda_graphs=True with recompute_granularity={self.recompute_granularity!r}: Megatron's graphs of "
+                "whole layers do not recompute; use recompute_granularity=None with cuda_graphs, or cuda_graphs=False"
+            )
+
     def _check_moe(self) -> None:
         check_positive_int("moe_router_topk", self.moe_router_topk)
         experts = self.num_moe_experts
@@ -270,6 +286,17 @@ class ModelConfig:
         self._check_stages(sizes.pp, sizes.vpp)
         self._check_experts(sizes.ep, sizes.sequence_parallel)
         self._check_sequence(sizes.tp, sizes.cp, sizes.sequence_parallel)
+        self._check_graph_layout(sizes.pp, sizes.cp)
+
+    def _check_graph_layout(self, pp: int, cp: int) -> None:
+        # Megatron's graphs support both, but with PP its runners rotate per in-flight micro-batch (validation runs
+        # other counts) and CP's document layout is per-batch state: refused until run on GPUs.
+        for name, size in (("pp", pp), ("cp", cp)):
+            if self.cuda_graphs and size > 1:
+                raise ValueError(
+                    f"ModelConfig(cuda_graphs=True) with {name}={size}: CUDA graphs are supported here without "
+                    f"pipeline and context parallelism only; use {name}=1 with cuda_graphs, or cuda_graphs=False"
+                )
 
     def _check_tensor_split(self, tp: int) -> None:
         heads, groups = self.num_attention_heads, self.effective_num_query_groups

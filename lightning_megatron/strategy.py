@@ -27,7 +27,7 @@ from lightning_megatron.modules.base import MegatronLightningModule, check_overr
 from lightning_megatron.parallel import ddp, state
 from lightning_megatron.parallel import precision as mixed
 from lightning_megatron.parallel.sizes import ParallelSizes
-from lightning_megatron.training import clip_grads, guards, optim
+from lightning_megatron.training import clip_grads, graphs, guards, optim
 from lightning_megatron.training import offload as offload_state
 from lightning_megatron.training.grad_norms import grad_norms
 from lightning_megatron.training.optim import LightningOptimizerAdapter
@@ -245,6 +245,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         guards.check_per_token_loss(self.module.chunks)
         self._run_chunks = mixed.wrap(list(self.module.chunks), self.compute_dtype)
         if trainer.state.fn == TrainerFn.FITTING:
+            graphs.renew(self.module.chunks)  # with ModelConfig.cuda_graphs: this fit captures its own
             self._ddp_chunks = ddp.wrap(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
             self._run_chunks = self._ddp_chunks
             self.setup_optimizers(trainer)
@@ -464,8 +465,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def teardown(self) -> None:
         failed, self._failed = self._failed, False
-        # Every step runs even if an earlier one raises: no global patch (CPU mode, clip-grads, the RNG) may
-        # outlive the run. The first error is raised at the end.
+        # Every step runs even if one raises: no global patch (CPU mode, clip-grads, RNG, graphs) outlives the run.
         run_all(
             self._writer.abort if failed else self._writer.finalize,  # finalize: e.g. save_checkpoint after fit
             lambda: self.reload() if self._offloaded is not None else None,  # never leave released storages behind
@@ -481,11 +481,13 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._rng = None
 
     def _drop_step_state(self) -> None:
-        ddp_chunks, self._ddp_chunks, self._run_chunks = self._ddp_chunks, None, None
+        ddp_chunks, run_chunks = self._ddp_chunks, self._run_chunks
+        self._ddp_chunks = self._run_chunks = None
         self._last_step, self._step = None, None
         self._guard.forget()
         if ddp_chunks:
             ddp.clear_hooks(ddp_chunks[0].config)
+        graphs.release(run_chunks or ())  # ModelConfig.cuda_graphs: Megatron's process-wide graph state
 
     def _keep_for_saving(self, failed: bool) -> None:
         # After a run its groups and optimizer stay for trainer.save_checkpoint (training/retained.py); after a

@@ -54,6 +54,38 @@ def run_worker(args: dict, tmp_path: Path, timeout: float = 600, torchrun: bool 
     return json.loads(out.read_text())
 
 
+def run_here(args: dict, tmp_path: Path) -> dict:
+    """``run_worker``'s one-process run inside this process: the same script and arguments, without starting an
+    interpreter and importing torch, Lightning and Megatron again (10-20 s per launch on CI's two cores).
+
+    For one-process reference runs on CPU. One intra-op thread, as ``child_env`` gives a launched worker, so that
+    the run computes what a launch would.
+    """
+    assert args.get("devices", 1) == 1, args
+    assert args.get("accelerator", "cpu") == "cpu", args
+    if str(WORKER.parent) not in sys.path:
+        sys.path.insert(0, str(WORKER.parent))  # the worker imports its helpers as a script does
+    import layout_worker
+
+    out = tmp_path / f"result-{os.urandom(4).hex()}.json"
+    threads = torch_threads(1)
+    try:
+        with contextlib.chdir(tmp_path):
+            layout_worker.main({**args, "out": str(out)})
+    finally:
+        torch_threads(threads)
+    return json.loads(out.read_text())
+
+
+def torch_threads(count: int) -> int:
+    """Set torch's intra-op thread count; return the previous one."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    return previous
+
+
 def run_workers(runs: list[dict], tmp_path: Path, timeout: float = 600) -> list[dict]:
     """Several independent ``run_worker`` launches at once; their results in order.
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_worker, run_workers
+from tests.conftest import run_here, run_worker, run_workers
 
 REL = 2e-4
 CKPT_STEP = 2
@@ -50,9 +50,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One process: a run that checkpoints at step 2, and the uninterrupted run to step 4 (with validation)."""
     tmp = tmp_path_factory.mktemp("reference")
     ckpt_dir = tmp / "ckpt"
-    # Two independent runs, launched side by side.
     saving = {"devices": 1, "max_steps": CKPT_STEP, "ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}
-    _, full = run_workers([saving, {"devices": 1, "max_steps": MAX_STEPS, **VAL}], tmp)
+    run_here(saving, tmp)
+    full = run_here({"devices": 1, "max_steps": MAX_STEPS, **VAL}, tmp)
     ckpt = ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt"
     assert (ckpt / "metadata.json").is_file(), sorted(p.name for p in ckpt_dir.iterdir())
     return {"ckpt": str(ckpt), "full": full, "tmp": tmp}
@@ -107,7 +107,7 @@ def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_p
 @pytest.fixture(scope="module")
 def packed_reference(reference: dict) -> dict:
     """One process resuming the reference checkpoint on packed rows."""
-    return _resume({"devices": 1, **PACKED}, reference, reference["tmp"])
+    return run_here(_resume_args({"devices": 1, **PACKED}, reference), reference["tmp"])
 
 
 @pytest.mark.multiprocess
@@ -123,7 +123,7 @@ def test_packed_layout_continues_single_process_curve(
     _assert_close(resumed["val"], packed_reference["val"], "packed val_loss")
     if saves:  # and back: the TP=2+SP x CP=2 checkpoint validates at one process to the same loss
         ckpt = str(tmp_path / "ckpt" / f"epoch=0-step={MAX_STEPS}.ckpt")
-        one = run_worker({"devices": 1, **PACKED, "mode": "validate", "limit_val_batches": 2, "resume": ckpt}, tmp_path)
+        one = run_here({"devices": 1, **PACKED, "mode": "validate", "limit_val_batches": 2, "resume": ckpt}, tmp_path)
         assert one["val"] == pytest.approx(resumed["val"][str(MAX_STEPS)], rel=REL)
 
 
@@ -151,7 +151,7 @@ def test_tied_embeddings_across_pipeline_stages(tmp_path: Path) -> None:
     # One process runs to MAX_STEPS, checkpointing at CKPT_STEP on the way (checkpointing does not change the run:
     # test_resume_is_exact_at_one_layout).
     saves = {"ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}
-    full = run_worker({**tied, "devices": 1, "max_steps": MAX_STEPS, **saves}, tmp_path)
+    full = run_here({**tied, "devices": 1, "max_steps": MAX_STEPS, **saves}, tmp_path)
     ckpt = str(ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt")
     pp2 = {**LAYOUTS["pp2"], "model": {**LAYOUTS["pp2"]["model"], **tied["model"]}}  # the fused LM head too
     resumed = run_worker({**pp2, "max_steps": MAX_STEPS, "resume": ckpt}, tmp_path)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
-from tests.conftest import one_process_megatron, run_worker
+from tests.conftest import one_process_megatron, run_here, run_worker
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -78,7 +78,7 @@ def lp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("logprobs")
     # Train 2 steps (checkpointing at step 2), then predict logits with those weights, in one process.
     args = {"devices": 1, "max_steps": 2, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}
-    run_worker({**args, "pred_out": str(tmp / "logits")}, tmp)
+    run_here({**args, "pred_out": str(tmp / "logits")}, tmp)
     ckpt = str(tmp / "ckpt" / "epoch=0-step=2.ckpt")
     return {"ckpt": ckpt, "logits": torch.load(tmp / "logits.rank0.pt")}
 

@@ -130,10 +130,10 @@ LORA_RUN = {"lora": {"rank": 4, "alpha": 8.0}, "max_steps": 4, "lr": 5e-2}  # la
 
 @pytest.fixture(scope="module")
 def lora_one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.conftest import run_worker
+    from tests.conftest import run_here
 
     tmp = tmp_path_factory.mktemp("lora")
-    one = run_worker({**LORA_RUN, "devices": 1, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}, tmp)
+    one = run_here({**LORA_RUN, "devices": 1, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}, tmp)
     norm = one["callback_metrics"]["grad_norm"]  # Megatron's norm of the adapters' gradients at the last step
     return {"train": one["train"], "ckpt": str(tmp / "ckpt" / "epoch=0-step=2.ckpt"), "grad_norm": norm}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lightning_megatron import MegatronStrategy, ParallelSizes, tiny_gpt
-from tests.conftest import run_worker
+from tests.conftest import run_here, run_worker
 
 MOE = {"model": {"num_moe_experts": 4, "moe_router_topk": 2}}
 
@@ -15,7 +15,7 @@ MOE = {"model": {"num_moe_experts": 4, "moe_router_topk": 2}}
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     tmp = tmp_path_factory.mktemp("moe")
-    run_worker({**MOE, "devices": 1, "max_steps": 2, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}, tmp)
+    run_here({**MOE, "devices": 1, "max_steps": 2, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}, tmp)
     return str(tmp / "ckpt" / "epoch=0-step=2.ckpt")
 
 
@@ -25,7 +25,7 @@ def test_expert_parallel_matches_one_process(moe_checkpoint: str, tmp_path: Path
     packed rows (documents attending only to themselves; the plain rows' EP run: test_expert_parallel_trains)."""
     packed = {"model": {**MOE["model"], "kernels": "torch"}, "packed": True}
     args = {**packed, "mode": "validate", "limit_val_batches": 2, "resume": moe_checkpoint}
-    one = run_worker({**args, "devices": 1}, tmp_path)
+    one = run_here({**args, "devices": 1}, tmp_path)
     ep2 = run_worker({**args, "devices": 2, "ep": 2}, tmp_path)
     assert ep2["val"] == pytest.approx(one["val"], rel=2e-5)
 

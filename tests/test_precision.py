@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, OptimizerSpec, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
-from tests.conftest import run_worker
+from tests.conftest import run_here, run_worker
 
 
 class _LowLossScale(MegatronLMModule):
@@ -84,7 +84,7 @@ def test_bf16_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     bf16 = {"precision": "bf16-mixed"}
     # One process, 4 steps, checkpointing at step 2 on the way (checkpointing does not change the run).
-    full = run_worker({**bf16, "devices": 1, "max_steps": 4, "ckpt_dir": str(ckpt), "ckpt_every": 2}, tmp_path)
+    full = run_here({**bf16, "devices": 1, "max_steps": 4, "ckpt_dir": str(ckpt), "ckpt_every": 2}, tmp_path)
     tp2 = run_worker(
         {**bf16, "devices": 2, "tp": 2, "max_steps": 4, "resume": str(ckpt / "epoch=0-step=2.ckpt")}, tmp_path
     )

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ParallelSizes, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
-from tests.conftest import run_worker, run_workers
+from tests.conftest import run_here, run_workers
 
 EXPERTS, TOPK = 4, 2
 
@@ -105,7 +105,7 @@ def test_recorded_routing_is_the_same_with_pipeline_and_expert_parallelism(tmp_p
     ckpt = tmp_path / "ckpt"
     # One process trains 2 steps (checkpointing them) and records the routing with those weights.
     train = {"max_steps": 2, "ckpt_dir": str(ckpt), "ckpt_every": 2, "routing_out": str(tmp_path / "one")}
-    run_worker({**moe, "devices": 1, "limit_val_batches": 1, **train}, tmp_path)
+    run_here({**moe, "devices": 1, "limit_val_batches": 1, **train}, tmp_path)
     args = {**moe, "mode": "routing", "limit_val_batches": 1, "resume": str(ckpt / "epoch=0-step=2.ckpt")}
     one = torch.load(tmp_path / "one.rank0.pt")
     assert one.shape == (8, 4, 32, TOPK)

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronStrategy, MegatronValueModule, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
-from tests.conftest import run_worker
+from tests.conftest import run_here, run_worker
 
 REL = 2e-4
 VALUE = {"module": "value"}
@@ -23,7 +23,7 @@ def value_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("value")
     # Checkpointing at step 2 on the way does not change the run (resume is bit-exact, tests/test_layouts.py).
     args = {**VALUE, "devices": 1, "max_steps": 4, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}
-    full = run_worker({**args, "pred_out": str(tmp / "one")}, tmp)
+    full = run_here({**args, "pred_out": str(tmp / "one")}, tmp)
     values = torch.load(tmp / "one.rank0.pt")
     return {"ckpt": str(tmp / "ckpt" / "epoch=0-step=2.ckpt"), "full": full, "values": values}
 

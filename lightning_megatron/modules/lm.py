@@ -234,18 +234,7 @@ class MegatronLMModule(MegatronLightningModule):
         # On the host, before the batch reaches the accelerator: bad token ids fail here with the field and
         # value named, not as an index error inside an embedding kernel (or silently, on some devices).
         guards.check_token_batch(batch, self.config.vocab_size, self.config.seq_length)
-        batch = without_default_positions(batch)
-        if self.config.cuda_graphs:
-            guards.check_graphable_batch(batch, self.config.seq_length)
-        return batch
-
-    def teardown(self, stage: str) -> None:
-        if self.config.cuda_graphs and torch.cuda.is_available():
-            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-
-            # Megatron keeps the captured graphs process-wide: a later run (another module, or this one at other
-            # shapes) records its own, and validate/test after fit run eagerly.
-            delete_cuda_graphs()
+        return without_default_positions(batch)
 
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
         from megatron.core.models.gpt import GPTModel
@@ -404,6 +393,8 @@ class MegatronLMModule(MegatronLightningModule):
 
     def rank_tokens(self, batch: Batch) -> RankTokens:
         """This rank's tokens of a micro-batch: packed documents (``position_ids``) and the CP slice."""
+        if self.config.cuda_graphs:  # every micro-batch, training and inference alike: shapes only, no sync
+            guards.check_graphable_batch(batch, self.config.seq_length)
         tokens = rank_tokens(batch)
         if tokens.layout is not None and self.kernels != "torch" and "position_ids" in batch:
             raise ValueError(

@@ -69,7 +69,8 @@ def seed(base: int) -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         saved["cuda"] = torch.cuda.get_rng_state_all()
     torch.manual_seed(base + 100 * parallel_state.get_pipeline_model_parallel_rank())
-    tensor_parallel.model_parallel_cuda_manual_seed(base)
+    # force_reset: a plain tracker again where an earlier run made it graph-safe (graph_safe_rng).
+    tensor_parallel.model_parallel_cuda_manual_seed(base, force_reset_rng=True)
     return saved
 
 
@@ -77,8 +78,9 @@ def graph_safe_rng() -> None:
     """Swap Megatron's model-parallel RNG tracker for its CUDA-graph-safe kind, keeping every state it holds.
 
     Megatron's per-layer CUDA graphs (``ModelConfig.cuda_graphs``) refuse a tracker that stores generator states as
-    byte tensors; the graph-safe tracker keeps generators, which a graph can register. Seeded the same way, both
-    draw the same numbers (a later run in this process reseeds the graph-safe one). Idempotent; CUDA only.
+    byte tensors; the graph-safe tracker keeps generators, which a graph can register. The states carry over
+    unchanged, so both draw the same numbers. Idempotent; CUDA only. The next run's :func:`seed` starts over with
+    a plain tracker.
     """
     from megatron.core.tensor_parallel import random
 
@@ -88,12 +90,7 @@ def graph_safe_rng() -> None:
     states, seeds = tracker.get_states(), set(tracker.seeds_)
     random.initialize_rng_tracker(use_cudagraphable_rng=True, force_reset=True)
     safe = random.get_cuda_rng_tracker()
-    generators = {}
-    for name, state in states.items():
-        generator = torch.cuda.default_generators[torch.cuda.current_device()].clone_state()
-        generator.set_state(state)
-        generators[name] = generator
-    safe.set_states(generators)
+    safe.set_states({name: random.convert_cuda_rng_state(s, to_graphable=True) for name, s in states.items()})
     safe.seeds_ = seeds
 
 

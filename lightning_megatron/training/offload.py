@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_megatron.training import graphs
 from lightning_megatron.training.optim import torch_optimizers
 
 
@@ -58,6 +59,11 @@ def offload(
 ) -> Offloaded:
     """Release the chosen device memory; parameters and optimizer state are copied to the host first."""
     chunks = list(chunks)
+    if graphs.in_use(chunks):
+        raise RuntimeError(
+            "offload() with ModelConfig(cuda_graphs=True) during a fit: the captured CUDA graphs read and write the "
+            "weights' and gradients' device addresses, which reload() would change; use cuda_graphs=False with offload"
+        )
     record = Offloaded()
     model_params = [p for chunk in chunks for p in chunk.parameters()]
     to_save: list[torch.Tensor] = []
