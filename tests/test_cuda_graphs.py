@@ -81,8 +81,7 @@ def _trainer(steps: int, record: L.Callback) -> L.Trainer:
     return L.Trainer(
         accelerator="gpu", devices=1, precision="bf16-mixed", strategy=MegatronStrategy(micro_batch_size=2),
         max_steps=steps, val_check_interval=3, limit_val_batches=2, use_distributed_sampler=False, logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
     )  # fmt: skip
 
 
