@@ -41,18 +41,26 @@ def main() -> None:
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234, help="MegatronStrategy(seed=): the initial weights")
+    p.add_argument("--cuda-graphs", action="store_true", help="ModelConfig(cuda_graphs=True)")
     args = p.parse_args()
 
     torch.manual_seed(0)
     fp8 = None if args.fp8 == "none" else args.fp8
-    config = ModelConfig(**SHAPES[args.shape], vocab_size=256, seq_length=args.seq_length, fp8=fp8)
+    config = ModelConfig(
+        **SHAPES[args.shape],
+        vocab_size=256,
+        seq_length=args.seq_length,
+        fp8=fp8,
+        cuda_graphs=args.cuda_graphs,
+    )
     module = MegatronLMModule(config, lr=3e-4, warmup_steps=20, decay_steps=args.steps)
     batch = args.micro_batch_size * args.micro_batches
     data = ByteCorpusDataModule(seq_length=args.seq_length, batch_size=batch, max_bytes=40_000_000, num_val_batches=8)
     losses = Losses()
     trainer = L.Trainer(
         accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=args.steps, logger=False,
-        strategy=MegatronStrategy(micro_batch_size=args.micro_batch_size, seed=1234), callbacks=[losses],
+        strategy=MegatronStrategy(micro_batch_size=args.micro_batch_size, seed=args.seed), callbacks=[losses],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         val_check_interval=args.steps, check_val_every_n_epoch=None, num_sanity_val_steps=0,
     )  # fmt: skip
@@ -61,7 +69,9 @@ def main() -> None:
     values = losses.values
     print(
         "RESULT " + json.dumps({
-            "fp8": args.fp8, "shape": args.shape, "steps": len(values), "micro_batch": f"{args.micro_batch_size}x"
+            "fp8": args.fp8, "cuda_graphs": args.cuda_graphs, "seed": args.seed, "shape": args.shape,
+            "steps": len(values),
+            "micro_batch": f"{args.micro_batch_size}x"
             f"{args.micro_batches}", "seq": args.seq_length, "fp8_layers": module.fp8,
             "loss_every_50": {i + 1: round(values[i], 4) for i in range(49, len(values), 50)},
             "last10_mean": round(sum(values[-10:]) / 10, 4),

@@ -3,10 +3,11 @@
     python benchmarks/fp8_quantize_probe.py
 
 For bf16 tensors of the 1B shape's sizes at 8192 tokens -- [8192, 2048] (an activation), [8192, 5632] (fc2's input)
-and [5632, 2048] (fc2's weight, transposed) -- microseconds per call of: ``kernels.fp8.quantize`` (compiled, amax
-included), the amax two ways, the transposed copy ``_scaled_mm``'s layouts need (fp8 and bf16), a Triton
-cast-transpose kernel writing the e4m3 tensor in both layouts at three tile sizes, given the scale (amax not
-included), whether its bits (at tile 64) equal ``quantize``'s, and an fp8 against a bf16 GEMM of the same size.
+and [5632, 2048] (fc2's weight, transposed) -- microseconds per call of: the one-layout cast
+``kernels.fp8._quantize`` (compiled, amax included), the amax two ways, the transposed copy ``_scaled_mm``'s layouts
+need (fp8 and bf16), the Triton kernel of ``kernels/fp8_triton.py`` writing the e4m3 tensor in both layouts given
+the scale (amax not included), ``quantize_pair`` (amax, scale and that kernel), whether the kernel's bits equal the
+compiled cast's, and an fp8 against a bf16 GEMM of the same size.
 Everything is e4m3 (gradients are e5m2 in training: not probed). Prints one JSON line per tensor.
 
 Caveats: back-to-back calls timed with CUDA events, so the host's launch cost counts (the Triton launcher and two
@@ -21,10 +22,9 @@ import json
 from collections.abc import Callable
 
 import torch
-import triton
-import triton.language as tl
 
 from lightning_megatron.kernels import fp8
+from lightning_megatron.kernels.fp8_triton import cast_transpose
 
 SHAPES = {"x_2048": (8192, 2048), "g_5632": (8192, 5632), "w_5632x2048": (5632, 2048)}
 
@@ -43,43 +43,23 @@ def bench(fn: Callable[[], object], n: int = 50) -> float:
     return round(start.elapsed_time(end) / n * 1000, 1)
 
 
-@triton.jit
-def _cast_transpose(x_ptr, scale_ptr, q_ptr, qt_ptr, M, N, FMAX: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = tl.clamp(x * tl.load(scale_ptr), -FMAX, FMAX).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
-    tl.store(qt_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)  # the transpose, from the same registers
-
-
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 ``clamp(x * scale)`` as [M, N] and [N, M], both row-major."""
-    m, n = x.shape
-    q = torch.empty((m, n), dtype=fp8.E4M3, device=x.device)
-    qt = torch.empty((n, m), dtype=fp8.E4M3, device=x.device)
-    grid = (triton.cdiv(m, block), triton.cdiv(n, block))
-    _cast_transpose[grid](x, scale, q, qt, m, n, FMAX=torch.finfo(fp8.E4M3).max, BLOCK=block)
-    return q, qt
-
-
 def probe(m: int, k: int) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    q, inv = fp8.quantize(x, fp8.E4M3)
+    single = torch.compile(fp8._quantize)  # the one-layout cast of the code before quantize_pair
+    q, inv = single(x, fp8.E4M3)
     scale = inv.reciprocal()
     r: dict = {"shape": [m, k]}
-    r["quantize_compiled"] = bench(lambda: fp8.quantize(x, fp8.E4M3))
+    r["quantize_compiled"] = bench(lambda: single(x, fp8.E4M3))
     r["amax_abs_amax"] = bench(lambda: x.abs().amax())
     r["amax_vector_norm_inf"] = bench(lambda: torch.linalg.vector_norm(x, float("inf")))
     r["transpose_copy_fp8"] = bench(lambda: q.t().contiguous())
     r["transpose_copy_bf16"] = bench(lambda: x.t().contiguous())
-    for block in (32, 64, 128):
-        r[f"triton_ct_{block}"] = bench(lambda block=block: cast_transpose(x, scale, block))
-    q64, qt64 = cast_transpose(x, scale, 64)
+    r["triton_ct_64"] = bench(lambda: cast_transpose(x, scale, fp8.E4M3))
+    r["quantize_pair"] = bench(lambda: fp8.quantize_pair(x, fp8.E4M3))  # amax + scale + both layouts
+    q64, qt64 = cast_transpose(x, scale, fp8.E4M3)
     r["triton_bits_equal"] = bool(torch.equal(q64.view(torch.uint8), q.view(torch.uint8)))
     r["triton_t_equal"] = bool(torch.equal(qt64.view(torch.uint8), q64.t().contiguous().view(torch.uint8)))
-    w8 = fp8.quantize(torch.randn(2048, k, device="cuda", dtype=torch.bfloat16), fp8.E4M3)[0]
+    w8 = single(torch.randn(2048, k, device="cuda", dtype=torch.bfloat16), fp8.E4M3)[0]
     r["scaled_mm_fwd_like"] = bench(
         lambda: torch._scaled_mm(q, w8.t(), scale_a=inv, scale_b=inv, out_dtype=torch.bfloat16)
     )  # [m, k] @ [k, 2048]

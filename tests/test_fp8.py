@@ -3,6 +3,7 @@ a dequantized reference on CPU (torch's CPU ``_scaled_mm``), errors, and the rea
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 
 import lightning as L
@@ -23,7 +24,7 @@ def megatron_state() -> Iterator[None]:
 
 
 def _dequantized(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    q, inv = fp8.quantize(x, dtype)
+    q, _, inv = fp8.quantize_pair(x, dtype)
     return q.float() * inv
 
 
@@ -31,13 +32,15 @@ def _dequantized(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def test_quantize_scales_amax_to_the_largest_fp8_value(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     x = torch.randn(64, 48) * 1e-3  # far below fp8's range: the scale brings it up
-    q, inv = fp8.quantize(x, dtype)
-    assert q.dtype == dtype
+    q, qt, inv = fp8.quantize_pair(x, dtype)
+    assert q.dtype == qt.dtype == dtype
+    assert qt.is_contiguous()
+    assert torch.equal(qt.float(), q.float().t())  # the second layout: the transpose
     assert q.float().abs().max() == torch.finfo(dtype).max
     mantissa = {fp8.E4M3: 3, fp8.E5M2: 2}[dtype]
     # Each value within half a unit in the last place of its binade (normal range), the scale exactly undone.
     assert torch.all((q.float() * inv - x).abs() <= x.abs() * 2.0 ** -(mantissa + 1) + 1e-12)
-    zeros, zero_inv = fp8.quantize(torch.zeros(16, 16), dtype)
+    zeros, _, zero_inv = fp8.quantize_pair(torch.zeros(16, 16), dtype)
     assert torch.isfinite(zero_inv)
     assert not zeros.float().any()
 
@@ -84,7 +87,7 @@ def test_shapes_fp8_cannot_take_run_unquantized(megatron_state: None) -> None:
     torch.testing.assert_close(layer(x)[0], reference(x)[0])
 
 
-def test_fp8_errors() -> None:
+def test_fp8_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"fp8='e4m3' is not supported; pick one of \[None, 'hybrid'\]"):
         tiny_gpt(fp8="e4m3")
     with pytest.raises(ValueError, match=r"fp8='hybrid' is the torch-native fp8 path; with kernels='te'"):
@@ -92,6 +95,11 @@ def test_fp8_errors() -> None:
     with pytest.raises(ValueError, match=r"needs a GPU with fp8 tensor cores .* this run is on a CPU"):
         resolve.use_fp8("hybrid", "torch", "cpu")
     assert not resolve.use_fp8(None, "torch", "cpu")
+    monkeypatch.setattr(fp8, "fp8_supported", lambda device: True)  # past the device check, then without Triton
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"fp8='hybrid'\) casts to fp8 with a Triton kernel.*use fp8=None"):
+        resolve.use_fp8("hybrid", "torch", "cpu")
 
 
 def _losses(fp8_mode: str | None) -> list[float]:
@@ -132,14 +140,28 @@ def test_fp8_training_follows_full_precision(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2])
+def test_gpu_cast_transpose_equals_the_cpu_reference(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(200, 136, dtype=torch.bfloat16) * 3  # not a multiple of the kernel's 64-wide tiles
+    want = fp8.quantize_pair(x, dtype)
+    got = fp8.quantize_pair(x.cuda(), dtype)
+    bits = [t.cpu().view(torch.uint8) if t.dtype == dtype else t.cpu() for t in (*got, *want)]  # NaN-safe
+    for name, a, b, t in zip(("q", "q.t()", "inverse scale"), bits[:3], bits[3:], got, strict=True):
+        assert t.is_contiguous(), name
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
 def test_fp8_linear_on_gpu() -> None:
     assert fp8.fp8_supported(torch.device("cuda"))
     torch.manual_seed(0)
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) * 0.02
-    x8, x_inv = fp8.quantize(x, fp8.E4M3)
-    w8, w_inv = fp8.quantize(w, fp8.E4M3)
+    x8, _, x_inv = fp8.quantize_pair(x, fp8.E4M3)
+    w8, w8t, w_inv = fp8.quantize_pair(w, fp8.E4M3)
     got = fp8.scaled_mm(x8, x_inv, w8.t(), w_inv, torch.bfloat16)
     want = (x8.float() * x_inv) @ (w8.float() * w_inv).t()
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)  # bf16 output rounding
     assert (got.float() - x.float() @ w.float().t()).norm() / (x.float() @ w.float().t()).norm() < 0.05
+    assert torch.equal(w8t.t().float(), w8.float())

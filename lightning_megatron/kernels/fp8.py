@@ -9,6 +9,9 @@ No amax is reduced across ranks: under tensor parallelism every GEMM is a rank's
 -- replicated or all-gathered for column-parallel, the rank's slice for row-parallel -- and its output-gradient
 shard), and partial results are summed in bf16 as without fp8, so a per-shard scale is exact for that shard.
 
+Each fp8 tensor is cast once into both of its layouts (:func:`quantize_pair`): ``_scaled_mm`` takes its first
+operand row-major and its second column-major, and every operand is the first in one GEMM and the second in another.
+
 ``_scaled_mm`` needs every GEMM dimension divisible by 16; a call with other shapes (e.g. a token budget's odd
 micro-batch) runs that linear in bf16 instead.
 """
@@ -17,8 +20,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-from lightning_megatron.kernels.compile import for_device
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -35,17 +36,32 @@ def _quantize(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     Returns the fp8 tensor and the inverse scale (what ``_scaled_mm`` multiplies the product by).
     """
     fmax = torch.finfo(dtype).max
-    amax = x.abs().amax().float().clamp(min=1e-12)
-    scale = fmax / amax
+    scale, inv = _scale(x.abs().amax(), dtype)
     quantized = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
-    return quantized, scale.reciprocal()
+    return quantized, inv
 
 
-def quantize(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """:func:`_quantize`, compiled into one fused kernel pair on GPU."""
-    # detach() drops the view's link to its base: dynamo guards on a view's base strides, which vary from layer to
-    # layer, and recompiled up to its limit on the H200 run (then ran eager).
-    return for_device(_quantize, x.device)(x.detach(), dtype)
+def _scale(amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The scale mapping ``amax`` to fp8 ``dtype``'s largest value, and its inverse (as :func:`_quantize`)."""
+    scale = torch.finfo(dtype).max / amax.float().clamp(min=1e-12)
+    return scale, scale.reciprocal()
+
+
+def quantize_pair(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """A 2-D ``x`` cast as :func:`_quantize` does, in both layouts: ``(q [M, N], q.t() [N, M] row-major, inverse
+    scale)`` -- the row- and the column-major operand of the two GEMMs each fp8 tensor takes part in.
+
+    On GPU: the amax as a max-norm (one read of ``x``), then one Triton kernel writing both layouts
+    (:mod:`lightning_megatron.kernels.fp8_triton`); elsewhere :func:`_quantize` and a transposed copy.
+    """
+    x = x.detach().contiguous()
+    if not x.is_cuda:
+        q, inv = _quantize(x, dtype)
+        return q, q.t().contiguous(), inv
+    from lightning_megatron.kernels.fp8_triton import cast_transpose
+
+    scale, inv = _scale(torch.linalg.vector_norm(x, float("inf")), dtype)  # the amax, exact in x's dtype
+    return (*cast_transpose(x, scale, dtype), inv)
 
 
 def scaled_mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:

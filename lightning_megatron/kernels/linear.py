@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor, nn
 
-from lightning_megatron.kernels.fp8 import E4M3, E5M2, gemm_shapes_ok, quantize, scaled_mm
+from lightning_megatron.kernels.fp8 import E4M3, E5M2, gemm_shapes_ok, quantize_pair, scaled_mm
 
 
 @functools.cache
@@ -147,23 +147,24 @@ class _Fp8Linear(torch.autograd.Function):
     ) -> Tensor:
         total = _all_gather(input, tp_group)[0] if sequence_parallel else input
         shape = total.shape
-        x8, x_inv = quantize(total.reshape(-1, shape[-1]), E4M3)  # [S*B, in]
-        w8, w_inv = quantize(weight, E4M3)  # [out, in]
+        # Each operand in both layouts (fp8_triton): row-major here, the transposes kept for backward's GEMMs.
+        x8, x8t, x_inv = quantize_pair(total.reshape(-1, shape[-1]), E4M3)  # [S*B, in], [in, S*B]
+        w8, w8t, w_inv = quantize_pair(weight, E4M3)  # [out, in], [in, out]
         output = scaled_mm(x8, x_inv, w8.t(), w_inv, total.dtype).view(*shape[:-1], weight.shape[0])
-        ctx.save_for_backward(x8, x_inv, w8, w_inv, weight)
+        ctx.save_for_backward(x8t, x_inv, w8t, w_inv, weight)
         ctx.meta = (bias is not None, allreduce_dgrad, sequence_parallel, tp_group, input.shape, total.dtype)
         return output if bias is None else output + bias
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        x8, x_inv, w8, w_inv, weight = ctx.saved_tensors
+        x8t, x_inv, w8t, w_inv, weight = ctx.saved_tensors
         has_bias, allreduce_dgrad, sequence_parallel, tp_group, input_shape, dtype = ctx.meta
         g = grad_output.reshape(-1, grad_output.shape[-1])  # [S*B, out]
-        g8, g_inv = quantize(g, E5M2)
-        grad_input = scaled_mm(g8, g_inv, w8, w_inv, dtype)  # [S*B, out] @ [out, in]
+        g8, g8t, g_inv = quantize_pair(g, E5M2)  # [S*B, out], [out, S*B]
+        grad_input = scaled_mm(g8, g_inv, w8t.t(), w_inv, dtype)  # [S*B, out] @ [out, in]
         grad_input = grad_input.view(*grad_output.shape[:-1], weight.shape[1])
         grad_input, handle = _reduce_dgrad(grad_input, input_shape, allreduce_dgrad, sequence_parallel, tp_group)
-        wgrad = scaled_mm(g8.t(), g_inv, x8, x_inv, torch.float32)  # [out, S*B] @ [S*B, in]
+        wgrad = scaled_mm(g8t, g_inv, x8t.t(), x_inv, torch.float32)  # [out, S*B] @ [S*B, in]
         grad_weight = _into_main_grad(weight, wgrad)
         grad_bias = g.sum(dim=0) if has_bias else None
         if handle is not None:

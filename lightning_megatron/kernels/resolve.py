@@ -90,6 +90,11 @@ def use_fp8(requested: str | None, kernels: Resolved, device_type: str) -> bool:
             f"ModelConfig(fp8={requested!r}) needs a GPU with fp8 tensor cores (compute capability >= 8.9: Ada, "
             f"Hopper or later), and this run is on {where}; use fp8=None there"
         )
+    if importlib.util.find_spec("triton") is None:  # the cast kernel (kernels/fp8_triton.py)
+        raise ValueError(
+            f"ModelConfig(fp8={requested!r}) casts to fp8 with a Triton kernel, and Triton is not installed (torch's "
+            "CUDA builds for Linux bring it); install triton, or use fp8=None"
+        )
     return True
 
 
