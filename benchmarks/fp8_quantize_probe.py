@@ -10,10 +10,10 @@ the scale (amax not included), ``quantize_pair`` (amax, scale and that kernel), 
 compiled cast's, and an fp8 against a bf16 GEMM of the same size.
 Everything is e4m3 (gradients are e5m2 in training: not probed). Prints one JSON line per tensor.
 
-Caveats: back-to-back calls timed with CUDA events, so the host's launch cost counts (the Triton launcher and two
-``torch.empty`` per call: the ~26 us floor of the two smaller tensors), and inputs stay in the L2 cache between calls.
-Results: benchmarks/results/2026-12-02-h200-fp8-cast-transpose-probe.jsonl (one H200, torch 2.11; its "probe" key,
-added by hand, records that setup).
+Caveats: back-to-back calls timed with CUDA events, so the host's launch cost counts (the Triton launcher, two
+``torch.empty`` and the scale's small ops per call), and inputs stay in the L2 cache between calls.
+Results: call 2 of benchmarks/results/2026-12-02-h200-fp8-cast-transpose-graphs.jsonl (one H200, torch 2.11); the
+earlier ``...-fp8-cast-transpose-probe.jsonl`` is of this script's previous version (its own kernel at three tiles).
 """
 
 from __future__ import annotations

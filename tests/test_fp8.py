@@ -3,7 +3,6 @@ a dequantized reference on CPU (torch's CPU ``_scaled_mm``), errors, and the rea
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 
 import lightning as L
@@ -95,11 +94,17 @@ def test_fp8_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"needs a GPU with fp8 tensor cores .* this run is on a CPU"):
         resolve.use_fp8("hybrid", "torch", "cpu")
     assert not resolve.use_fp8(None, "torch", "cpu")
-    monkeypatch.setattr(fp8, "fp8_supported", lambda device: True)  # past the device check, then without Triton
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    # A GPU with fp8 tensor cores but no Triton (the GPU's cast kernel); CPU runs never need Triton.
+    monkeypatch.setattr(fp8, "fp8_supported", lambda device: True)
+    monkeypatch.setattr(resolve, "triton_available", lambda: False)
+    assert resolve.use_fp8("hybrid", "torch", "cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(ValueError, match=r"fp8='hybrid'\) casts to fp8 with a Triton kernel.*use fp8=None"):
-        resolve.use_fp8("hybrid", "torch", "cpu")
+        resolve.use_fp8("hybrid", "torch", "cuda")
+    q, qt, inv = fp8.quantize_pair(torch.randn(32, 16), fp8.E4M3)
+    assert fp8.scaled_mm(q, inv, q.t(), inv, torch.float32).shape == (32, 32)  # q @ q^T, q.t() column-major
+    with pytest.raises(ValueError, match=r"scaled_mm needs a row-major first operand and a column-major second"):
+        fp8.scaled_mm(q, inv, qt, inv, torch.float32)  # the same product with qt [16, 32] row-major: a copy
 
 
 def _losses(fp8_mode: str | None) -> list[float]:

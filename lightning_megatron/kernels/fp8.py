@@ -10,7 +10,8 @@ No amax is reduced across ranks: under tensor parallelism every GEMM is a rank's
 shard), and partial results are summed in bf16 as without fp8, so a per-shard scale is exact for that shard.
 
 Each fp8 tensor is cast once into both of its layouts (:func:`quantize_pair`): ``_scaled_mm`` takes its first
-operand row-major and its second column-major, and every operand is the first in one GEMM and the second in another.
+operand row-major and its second column-major, and each tensor enters one of its two GEMMs as itself and the other
+transposed, so it is needed in both physical layouts.
 
 ``_scaled_mm`` needs every GEMM dimension divisible by 16; a call with other shapes (e.g. a token budget's odd
 micro-batch) runs that linear in bf16 instead.
@@ -67,10 +68,15 @@ def quantize_pair(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor
 def scaled_mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``(a * a_inv) @ (b * b_inv)`` from fp8 operands: [M, K] @ [K, N] -> [M, N] in ``out_dtype``.
 
-    ``_scaled_mm`` wants ``a`` row-major and ``b`` column-major; the layouts are made so here.
+    ``_scaled_mm`` wants ``a`` row-major and ``b`` column-major. Callers pass them so (:func:`quantize_pair` gives
+    both layouts); any other layout raises rather than being copied here, a cost that would otherwise go unseen.
     """
-    b_col = b if b.stride(0) == 1 else b.t().contiguous().t()
-    return torch._scaled_mm(a.contiguous(), b_col, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+    if not a.is_contiguous() or b.stride(0) != 1:
+        raise ValueError(
+            f"scaled_mm needs a row-major first operand and a column-major second one; got strides {a.stride()} "
+            f"and {b.stride()}: pass quantize_pair's other layout (its transpose) instead"
+        )
+    return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
 
 
 def gemm_shapes_ok(*dims: int) -> bool:

@@ -24,6 +24,16 @@ def te_available() -> bool:
     return True
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports (fp8's cast kernel on GPU; torch's CUDA builds for Linux bring it)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install counts as absent
+        return False
+    return True
+
+
 def resolve(kernels: Kernels, device_type: str, cp: int = 1) -> Resolved:
     """The concrete kernel set for ``kernels`` on ``device_type`` ("cuda" or "cpu") and context-parallel size ``cp``.
 
@@ -90,10 +100,10 @@ def use_fp8(requested: str | None, kernels: Resolved, device_type: str) -> bool:
             f"ModelConfig(fp8={requested!r}) needs a GPU with fp8 tensor cores (compute capability >= 8.9: Ada, "
             f"Hopper or later), and this run is on {where}; use fp8=None there"
         )
-    if importlib.util.find_spec("triton") is None:  # the cast kernel (kernels/fp8_triton.py)
+    if device.type == "cuda" and not triton_available():  # the GPU cast kernel (kernels/fp8_triton.py)
         raise ValueError(
             f"ModelConfig(fp8={requested!r}) casts to fp8 with a Triton kernel, and Triton is not installed (torch's "
-            "CUDA builds for Linux bring it); install triton, or use fp8=None"
+            "CUDA builds for Linux bring it); install the triton version your torch pins, or use fp8=None"
         )
     return True
 
