@@ -3,9 +3,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,21 +29,78 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
-def run_worker(args: dict, tmp_path: Path, timeout: float = 600, torchrun: bool = False) -> dict:
-    """Run ``tests/layout_worker.py``; return rank 0's result.
+def run_forked(entry: str, args: dict, world: int, cwd: Path, env: dict[str, str], timeout: float = 600) -> None:
+    """Run ``entry`` (``"module:function"`` of a script in tests/, called with ``args``) as ``world`` ranks forked
+    from the session's fork server (``tests/forked.py``); raise with the ranks' output if one fails or the run
+    exceeds ``timeout`` seconds."""
+    if str(WORKER.parent) not in sys.path:
+        sys.path.insert(0, str(WORKER.parent))  # the fork server imports the workers as scripts import their helpers
+    import forked
 
-    By default Lightning's own launcher starts the extra processes; with ``torchrun=True`` torchrun starts them all
-    and Lightning joins them (its TorchElastic cluster environment).
+    context = multiprocessing.get_context("forkserver")
+    # The stack, imported once for every rank. (Only installed packages: Python 3.12.1's fork server ignores the
+    # parent's sys.path while preloading; the ranks themselves get it, and import the scripts in tests/.)
+    context.set_forkserver_preload(["lightning_megatron", "lightning.pytorch", "megatron.core", "transformers"])
+    logs = [cwd / f"rank{rank}-{os.urandom(4).hex()}.log" for rank in range(world)]
+    port = free_port()
+    ranks = [
+        context.Process(target=forked.rank_main, args=(entry, args, rank, world, port, str(cwd), str(log), env))
+        for rank, log in enumerate(logs)
+    ]
+    for process in ranks:
+        process.start()
+    failure = _wait(ranks, timeout)
+    if failure:
+        output = "\n".join(f"--- rank {r}:\n{log.read_text()[-4000:]}" for r, log in enumerate(logs) if log.exists())
+        raise AssertionError(f"{failure} for {entry} {args}:\n{output}")
+
+
+def _wait(ranks: list, timeout: float) -> str:
+    """Join the ranks; on a failed rank give its peers (stuck in a collective) a grace period, then kill them.
+    Returns what went wrong, or ``""``."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.is_alive() for p in ranks):
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in ranks):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + 30):
+            for process in ranks:
+                process.kill()
+            for process in ranks:
+                process.join()
+            return f"killed after {timeout:.0f} s" if failed_at is None else f"exit codes {[p.exitcode for p in ranks]}"
+        time.sleep(0.1)
+    codes = [p.exitcode for p in ranks]
+    return "" if codes == [0] * len(ranks) else f"exit codes {codes}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_worker(args: dict, tmp_path: Path, timeout: float = 600, launcher: str = "fork") -> dict:
+    """Run ``tests/layout_worker.py`` with ``args["devices"]`` processes; return rank 0's result.
+
+    ``launcher``: ``"fork"`` (CPU runs: the ranks are forked from the session's fork server, see
+    ``tests/forked.py``; Lightning joins them), ``"lightning"`` (Lightning's own launcher starts the extra processes,
+    as for a user's script; GPU runs always), or ``"torchrun"`` (torchrun starts them all and Lightning joins them
+    through its TorchElastic cluster environment).
     """
     out = tmp_path / f"result-{os.urandom(4).hex()}.json"
     env = child_env()
-    if args.get("accelerator", "cpu") == "cpu":  # CPU runs must not touch a GPU that happens to be there
+    cpu = args.get("accelerator", "cpu") == "cpu"
+    if cpu:  # CPU runs must not touch a GPU that happens to be there
         env["CUDA_VISIBLE_DEVICES"] = ""
-    launcher = [sys.executable]
-    if torchrun:
-        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(args["devices"]), "--master-port", "29531"]
+    if cpu and launcher == "fork":
+        run_forked("layout_worker:main", {**args, "out": str(out)}, args.get("devices", 1), tmp_path, env, timeout)
+        return json.loads(out.read_text())
+    command = [sys.executable]
+    if launcher == "torchrun":
+        command += ["-m", "torch.distributed.run", "--nproc-per-node", str(args["devices"]), "--master-port", "29531"]
     proc = subprocess.run(
-        [*launcher, str(WORKER), json.dumps({**args, "out": str(out)})],
+        [*command, str(WORKER), json.dumps({**args, "out": str(out)})],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -56,7 +116,7 @@ def run_worker(args: dict, tmp_path: Path, timeout: float = 600, torchrun: bool 
 
 def run_here(args: dict, tmp_path: Path) -> dict:
     """``run_worker``'s one-process run inside this process: the same script and arguments, without starting an
-    interpreter and importing torch, Lightning and Megatron again (10-20 s per launch on CI's two cores).
+    interpreter and importing torch, Lightning and Megatron again (~15 s of CPU per launch).
 
     For one-process reference runs on CPU. One intra-op thread, as ``child_env`` gives a launched worker, so that
     the run computes what a launch would.
@@ -87,11 +147,9 @@ def torch_threads(count: int) -> int:
 
 
 def run_workers(runs: list[dict], tmp_path: Path, timeout: float = 600) -> list[dict]:
-    """Several independent ``run_worker`` launches at once; their results in order.
+    """Several independent ``run_worker`` runs at once (each on its own free port); their results in order.
 
-    A launch started by Lightning imports rank 0 first and only then starts (and imports) the other ranks, leaving
-    a core idle for ~10 s; two launches side by side keep both of CI's cores busy. Each launch binds its own free
-    port (Lightning's default when no MASTER_PORT is set, which ``child_env`` ensures).
+    Two runs side by side keep both of CI's cores busy where one run's ranks wait on each other.
     """
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
         futures = [pool.submit(run_worker, args, tmp_path, timeout) for args in runs]

@@ -14,23 +14,41 @@ from tests.conftest import child_env
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+    """Both examples, started side by side (each a 2-process launch whose ranks also wait on each other)."""
+    commands = {
+        "tp_mlp": [str(EXAMPLES / "tp_mlp.py"), "--devices", "2", "--tp", "2", "--max-steps", "30"],
+        "train_lm": [str(EXAMPLES / "train_lm.py"), "--max-steps", "30", "--devices", "2", "--tp", "2"],
+    }
     env = child_env(CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    procs = {
+        name: subprocess.Popen([sys.executable, *args], cwd=tmp_path_factory.mktemp(name), env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, args in commands.items()
+    }  # fmt: skip
+    done = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return done
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
 
 @pytest.mark.multiprocess
-def test_tp_mlp_trains_at_tp2(tmp_path: Path) -> None:
-    out = _run([str(EXAMPLES / "tp_mlp.py"), "--devices", "2", "--tp", "2", "--max-steps", "30"], tmp_path).stdout
+def test_tp_mlp_trains_at_tp2(runs: dict[str, subprocess.CompletedProcess]) -> None:
+    out = _ok(runs["tp_mlp"]).stdout
     first, last = map(float, re.search(r"mse: first ([\d.]+) -> last ([\d.]+)", out).groups())
     assert last < first / 5, out
 
 
 @pytest.mark.multiprocess
-def test_main_job_loss_falls(tmp_path: Path) -> None:
-    proc = _run([str(EXAMPLES / "train_lm.py"), "--max-steps", "30", "--devices", "2", "--tp", "2"], tmp_path)
+def test_main_job_loss_falls(runs: dict[str, subprocess.CompletedProcess]) -> None:
+    proc = _ok(runs["train_lm"])
     out = proc.stdout
     losses = [float(x) for x in re.findall(r"train_loss ([\d.]+)", out)]
     assert len(losses) == 3, out

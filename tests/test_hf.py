@@ -9,8 +9,6 @@ PP=2 x VPP=2), and at TP=2 x PP=2 for Qwen3 and Llama (VPP=2), in one 2-process 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +22,8 @@ from torch.utils.data import DataLoader
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig, pack_sequences, tiny_gpt
 from lightning_megatron.hf.config import check_exportable
 from lightning_megatron.hf.mapping import hf_weight_shapes
-from tests.conftest import child_env
+from tests.conftest import child_env, run_forked
 
-WORKER = Path(__file__).parent / "hf_worker.py"
 SEQ = 16
 LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -296,7 +293,7 @@ JOBS = {
 
 
 def _run_worker(devices: int, names: list[str], models: dict[str, Path], tmp: Path) -> dict[str, dict]:
-    """One worker run (Lightning's launcher) doing the jobs one Trainer after another."""
+    """One worker run (ranks forked: tests/forked.py) doing the jobs one Trainer after another."""
     jobs = [{**JOBS[n], "model": str(models[JOBS[n]["arch"]]), "save": str(tmp / f"saved-{n}")} for n in names]
     for job in jobs:
         if "adapter" in job:
@@ -306,12 +303,7 @@ def _run_worker(devices: int, names: list[str], models: dict[str, Path], tmp: Pa
     out = tmp / f"result{devices}"
     args = {"devices": devices, "tokens": str(tmp / "tokens.pt"), "packed": str(tmp / "packed.pt"), "out": str(out),
             "jobs": jobs}  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), json.dumps(args)], cwd=tmp, env=child_env(CUDA_VISIBLE_DEVICES=""),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    if proc.returncode != 0 or not Path(f"{out}.rank{devices - 1}.json").exists():
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_forked("hf_worker:main", args, devices, tmp, child_env(CUDA_VISIBLE_DEVICES=""))
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
     return {
         name: {"ranks": [ranks[r][i] for r in range(devices)], "save": Path(jobs[i]["save"]),

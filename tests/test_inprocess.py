@@ -70,6 +70,27 @@ def test_second_trainer_and_evaluation_after_fit() -> None:
     assert len(list(other.chunks)) == 1
 
 
+def test_a_later_run_releases_the_earlier_runs_process_groups() -> None:
+    """Each run builds dozens of gloo groups of three threads each; torch keeps them unless destroyed. Kept, a
+    process of many runs (a notebook, this test suite) held thousands of polling threads that starved its CPU."""
+    import gc
+    import os
+
+    def threads() -> int:
+        gc.collect()
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))  # Linux: every thread, gloo's native ones included
+
+    model, loader = MegatronLMModule(tiny_gpt(), lr=1e-3), DataLoader(_data(8), batch_size=4)
+    counts = []
+    for _ in range(3):
+        _trainer(1, limit_val_batches=1).validate(model, loader, verbose=False)
+        counts.append((threads(), torch.distributed.get_pg_count()))  # the count of groups ever created
+    (_, created_one), (after_two, created_two), (after_three, _) = counts
+    assert created_two - created_one >= 10  # what the check guards: a run builds many groups
+    # Megatron's RoPE cache keeps each run's rotary module, and its context-parallel group, alive: 3 threads.
+    assert after_three - after_two <= 6, counts
+
+
 def test_cpu_mode_is_reversible() -> None:
     original = torch.cuda.current_device
     with cpu.cpu_mode():

@@ -68,8 +68,8 @@ def _resume_args(layout: dict, reference: dict, **extra: object) -> dict:
     return {**layout, "max_steps": MAX_STEPS, "resume": reference["ckpt"], **VAL, **extra}
 
 
-def _resume(layout: dict, reference: dict, tmp_path: Path, **extra: object) -> dict:
-    return run_worker(_resume_args(layout, reference, **extra), tmp_path)
+def _resume(layout: dict, reference: dict, tmp_path: Path, launcher: str = "fork", **extra: object) -> dict:
+    return run_worker(_resume_args(layout, reference, **extra), tmp_path, launcher=launcher)
 
 
 def test_resume_is_exact_at_one_layout(reference: dict, tmp_path: Path) -> None:
@@ -90,7 +90,9 @@ def test_training_changes_the_loss(reference: dict) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", CPU_LAYOUTS)
 def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_path: Path) -> None:
-    resumed = _resume(LAYOUTS[name], reference, tmp_path)
+    # DP=2 as a user's script runs: Lightning's launcher starts the second process. The others fork their ranks
+    # (tests/forked.py); test_torchrun_launch covers torchrun.
+    resumed = _resume(LAYOUTS[name], reference, tmp_path, launcher="lightning" if name == "dp2" else "fork")
     full = reference["full"]
     _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "train_loss")
     _assert_close(resumed["val"], {str(MAX_STEPS): full["val"][str(MAX_STEPS)]}, "val_loss")
@@ -162,7 +164,7 @@ def test_tied_embeddings_across_pipeline_stages(tmp_path: Path) -> None:
 def test_torchrun_launch(reference: dict, tmp_path: Path) -> None:
     """The same script under torchrun (processes started outside Lightning) continues the same curve."""
     resumed = run_worker(
-        {**LAYOUTS["tp2"], "max_steps": MAX_STEPS, "resume": reference["ckpt"]}, tmp_path, torchrun=True
+        {**LAYOUTS["tp2"], "max_steps": MAX_STEPS, "resume": reference["ckpt"]}, tmp_path, launcher="torchrun"
     )
     _assert_close(resumed["train"], {k: v for k, v in reference["full"]["train"].items() if int(k) > CKPT_STEP}, "loss")
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import child_env
-from tests.test_multinode import _launch
+from tests.conftest import child_env, run_forked
 
-WORKER = Path(__file__).parent / "contract_worker.py"
 STEPS = 4
 
 
@@ -21,7 +17,7 @@ STEPS = 4
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("contract_pp")
     args = {"out": str(out), "steps": STEPS}
-    _launch([([sys.executable, str(WORKER), json.dumps(args)], child_env(CUDA_VISIBLE_DEVICES=""))], out)
+    run_forked("contract_worker:main", args, 2, out, child_env(CUDA_VISIBLE_DEVICES=""))
     return {"out": out, "ranks": {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}}
 
 

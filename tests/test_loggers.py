@@ -7,15 +7,13 @@ from __future__ import annotations
 import csv
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_megatron.data.tokens import write_token_file
-from tests.conftest import child_env
-from tests.test_multinode import WORKER, _launch
+from tests.conftest import child_env, run_forked
 
 STEPS = 4
 
@@ -27,7 +25,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     write_token_file([tokens.ravel()], tmp / "tokens.bin")
     args = {"tokens": str(tmp / "tokens.bin"), "devices": 2, "pp": 2, "max_steps": STEPS, "logs": str(tmp / "logs"),
             "val_check_interval": 2, "limit_val_batches": 2, "out": str(tmp)}  # fmt: skip
-    _launch([([sys.executable, str(WORKER), json.dumps(args)], child_env(CUDA_VISIBLE_DEVICES=""))], tmp)
+    run_forked("ux_worker:main", args, 2, tmp, child_env(CUDA_VISIBLE_DEVICES=""))
     ranks = {r: json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)}
     return {"logs": tmp / "logs", "ranks": ranks}
 

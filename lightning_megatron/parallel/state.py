@@ -6,6 +6,7 @@ These are the only two places that touch ``megatron.core.parallel_state``'s glob
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 from typing import Any
@@ -15,6 +16,9 @@ import torch
 from lightning_megatron.contract import ChunkSpec
 from lightning_megatron.parallel.precision import megatron_dtype_fields
 from lightning_megatron.parallel.sizes import ParallelSizes
+
+_created: list[Any] = []
+"""The torch process groups the live :func:`initialize` created, for :func:`destroy` to release."""
 
 
 class Groups:
@@ -44,6 +48,7 @@ def initialize(sizes: ParallelSizes, timeout: timedelta | None = None) -> Groups
     if timeout is not None:
         # Megatron only builds timedelta(minutes=...) from it: a fraction keeps sub-minute timeouts exact.
         kwargs["distributed_timeout_minutes"] = timeout.total_seconds() / 60
+    before = set(_registered_groups())
     # Keywords only: positional parameters were inserted between megatron-core versions.
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tp,
@@ -53,6 +58,7 @@ def initialize(sizes: ParallelSizes, timeout: timedelta | None = None) -> Groups
         expert_model_parallel_size=sizes.ep,
         **kwargs,
     )
+    _created[:] = [group for group in _registered_groups() if group not in before]
     return Groups(sizes)
 
 
@@ -104,11 +110,39 @@ def restore_rng(saved: dict[str, Any] | None) -> None:
 
 
 def destroy() -> None:
-    """Tear Megatron's parallel state down so a later Trainer in this process can build it again."""
+    """Tear Megatron's parallel state down so a later Trainer in this process can build it again.
+
+    Megatron's own teardown only forgets its groups (and destroys four gloo ones), and torch keeps every group
+    alive until it is destroyed: a gloo group holds three threads, one of them polling. Dozens of groups per run
+    made a process of many runs (a notebook, this project's test suite) hold thousands of threads that starved the
+    CPU. So the gloo groups of the run are destroyed too. That is local (no peer takes part, so it is safe after a
+    failure), and a gloo group stays usable while referenced (a module built in an earlier run keeps its groups):
+    its threads end with the last reference. NCCL groups are left as Megatron leaves them, since destroying one
+    tears down a communicator that such a module could still need.
+    """
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    created, _created[:] = list(_created), []
+    registered = set(_registered_groups())
+    for group in created:
+        if group in registered and torch.distributed.get_backend(group) == "gloo":  # Megatron destroyed some itself
+            torch.distributed.destroy_process_group(group)
+    del created, registered
+    # The finished run's modules and optimizer, which hold the groups, often sit in reference cycles that would keep
+    # the threads until some later collection.
+    gc.collect()
+
+
+def _registered_groups() -> list[Any]:
+    """Every process group torch holds in this process. Internal: torch has no public listing (only a count,
+    ``get_pg_count``); its registry ``distributed_c10d._world.pg_map`` is what ``destroy_process_group`` checks."""
+    if not torch.distributed.is_initialized():
+        return []
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
 
 
 def data_parallel_rank_and_size() -> tuple[int, int]:
