@@ -29,10 +29,13 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
-def run_forked(entry: str, args: dict, world: int, cwd: Path, env: dict[str, str], timeout: float = 600) -> None:
+def run_forked(
+    entry: str, args: dict, world: int, cwd: Path, env: dict[str, str], timeout: float = 600, expect: Path | None = None
+) -> None:
     """Run ``entry`` (``"module:function"`` of a script in tests/, called with ``args``) as ``world`` ranks forked
-    from the session's fork server (``tests/forked.py``); raise with the ranks' output if one fails or the run
-    exceeds ``timeout`` seconds."""
+    from the session's fork server (``tests/forked.py``); raise with the ranks' output if one fails, the run exceeds
+    ``timeout`` seconds, or the file ``expect`` (the run's result) is missing afterwards. Lightning joins the ranks as
+    it joins torchrun's; its own launcher is exercised by the DP=2 layout test, the examples and the CLI fit."""
     if str(WORKER.parent) not in sys.path:
         sys.path.insert(0, str(WORKER.parent))  # the fork server imports the workers as scripts import their helpers
     import forked
@@ -47,28 +50,37 @@ def run_forked(entry: str, args: dict, world: int, cwd: Path, env: dict[str, str
         context.Process(target=forked.rank_main, args=(entry, args, rank, world, port, str(cwd), str(log), env))
         for rank, log in enumerate(logs)
     ]
-    for process in ranks:
-        process.start()
-    failure = _wait(ranks, timeout)
+    try:
+        for process in ranks:
+            process.start()
+        failure = _wait(ranks, timeout)
+    finally:  # also on an interrupt: no rank may outlive the test (pytest's exit would wait for it)
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    if not failure and expect is not None and not expect.exists():
+        failure = f"no result file {expect.name}"
     if failure:
         output = "\n".join(f"--- rank {r}:\n{log.read_text()[-4000:]}" for r, log in enumerate(logs) if log.exists())
         raise AssertionError(f"{failure} for {entry} {args}:\n{output}")
 
 
 def _wait(ranks: list, timeout: float) -> str:
-    """Join the ranks; on a failed rank give its peers (stuck in a collective) a grace period, then kill them.
-    Returns what went wrong, or ``""``."""
-    deadline, failed_at = time.monotonic() + timeout, None
+    """Join the ranks. Once one has exited, its peers get a grace period (a failed rank's peers wait in a collective
+    until their own timeout), then the survivors are killed. Returns what went wrong, or ``""``."""
+    deadline, first_exit = time.monotonic() + timeout, None
     while any(p.is_alive() for p in ranks):
         now = time.monotonic()
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in ranks):
-            failed_at = now
-        if now > deadline or (failed_at is not None and now > failed_at + 30):
+        if first_exit is None and any(not p.is_alive() for p in ranks):
+            first_exit = now
+        if now > deadline or (first_exit is not None and now > first_exit + 60):
             for process in ranks:
                 process.kill()
             for process in ranks:
                 process.join()
-            return f"killed after {timeout:.0f} s" if failed_at is None else f"exit codes {[p.exitcode for p in ranks]}"
+            what = f"killed after {timeout:.0f} s" if first_exit is None else "killed 60 s after a peer exited"
+            return f"{what}, exit codes {[p.exitcode for p in ranks]}"
         time.sleep(0.1)
     codes = [p.exitcode for p in ranks]
     return "" if codes == [0] * len(ranks) else f"exit codes {codes}"
@@ -94,7 +106,8 @@ def run_worker(args: dict, tmp_path: Path, timeout: float = 600, launcher: str =
     if cpu:  # CPU runs must not touch a GPU that happens to be there
         env["CUDA_VISIBLE_DEVICES"] = ""
     if cpu and launcher == "fork":
-        run_forked("layout_worker:main", {**args, "out": str(out)}, args.get("devices", 1), tmp_path, env, timeout)
+        world = args.get("devices", 1)
+        run_forked("layout_worker:main", {**args, "out": str(out)}, world, tmp_path, env, timeout, expect=out)
         return json.loads(out.read_text())
     command = [sys.executable]
     if launcher == "torchrun":

@@ -10,6 +10,7 @@ Lightning joins processes created outside it, as under torchrun: the run is a re
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from importlib import import_module
 
@@ -19,6 +20,8 @@ def rank_main(entry: str, args: dict, rank: int, world: int, port: int, cwd: str
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    sys.stdout.reconfigure(line_buffering=True)  # the fork server's stdout is block-buffered: a killed rank's last
+    sys.stderr.reconfigure(line_buffering=True)  # lines would be lost from the log
     os.environ.clear()  # the environment at launch time, not the fork server's from its start
     os.environ.update(env)
     os.environ.update(

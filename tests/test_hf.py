@@ -303,7 +303,8 @@ def _run_worker(devices: int, names: list[str], models: dict[str, Path], tmp: Pa
     out = tmp / f"result{devices}"
     args = {"devices": devices, "tokens": str(tmp / "tokens.pt"), "packed": str(tmp / "packed.pt"), "out": str(out),
             "jobs": jobs}  # fmt: skip
-    run_forked("hf_worker:main", args, devices, tmp, child_env(CUDA_VISIBLE_DEVICES=""))
+    expect = Path(f"{out}.rank{devices - 1}.json")
+    run_forked("hf_worker:main", args, devices, tmp, child_env(CUDA_VISIBLE_DEVICES=""), expect=expect)
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
     return {
         name: {"ranks": [ranks[r][i] for r in range(devices)], "save": Path(jobs[i]["save"]),

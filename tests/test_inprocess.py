@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import os
+
 import lightning as L
 import pytest
 import torch
@@ -73,8 +76,6 @@ def test_second_trainer_and_evaluation_after_fit() -> None:
 def test_a_later_run_releases_the_earlier_runs_process_groups() -> None:
     """Each run builds dozens of gloo groups of three threads each; torch keeps them unless destroyed. Kept, a
     process of many runs (a notebook, this test suite) held thousands of polling threads that starved its CPU."""
-    import gc
-    import os
 
     def threads() -> int:
         gc.collect()

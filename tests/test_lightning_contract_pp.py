@@ -17,7 +17,7 @@ STEPS = 4
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("contract_pp")
     args = {"out": str(out), "steps": STEPS}
-    run_forked("contract_worker:main", args, 2, out, child_env(CUDA_VISIBLE_DEVICES=""))
+    run_forked("contract_worker:main", args, 2, out, child_env(CUDA_VISIBLE_DEVICES=""), expect=out / "rank1.json")
     return {"out": out, "ranks": {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}}
 
 

@@ -25,7 +25,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     write_token_file([tokens.ravel()], tmp / "tokens.bin")
     args = {"tokens": str(tmp / "tokens.bin"), "devices": 2, "pp": 2, "max_steps": STEPS, "logs": str(tmp / "logs"),
             "val_check_interval": 2, "limit_val_batches": 2, "out": str(tmp)}  # fmt: skip
-    run_forked("ux_worker:main", args, 2, tmp, child_env(CUDA_VISIBLE_DEVICES=""))
+    run_forked("ux_worker:main", args, 2, tmp, child_env(CUDA_VISIBLE_DEVICES=""), expect=tmp / "rank1.json")
     ranks = {r: json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)}
     return {"logs": tmp / "logs", "ranks": ranks}
 

@@ -49,16 +49,18 @@ def initialize(sizes: ParallelSizes, timeout: timedelta | None = None) -> Groups
         # Megatron only builds timedelta(minutes=...) from it: a fraction keeps sub-minute timeouts exact.
         kwargs["distributed_timeout_minutes"] = timeout.total_seconds() / 60
     before = set(_registered_groups())
-    # Keywords only: positional parameters were inserted between megatron-core versions.
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=sizes.tp,
-        pipeline_model_parallel_size=sizes.pp,
-        virtual_pipeline_model_parallel_size=sizes.vpp,
-        context_parallel_size=sizes.cp,
-        expert_model_parallel_size=sizes.ep,
-        **kwargs,
-    )
-    _created[:] = [group for group in _registered_groups() if group not in before]
+    try:
+        # Keywords only: positional parameters were inserted between megatron-core versions.
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes.tp,
+            pipeline_model_parallel_size=sizes.pp,
+            virtual_pipeline_model_parallel_size=sizes.vpp,
+            context_parallel_size=sizes.cp,
+            expert_model_parallel_size=sizes.ep,
+            **kwargs,
+        )
+    finally:  # a build that failed halfway has groups to release too
+        _created[:] = [group for group in _registered_groups() if group not in before]
     return Groups(sizes)
 
 
@@ -117,8 +119,10 @@ def destroy() -> None:
     made a process of many runs (a notebook, this project's test suite) hold thousands of threads that starved the
     CPU. So the gloo groups of the run are destroyed too. That is local (no peer takes part, so it is safe after a
     failure), and a gloo group stays usable while referenced (a module built in an earlier run keeps its groups):
-    its threads end with the last reference. NCCL groups are left as Megatron leaves them, since destroying one
-    tears down a communicator that such a module could still need.
+    its threads end with the last reference. (Only calls on the group itself keep working: torch's lookups by group,
+    such as ``get_rank(group)`` or ``get_process_group_ranks``, refuse a destroyed one; the package makes those only
+    on the current run's groups.) NCCL groups are left as Megatron leaves them, since destroying one tears down a
+    communicator that such a module could still need.
     """
     from megatron.core import parallel_state
 
@@ -129,7 +133,7 @@ def destroy() -> None:
     for group in created:
         if group in registered and torch.distributed.get_backend(group) == "gloo":  # Megatron destroyed some itself
             torch.distributed.destroy_process_group(group)
-    del created, registered
+    del created, registered  # no local reference may keep a group (and its threads) through the collection below
     # The finished run's modules and optimizer, which hold the groups, often sit in reference cycles that would keep
     # the threads until some later collection.
     gc.collect()
@@ -142,7 +146,8 @@ def _registered_groups() -> list[Any]:
         return []
     from torch.distributed import distributed_c10d
 
-    return list(distributed_c10d._world.pg_map)
+    world = getattr(distributed_c10d, "_world", None)  # a torch without it: nothing is released, nothing breaks
+    return list(getattr(world, "pg_map", {}))
 
 
 def data_parallel_rank_and_size() -> tuple[int, int]:
