@@ -5,6 +5,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def run_forked(
         for process in ranks:
             process.start()
         failure = _wait(ranks, timeout)
-    finally:  # also on an interrupt: no rank may outlive the test (pytest's exit would wait for it)
+    finally:  # survivors of a failure, or of an interrupt: no rank may outlive the test (pytest's exit waits for it)
         for process in ranks:
             if process.is_alive():
                 process.kill()
@@ -67,19 +68,16 @@ def run_forked(
 
 
 def _wait(ranks: list, timeout: float) -> str:
-    """Join the ranks. Once one has exited, its peers get a grace period (a failed rank's peers wait in a collective
-    until their own timeout), then the survivors are killed. Returns what went wrong, or ``""``."""
+    """Wait for the ranks. Once one has exited, its peers get a grace period (a failed rank's peers wait in a
+    collective until their own timeout). Returns what went wrong (survivors, exit code None, are left to the caller to
+    kill), or ``""``."""
     deadline, first_exit = time.monotonic() + timeout, None
     while any(p.is_alive() for p in ranks):
         now = time.monotonic()
         if first_exit is None and any(not p.is_alive() for p in ranks):
             first_exit = now
         if now > deadline or (first_exit is not None and now > first_exit + 60):
-            for process in ranks:
-                process.kill()
-            for process in ranks:
-                process.join()
-            what = f"killed after {timeout:.0f} s" if first_exit is None else "killed 60 s after a peer exited"
+            what = f"over {timeout:.0f} s" if first_exit is None else "still running 60 s after a peer exited"
             return f"{what}, exit codes {[p.exitcode for p in ranks]}"
         time.sleep(0.1)
     codes = [p.exitcode for p in ranks]
@@ -90,6 +88,36 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_together(
+    commands: list[tuple[list[str], dict[str, str], Path]], timeout: float = 600
+) -> list[subprocess.CompletedProcess]:
+    """Start every ``(command, env, cwd)`` at once (nodes that must meet, or independent launches side by side) and
+    wait for all within one ``timeout``; their results in order, stdout and stderr apart.
+
+    Output goes to files (no pipe fills up while another process is waited for). Each command gets a session of its
+    own, killed with everything in it when the wait ends (a launcher's children: Lightning's extra ranks).
+    """
+    procs, logs = [], []
+    for command, env, cwd in commands:
+        log = cwd / f"out-{os.urandom(4).hex()}", cwd / f"err-{os.urandom(4).hex()}"
+        with log[0].open("w") as out, log[1].open("w") as err:
+            procs.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True))
+        logs.append(log)
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return [
+        subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
+        for proc, (out, err) in zip(procs, logs, strict=True)
+    ]
 
 
 def run_worker(args: dict, tmp_path: Path, timeout: float = 600, launcher: str = "fork") -> dict:

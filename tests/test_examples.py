@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import child_env
+from tests.conftest import child_env, run_together
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -26,27 +22,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Compl
         "train_lm": [str(EXAMPLES / "train_lm.py"), "--max-steps", "30", "--devices", "2", "--tp", "2"],
     }
     env = child_env(CUDA_VISIBLE_DEVICES="")
-    procs, logs = {}, {}
-    for name, args in commands.items():
-        cwd = tmp_path_factory.mktemp(name)
-        logs[name] = (cwd / "stdout.txt", cwd / "stderr.txt")
-        with logs[name][0].open("w") as out, logs[name][1].open("w") as err:  # files: no pipe to fill up
-            # A session of its own, so that whatever the launch leaves (Lightning's rank 1) can be killed with it.
-            procs[name] = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=out, stderr=err,
-                                           start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 600
-    try:
-        for proc in procs.values():
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for proc in procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return {
-        name: subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
-        for (name, proc), (out, err) in zip(procs.items(), logs.values(), strict=True)
-    }
+    launches = [([sys.executable, *args], env, tmp_path_factory.mktemp(name)) for name, args in commands.items()]
+    return dict(zip(commands, run_together(launches), strict=True))
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

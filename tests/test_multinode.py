@@ -8,10 +8,6 @@ read disjoint samples (TokenFileDataModule's sharding by the data-parallel rank)
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,36 +15,17 @@ import numpy as np
 import pytest
 
 from lightning_megatron.data.tokens import write_token_file
-from tests.conftest import child_env
+from tests.conftest import child_env, free_port, run_together
 
 WORKER = Path(__file__).parent / "ux_worker.py"
 STEPS = 3
 TIMEOUT = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> None:
-    """Start every command at once (the nodes must meet), wait for all; kill every process group on failure."""
-    procs = [
-        subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )  # fmt: skip
-        for cmd, env in commands
-    ]
-    try:
-        outputs = [proc.communicate(timeout=TIMEOUT)[0] for proc in procs]
-    finally:
-        for proc in procs:  # the launchers' children share their session's process group
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    for proc, out in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, out[-6000:]
+    """Start every command at once (the nodes must meet) and wait for all; each must succeed."""
+    for proc in run_together([(cmd, env, cwd) for cmd, env in commands], TIMEOUT):
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
 
 
 def _results(out: Path) -> dict[int, dict]:
@@ -76,7 +53,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]
     # One node, 2 processes started by Lightning (it picks its own free port).
     single = [([sys.executable, *_worker({**args, "devices": 2}, tmp / "single")], env)]
     # Lightning's launcher on each "node": Trainer(num_nodes=2, devices=1), node rank and rendezvous from the env.
-    port, cmd = _free_port(), _worker({**args, "devices": 1, "num_nodes": 2}, tmp / "lightning")
+    port, cmd = free_port(), _worker({**args, "devices": 1, "num_nodes": 2}, tmp / "lightning")
     node_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     nodes = [([sys.executable, *cmd], {**env, **node_env, "NODE_RANK": str(node)}) for node in (0, 1)]
     # Both independent jobs at once: the single node's launcher starts its second rank only after the first has
