@@ -22,11 +22,20 @@ from lightning_megatron import ByteCorpusDataModule, MegatronLMModule, MegatronS
 
 
 class Losses(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, bf16_linears: list[str]) -> None:
         self.values: list[float] = []
         self.start = 0.0
+        self.bf16_linears = bf16_linears
+        self.unquantized: list[str] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_megatron.kernels import linear
+
+        fp8_classes = (linear.Fp8ColumnParallelLinear, linear.Fp8RowParallelLinear)
+        for name, layer in pl_module.named_modules():  # before the first step (and CUDA graphs' capture)
+            if isinstance(layer, fp8_classes) and any(part in name for part in self.bf16_linears):
+                layer.fp8 = False  # the instance's flag: this linear takes the bf16 path
+                self.unquantized.append(name)
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
@@ -43,7 +52,14 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234, help="MegatronStrategy(seed=): the initial weights")
     p.add_argument("--cuda-graphs", action="store_true", help="ModelConfig(cuda_graphs=True)")
+    # Probes of where fp8's loss gap comes from (not options of the package):
+    p.add_argument("--grad-dtype", choices=["e5m2", "e4m3"], default="e5m2", help="the output gradients' fp8 type")
+    p.add_argument("--bf16-linears", default="", help="comma-separated name parts (e.g. fc2,proj): those in bf16")
     args = p.parse_args()
+    if args.grad_dtype == "e4m3":
+        from lightning_megatron.kernels import linear
+
+        linear.E5M2 = linear.E4M3  # read by the fp8 backward at each call
 
     torch.manual_seed(0)
     fp8 = None if args.fp8 == "none" else args.fp8
@@ -57,7 +73,7 @@ def main() -> None:
     module = MegatronLMModule(config, lr=3e-4, warmup_steps=20, decay_steps=args.steps)
     batch = args.micro_batch_size * args.micro_batches
     data = ByteCorpusDataModule(seq_length=args.seq_length, batch_size=batch, max_bytes=40_000_000, num_val_batches=8)
-    losses = Losses()
+    losses = Losses(args.bf16_linears.split(",") if args.bf16_linears else [])
     trainer = L.Trainer(
         accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=args.steps, logger=False,
         strategy=MegatronStrategy(micro_batch_size=args.micro_batch_size, seed=args.seed), callbacks=[losses],
@@ -73,6 +89,7 @@ def main() -> None:
             "steps": len(values),
             "micro_batch": f"{args.micro_batch_size}x"
             f"{args.micro_batches}", "seq": args.seq_length, "fp8_layers": module.fp8,
+            "grad_dtype": args.grad_dtype, "bf16_linears": len(losses.unquantized),
             "loss_every_50": {i + 1: round(values[i], 4) for i in range(49, len(values), 50)},
             "last10_mean": round(sum(values[-10:]) / 10, 4),
             "val_loss": round(float(trainer.callback_metrics["val_loss"]), 4),

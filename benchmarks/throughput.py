@@ -312,8 +312,15 @@ def write_profile(profiler: Any, path: str) -> None:
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the CPU ops' share
         kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3
         table = events.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
+        by_kernel = sorted(kernels, key=lambda e: -e.self_device_time_total)[:60]  # GPU kernels alone, largest first
+        rows = [
+            f"{e.self_device_time_total / 1e3:10.2f} ms {e.count:6d} x"
+            f" {e.self_device_time_total / max(e.count, 1):9.1f} us  {e.key[:110]}"
+            for e in by_kernel
+        ]
         with open(path, "w") as f:
-            f.write(json.dumps({"gpu_kernel_ms_total": round(kernel_ms, 2)}) + "\n" + table)
+            f.write(json.dumps({"gpu_kernel_ms_total": round(kernel_ms, 2)}) + "\n" + table + "\n")
+            f.write("GPU kernels by self time\n" + "\n".join(rows) + "\n")
 
 
 def child(args: argparse.Namespace) -> None:

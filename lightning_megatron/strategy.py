@@ -30,7 +30,6 @@ from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.training import clip_grads, graphs, guards, optim
 from lightning_megatron.training import offload as offload_state
 from lightning_megatron.training.grad_norms import grad_norms
-from lightning_megatron.training.optim import LightningOptimizerAdapter
 from lightning_megatron.training.retained import Retained, run_all
 
 if TYPE_CHECKING:
@@ -266,10 +265,11 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             spec, self._ddp_chunks, trainer, dtype=self.compute_dtype, distributed=self.use_distributed_optimizer,
             fused=self.root_device.type == "cuda",
         )  # fmt: skip
-        clip_grads.use_foreach_clip_grads()
-        ddp.set_schedule_hooks(self._ddp_chunks, self._megatron_optimizer)
         should_step = self._should_step if self._guard.policy == "skip" else None
-        adapter = LightningOptimizerAdapter(self._megatron_optimizer, self._scheduler, self._record_step, should_step)
+        adapter = optim.lightning_adapter(
+            self._megatron_optimizer, self._scheduler, self._ddp_chunks, self._record_step, should_step
+        )
+        ddp.set_schedule_hooks(self._ddp_chunks, self._megatron_optimizer)
         self.optimizers = [adapter]
         self.lr_scheduler_configs = []
 

@@ -198,8 +198,9 @@ def run_workers(runs: list[dict], tmp_path: Path, timeout: float = 600) -> list[
 
 
 @contextlib.contextmanager
-def one_process_megatron(port: int) -> Iterator[None]:
-    """Megatron's parallel state for this one process (gloo, CPU mode), for tests of modules outside a Trainer."""
+def one_process_megatron(port: int, cpu: bool = True) -> Iterator[None]:
+    """Megatron's parallel state for this one process (gloo; in CPU mode unless ``cpu=False``, for GPU tests), for
+    tests of modules outside a Trainer."""
     import torch
 
     from lightning_megatron import cpu
@@ -210,7 +211,7 @@ def one_process_megatron(port: int) -> Iterator[None]:
     os.environ.setdefault("MASTER_PORT", str(port))
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    with cpu.cpu_mode():
+    with cpu.cpu_mode() if cpu else contextlib.nullcontext():
         initialize(ParallelSizes())
         seed(0)
         try:

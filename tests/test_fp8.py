@@ -170,3 +170,36 @@ def test_fp8_linear_on_gpu() -> None:
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)  # bf16 output rounding
     assert (got.float() - x.float() @ w.float().t()).norm() / (x.float() @ w.float().t()).norm() < 0.05
     assert torch.equal(w8t.t().float(), w8.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_fp8_linear_gradients_on_gpu_equal_the_dequantized_reference(kind: str) -> None:
+    """The three GEMMs of the real GPU path (Triton casts, CUDA ``_scaled_mm``) through Megatron's layer, against
+    fp32 GEMMs of the dequantized operands: the forward output, the input gradient and the fp32 weight gradient
+    accumulated into ``main_grad``."""
+    from tests.test_fused_wgrad import linear_pair
+
+    with one_process_megatron(port=29614, cpu=False):
+        classes = (linear.Fp8ColumnParallelLinear, linear.Fp8RowParallelLinear)
+        _, layer = linear_pair(kind, False, classes, (1024, 2048))
+        layer = layer.cuda().bfloat16()
+        layer.weight.main_grad = torch.ones_like(layer.weight, dtype=torch.float32)  # accumulated into, not set
+        layer.weight.grad_added_to_main_grad = False
+        torch.manual_seed(0)
+        x = torch.randn(1024, 4, 1024, device="cuda", dtype=torch.bfloat16).requires_grad_()  # [S, B, in]
+        out, _ = layer(x)
+        g = torch.randn_like(out) * 1e-3  # gradients far below fp8's range: the e5m2 scale brings them up
+        out.backward(g)
+
+        def dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            q, _, inv = fp8.quantize_pair(t.detach().reshape(-1, t.shape[-1]), dtype)
+            return q.float() * inv
+
+        xq, wq, gq = dequantized(x, fp8.E4M3), dequantized(layer.weight, fp8.E4M3), dequantized(g, fp8.E5M2)
+        # bf16 outputs: within bf16's rounding of fp32 GEMMs over exact fp8 products
+        torch.testing.assert_close(out.reshape(-1, 2048).float(), xq @ wq.t(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(x.grad.reshape(-1, 1024).float(), gq @ wq, rtol=1e-2, atol=1e-5)
+        # the weight gradient stays fp32 from the GEMM into main_grad: only the summation order differs
+        torch.testing.assert_close(layer.weight.main_grad, 1 + gq.t() @ xq, rtol=1e-5, atol=1e-5)
+        assert layer.weight.grad_added_to_main_grad  # Megatron's DDP hook then discards the placeholder .grad

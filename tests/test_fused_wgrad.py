@@ -106,6 +106,33 @@ def test_shared_weights_get_a_zero_placeholder(megatron_state: None) -> None:
     assert torch.count_nonzero(layer.weight.main_grad) > 0
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_lm_head_lays_its_logits_out_batch_first(megatron_state: None, training: bool) -> None:
+    """GPTModel returns ``logits.transpose(0, 1).contiguous()``: with the LM head's output laid out [B, S, V] that
+    is no copy. Values and gradients stay those of Megatron's layer."""
+    reference, layer = linear_pair(
+        "column", False, (linear.FusedWgradLMHead, linear.FusedWgradRowParallelLinear), (8, 12)
+    )
+    layer.weight.main_grad = torch.zeros_like(layer.weight)
+    layer.weight.grad_added_to_main_grad = False
+    x = torch.randn(5, 2, 8)  # [S, B, H]
+    want = reference(x.requires_grad_())[0]
+    x_head = x.detach().requires_grad_()
+    with torch.set_grad_enabled(training):
+        out = layer(x_head)[0]  # [S, B, V]
+    logits = out.transpose(0, 1)  # what GPTModel returns: [B, S, V]
+    assert logits.is_contiguous()
+    torch.testing.assert_close(out, want)
+    if not training:
+        return
+    g = torch.randn(2, 5, 12)  # [B, S, V], as the loss gives it
+    want.transpose(0, 1).backward(g)
+    logits.contiguous().backward(g)
+    torch.testing.assert_close(x_head.grad, x.grad)
+    assert x_head.grad.is_contiguous()  # [S, B, H], as the final norm's backward wants it
+    torch.testing.assert_close(layer.weight.main_grad, reference.weight.grad)
+
+
 def _losses(fused: bool, **overrides: object) -> tuple[list[float], MegatronLMModule]:
     data = synthetic_tokens(32, 32, 256, seed=5)
     config = tiny_gpt(kernels="torch", gradient_accumulation_fusion=fused, **overrides)
@@ -134,6 +161,7 @@ def test_training_with_fused_wgrad_equals_megatrons_path(tied: bool) -> None:
     linears = [m for m in chunk.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
     assert len(linears) == 4 * 4 + 1  # qkv, proj, fc1, fc2 per layer (MLP specs are partials), the LM head
     assert all(type(m).__name__.startswith("FusedWgrad") for m in linears), {type(m).__name__ for m in linears}
+    assert type(chunk.output_layer) is linear.FusedWgradLMHead
     unfused, plain = _losses(False, share_embeddings_and_output_weights=tied)
     assert not any("Fused" in type(m).__name__ for m in plain.chunks[0].modules())
     assert fused == pytest.approx(unfused, rel=1e-5)

@@ -111,3 +111,84 @@ def test_foreach_clip_grads_match_megatron_local_fallback() -> None:
     for ours, raw in zip(unclipped, [p.grad for p in _params_with_grads()], strict=True):
         assert torch.equal(ours, raw)
     assert sum(g.square().sum() for g in grads).sqrt() == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e6], ids=["clipping", "not_clipping"])
+def test_a_deferred_token_scale_is_applied_by_the_clipping(max_norm: float) -> None:
+    """The DDP's division by the token count, left to the clipping (parallel/ddp.py): the norm Megatron sees and
+    the gradients it leaves are those of dividing first, then clipping."""
+    from megatron.core.optimizer import clip_grads
+
+    factor = torch.tensor(1 / 37)
+    with one_process_megatron(port=29596):
+        try:
+            assert foreach_clip.use_foreach_clip_grads()
+            params = _params_with_grads()
+            for p in params:
+                p.grad *= factor
+            want_norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
+            clip_grads.clip_grad_by_total_norm_fp32(params, max_norm, want_norm)
+            deferred = _params_with_grads()
+            with foreach_clip.token_scale(factor):
+                norm = clip_grads.get_grad_norm_fp32([p.grad for p in deferred])
+                clip_grads.clip_grad_by_total_norm_fp32(deferred, max_norm, norm)
+            after = clip_grads.get_grad_norm_fp32([p.grad for p in deferred])  # outside: no factor any more
+        finally:
+            foreach_clip.restore_clip_grads()
+    assert float(norm) == pytest.approx(float(want_norm), rel=1e-6)
+    assert float(after) == pytest.approx(min(max_norm, float(want_norm)), rel=1e-5)
+    for ours, want in zip(deferred, params, strict=True):
+        torch.testing.assert_close(ours.grad, want.grad)
+    with pytest.raises(RuntimeError, match="token_scale needs the clipping kernels"), foreach_clip.token_scale(factor):
+        pass
+
+
+class Record(L.Callback):
+    """Per step: the loss, grad_norms() before the update, the logged grad_norm, whether the division waited."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.norms_before: list[float] = []
+        self.logged_norms: list[float] = []
+        self.deferred: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        self.norms_before.append(float(trainer.strategy.grad_norms()["grad_2.0_norm_total"]))
+        self.deferred.append(trainer.strategy._ddp_chunks[0].deferred_token_scale is not None)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.losses.append(float(outputs["loss"]))
+        self.logged_norms.append(float(trainer.callback_metrics["grad_norm"]))
+
+
+def _fit_losses(clip_grad: float) -> Record:
+    record = Record()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), max_steps=4, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+    )  # fmt: skip
+    labels = synthetic_tokens(16, 32, 256, seed=3)
+    labels[::3, :7] = -100  # micro-batches with different token counts: the division matters
+    data = [{"input_ids": ids, "labels": lab} for ids, lab in zip(synthetic_tokens(16, 32, 256, seed=3), labels)]
+    trainer.fit(MegatronLMModule(tiny_gpt(), lr=3e-3, clip_grad=clip_grad, decay_steps=4), DataLoader(data, 4))
+    return record
+
+
+@pytest.mark.parametrize("clip_grad", [0.05, 0.0], ids=["clipped", "no_clipping"])
+def test_training_with_the_token_scale_in_the_clipping_equals_megatrons_order(
+    monkeypatch: pytest.MonkeyPatch, clip_grad: float
+) -> None:
+    got = _fit_losses(clip_grad)
+    assert got.deferred == [clip_grad > 0] * 4  # deferred exactly when Megatron clips
+    from lightning_megatron.training import optim
+
+    monkeypatch.setattr(optim, "clips", lambda optimizer: False)  # Megatron divides in finalize_model_grads
+    want = _fit_losses(clip_grad)
+    assert not any(want.deferred)
+    assert got.losses == pytest.approx(want.losses, rel=1e-5)
+    assert got.norms_before == pytest.approx(want.norms_before, rel=1e-5)
+    assert got.logged_norms == pytest.approx(want.logged_norms, rel=1e-5)
+    assert got.norms_before == pytest.approx(got.logged_norms, rel=1e-5)
+    assert len(set(got.losses)) == len(got.losses)
+    if clip_grad:
+        assert min(got.logged_norms) > clip_grad  # it really clipped

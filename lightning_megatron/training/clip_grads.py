@@ -6,11 +6,36 @@ removed at teardown (:func:`restore_clip_grads`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 _LOCAL_CLIP_GRADS: dict[str, Any] = {}  # megatron-core's own fallbacks while ours are installed
+_TOKEN_SCALE: list[Any] = []  # while the optimizer steps: the factor the gradients still wait for (token_scale)
+
+
+@contextlib.contextmanager
+def token_scale(factor: torch.Tensor | float | None) -> Iterator[None]:
+    """While Megatron's optimizer steps in this block, its gradients are still to be multiplied by ``factor`` (the
+    division by the global batch's token count, deferred by ``parallel/ddp.py:TokenScaleDeferringDDP``): the
+    gradient norm is computed for the multiplied gradients (the norm times ``factor``) and the clipping multiply
+    applies ``factor`` together with the clip coefficient -- one pass over the gradients instead of two.
+
+    Only valid when Megatron clips (``clip_grad > 0``) with the kernels :func:`use_foreach_clip_grads` installed:
+    otherwise nothing would apply ``factor``.
+    """
+    if factor is None:
+        yield
+        return
+    if not _LOCAL_CLIP_GRADS:
+        raise RuntimeError("token_scale needs the clipping kernels of use_foreach_clip_grads()")
+    _TOKEN_SCALE.append(factor)
+    try:
+        yield
+    finally:
+        _TOKEN_SCALE.clear()
 
 
 def use_foreach_clip_grads() -> bool:
@@ -59,7 +84,8 @@ def _foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[to
     # Same contract as apex's amp_C.multi_tensor_l2norm (through Megatron's local multi_tensor_applier):
     # the L2 norm of all tensors together as a float32 tensor of shape [1], left on the device.
     norms = torch._foreach_norm(tensor_lists[0])
-    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+    norm = torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1)
+    return (norm * _TOKEN_SCALE[0] if _TOKEN_SCALE else norm), None  # a deferred factor: scales linearly
 
 
 def _foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
@@ -77,5 +103,7 @@ def _foreach_scale_by_tensor(
     chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: Any
 ) -> None:
     # Transformer Engine's multi_tensor_scale_tensor contract: dst = src * scale, the scale a one-element device
-    # tensor (Megatron's clip coefficient, never read on the host).
+    # tensor (Megatron's clip coefficient, never read on the host; only the clipping calls it).
+    if _TOKEN_SCALE:
+        scale = scale * _TOKEN_SCALE[0]
     _foreach_scale(chunk_size, noop_flag, tensor_lists, scale.reshape(()))

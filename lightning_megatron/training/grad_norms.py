@@ -1,7 +1,8 @@
 """Gradient norms from Megatron's gradient buffers, for ``on_before_optimizer_step`` (where ``p.grad`` is None).
 
 Megatron's DDP accumulates gradients into contiguous ``main_grad`` buffers and, at the end of the schedule, reduces
-them over data-parallel ranks and divides them by the global batch's token count. With the distributed optimizer
+them over data-parallel ranks and divides them by the global batch's token count (or leaves that division to the
+optimizer's clipping: ``parallel/ddp.py``, applied here too). With the distributed optimizer
 the reduction is a reduce-scatter: each data-parallel rank holds the reduced values of its own shard of every
 bucket only, so a norm is summed over the shards the ranks own. Tensor-parallel shards of a parameter are summed
 over the tensor-parallel group; pipeline stages (and expert-parallel ranks for experts) hold different parameters.
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from lightning_megatron.parallel import ddp
 
 
 def grad_norms(ddp_chunks: list[Any] | None, module: nn.Module) -> dict[str, Tensor]:
@@ -30,6 +33,9 @@ def grad_norms(ddp_chunks: list[Any] | None, module: nn.Module) -> dict[str, Ten
         )
     names = {param: name for name, param in module.named_parameters()}
     squares, groups = _owned_squares(ddp_chunks)
+    factor = ddp.pending_token_scale(ddp_chunks)  # the buffers not yet divided by the token count (ddp.py)
+    if factor is not None:
+        squares = {param: value * factor**2 for param, value in squares.items()}
     _sum_over(groups, squares)  # the data-parallel shards
     tp_sharded = defaultdict(list)
     for param in squares:

@@ -11,7 +11,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_megatron.contract import OptimizerSpec, StepStats
+from lightning_megatron.parallel import ddp
 from lightning_megatron.parallel.precision import megatron_dtype_fields
+from lightning_megatron.training import clip_grads
 
 
 class LightningOptimizerAdapter(torch.optim.Optimizer):
@@ -20,7 +22,9 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
     Lightning's closure order is training_step -> ``zero_grad`` -> backward -> ``step``; our training_step already
     produced the gradients (Megatron's schedule runs backward), so ``zero_grad`` must not clear them: the strategy
     zeroes Megatron's grad buffers itself before each schedule run. ``step`` runs Megatron's optimizer (grad
-    clipping and the distributed-optimizer all-gather included) and then the LR schedule.
+    clipping and the distributed-optimizer all-gather included) and then the LR schedule. ``take_token_scale``
+    returns the factor the gradients still wait for, if the DDP deferred it (``parallel/ddp.py``): Megatron's
+    clipping applies it (``clip_grads.token_scale``).
     """
 
     def __init__(
@@ -29,12 +33,14 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
         scheduler: Any,
         on_step: Callable[[StepStats], None],
         should_step: Callable[[Any], bool] | None = None,
+        take_token_scale: Callable[[], Any] | None = None,
     ) -> None:
         # Deliberately not Optimizer.__init__: the parameters and state belong to Megatron's optimizer.
         self._optimizer = optimizer
         self._scheduler = scheduler
         self._on_step = on_step
         self._should_step = should_step  # gets the step's loss; False skips the update (non-finite policy)
+        self._take_token_scale = take_token_scale
         self.defaults: dict[str, Any] = {}
         self.state: dict[Any, Any] = {}
 
@@ -50,11 +56,13 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = closure() if closure is not None else None
         lr = float(self._optimizer.param_groups[0]["lr"])
+        token_scale = self._take_token_scale() if self._take_token_scale is not None else None
         if self._should_step is not None and not self._should_step(loss):
             # Weights, optimizer state and LR schedule stay as they were (as Megatron does for overflowed steps).
             self._on_step(StepStats(lr=lr, grad_norm=None, skipped=True))
             return loss
-        update_successful, grad_norm, _ = self._optimizer.step()
+        with clip_grads.token_scale(token_scale):
+            update_successful, grad_norm, _ = self._optimizer.step()
         if isinstance(grad_norm, torch.Tensor):  # Megatron's no-sync clipping keeps it on the device, shape [1]
             grad_norm = grad_norm.detach().reshape(()).float()
         if update_successful:
@@ -121,6 +129,27 @@ def build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> 
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=False,
     )
+
+
+def lightning_adapter(
+    optimizer: Any,
+    scheduler: Any,
+    ddp_chunks: list[Any],
+    on_step: Callable[[StepStats], None],
+    should_step: Callable[[Any], bool] | None,
+) -> LightningOptimizerAdapter:
+    """The adapter Lightning steps, with Megatron's clipping on torch's multi-tensor kernels
+    (:func:`clip_grads.use_foreach_clip_grads`) and, when it clips, the DDP's division by the token count
+    deferred into the clipping's multiply (``parallel/ddp.py:TokenScaleDeferringDDP``)."""
+    folds = clip_grads.use_foreach_clip_grads() and clips(optimizer)
+    ddp.defer_token_scale(ddp_chunks, folds)
+    take = (lambda: ddp.take_token_scale(ddp_chunks)) if folds else None
+    return LightningOptimizerAdapter(optimizer, scheduler, on_step, should_step, take_token_scale=take)
+
+
+def clips(optimizer: Any) -> bool:
+    """Whether every part of a Megatron optimizer clips gradients by norm (``clip_grad > 0``)."""
+    return all(part.config.clip_grad > 0 for part in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
