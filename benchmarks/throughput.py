@@ -69,6 +69,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="variant b: foreach AdamW")
     p.add_argument("--recompute", choices=["selective", "full"], default=None)
     p.add_argument("--fp8", action="store_true", help="variant a: ModelConfig(fp8='hybrid'), fp8 GEMMs without TE")
+    p.add_argument(
+        "--no-weight-cast-reuse", dest="weight_cast_reuse", action="store_false",
+        help="variant a with --fp8: cast the weights on every micro-batch (kernels/fp8.py:reuse_weight_casts off)",
+    )  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=0, help="variant a: LoRA of this rank on every linear, alpha 2r")
     p.add_argument(
         "--wgrad-fusion", choices=["auto", "on", "off"], default="auto",
@@ -206,6 +210,11 @@ def variant_a(args: argparse.Namespace) -> dict:
 
     config = model_config(args)
     dp = args.devices // (args.tp * args.pp)
+    if not args.weight_cast_reuse:
+        from lightning_megatron.kernels import fp8
+
+        reuse = fp8.reuse_weight_casts
+        fp8.reuse_weight_casts = lambda weights: reuse(frozenset())  # every micro-batch casts again
     lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
     module = MegatronLMModule(config, lr=1e-4, decay_steps=1000, lora=lora)
     strategy = MegatronStrategy(
@@ -366,7 +375,8 @@ def child(args: argparse.Namespace) -> None:
             "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
             "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(),
             "pinned_batches": args.pin_memory, "fused_wgrad": result.get("fused_wgrad", False),
-            "fp8": result.get("fp8", False), "cuda_graphs": args.cuda_graphs and args.variant in ("a", "b"),
+            "fp8": result.get("fp8", False),
+            "weight_cast_reuse": args.weight_cast_reuse, "cuda_graphs": args.cuda_graphs and args.variant in ("a", "b"),
             **(sync_report(result["syncs"], args.steps) if args.sync_debug else {}),
         }),
         flush=True,

@@ -22,6 +22,7 @@ from lightning_megatron.checkpointing import sharded
 from lightning_megatron.checkpointing.resume import ResumableLoader
 from lightning_megatron.checkpointing.writer import CheckpointWriter
 from lightning_megatron.contract import ChunkSpec, MegatronRuntime, OptimizerSpec, StepStats
+from lightning_megatron.kernels import fp8
 from lightning_megatron.micro_batches import check_micro_batch_size, micro_batching
 from lightning_megatron.modules.base import MegatronLightningModule, check_overrides, megatron_module
 from lightning_megatron.parallel import ddp, state
@@ -378,12 +379,11 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     # ------------------------------------------------------------------ offload (GPU shared with inference)
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
-        """Release the accelerator memory of parameters, gradients and optimizer state (main params included);
-        return the bytes released. Parameters and optimizer state go to pinned host memory first, gradients come
-        back zeroed (offload between optimizer steps); every tensor stays valid, so after :meth:`reload` training
-        continues exactly as if nothing happened."""
+        """Release (return the bytes) parameters, gradients, optimizer state and fp8 weight casts on the accelerator:
+        the first and third to pinned host memory, gradients back zeroed; after :meth:`reload` training goes on."""
         if self._offloaded is not None:
             raise RuntimeError("MegatronStrategy.offload called twice without reload()")
+        fp8.forget_weight_casts([p for chunk in self.module.chunks for p in chunk.parameters()])  # recast when needed
         self._offloaded = offload_state.offload(
             self.module.chunks, self._megatron_optimizer, params=params, grads=grads, optimizer_state=optimizer
         )

@@ -85,12 +85,14 @@ def _trainer(steps: int, record: L.Callback) -> L.Trainer:
     )  # fmt: skip
 
 
-def _gpu_run(cuda_graphs: bool, fail_at: int | None = None) -> dict:
+def _gpu_run(cuda_graphs: bool, fail_at: int | None = None, fp8: str | None = None) -> dict:
     """6 steps on one GPU with validation every 3 steps, ``trainer.test``, then a second fit of the same module (3
     steps): what each step logged, and whether the layers held captured graphs. ``fail_at``: that step's batch is
     too short, and the run fails there."""
     seq, steps = 64, 6
-    config = tiny_gpt(kernels="torch", seq_length=seq, hidden_size=128, ffn_hidden_size=256, cuda_graphs=cuda_graphs)
+    config = tiny_gpt(
+        kernels="torch", seq_length=seq, hidden_size=128, ffn_hidden_size=256, cuda_graphs=cuda_graphs, fp8=fp8
+    )
     torch.manual_seed(0)
     module = MegatronLMModule(config, lr=1e-2, decay_steps=2 * steps)
     seen: dict = {"train": [], "norm": [], "val": [], "graphed": []}
@@ -154,3 +156,16 @@ def test_cuda_graphs_follow_the_eager_run_on_gpu() -> None:
         assert run["val"] == pytest.approx(eager["val"], rel=2e-3), (run, eager)
         assert run["test"]["test_loss"] == pytest.approx(eager["test"]["test_loss"], rel=2e-3), (run, eager)
     assert eager["train"][5] < eager["train"][0] - 0.1, eager["train"]  # the runs learn, not only agree
+
+
+@pytest.mark.gpu
+def test_fp8_cuda_graphs_follow_the_fp8_eager_run_on_gpu() -> None:
+    """fp8 in the graphs: the weights' casts are recorded with a device flag; each step's first micro-batch casts,
+    the second one's replay skips the cast and reuses it (kernels/fp8.py), as the eager run does on the host."""
+    eager = _gpu_run(cuda_graphs=False, fp8="hybrid")
+    graphed = _gpu_run(cuda_graphs=True, fp8="hybrid")
+    assert graphed["graphed"] == [True] * 9, graphed["graphed"]
+    assert graphed["train"] == pytest.approx(eager["train"], rel=2e-3), (graphed, eager)
+    assert graphed["val"] == pytest.approx(eager["val"], rel=2e-3), (graphed, eager)
+    assert graphed["test"]["test_loss"] == pytest.approx(eager["test"]["test_loss"], rel=2e-3), (graphed, eager)
+    assert eager["train"][5] < eager["train"][0] - 0.1, eager["train"]

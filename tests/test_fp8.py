@@ -80,6 +80,29 @@ def test_fp8_linear_is_close_to_full_precision(megatron_state: None) -> None:
     assert (got - want).norm() / want.norm() > 0  # and really fp8
 
 
+def test_a_weight_cast_is_reused_only_while_its_weight_is_named(megatron_state: None) -> None:
+    _, layer, x = _pair("column", bias=False)
+    _, other, _ = _pair("column", bias=False)
+    before = layer(x)[0]
+    with torch.no_grad():
+        layer.weight.mul_(2)  # a power of two: the fp8 values stay, the inverse scale doubles
+        other.weight.mul_(2)
+    try:
+        fp8.reuse_weight_casts(fp8.weight_ids(layer))
+        assert torch.equal(layer(x)[0], before)  # the kept cast of the old weight, as asked
+        other_now = other(x)[0]  # not named: cast again
+        fp8.weights_may_change()  # a new schedule run: a cast made before it is not reused, named or not
+        fp8.reuse_weight_casts(fp8.weight_ids(layer))
+        assert torch.equal(layer(x)[0], 2 * before)
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        assert torch.equal(layer(x)[0], 2 * before)  # cast in this generation: reused
+    finally:
+        fp8.reuse_weight_casts(frozenset())
+    assert torch.equal(layer(x)[0], 4 * before)  # nothing named: the new weight's cast
+    assert torch.equal(other(x)[0], other_now)
+
+
 def test_shapes_fp8_cannot_take_run_unquantized(megatron_state: None) -> None:
     reference, layer, _ = _pair("column", bias=False)
     x = torch.randn(5, 2, 32)  # 10 tokens: not a multiple of 16
@@ -137,7 +160,21 @@ def test_fp8_training_follows_full_precision(monkeypatch: pytest.MonkeyPatch) ->
     # CPU has no fp8 tensor cores (the build raises there), but torch's CPU _scaled_mm runs the same GEMMs: let
     # the check pass to train through Megatron's DDP and optimizer with fp8 linears.
     monkeypatch.setattr(fp8, "fp8_supported", lambda device: True)
+    weight_casts = []
+    cast = fp8.quantize_pair
+
+    def counting(x: torch.Tensor, *args: object) -> object:
+        weight_casts.extend([1] if isinstance(x, torch.nn.Parameter) else [])
+        return cast(x, *args)
+
+    monkeypatch.setattr(fp8, "quantize_pair", counting)
     quantized, full = _losses("hybrid"), _losses(None)
+    # 6 steps of 4 micro-batches, 16 fp8 linears: the weights are cast on each step's first micro-batch only
+    assert len(weight_casts) == 6 * 16
+    reuse = fp8.reuse_weight_casts
+    monkeypatch.setattr(fp8, "reuse_weight_casts", lambda weights: reuse(frozenset()))  # never reuse
+    assert _losses("hybrid") == quantized  # the same casts, bit for bit
+    assert len(weight_casts) == 6 * 16 + 6 * 4 * 16
     assert quantized != full
     assert quantized == pytest.approx(full, rel=2e-2)
     assert quantized[-1] < quantized[0] - 0.1

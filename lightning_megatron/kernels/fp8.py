@@ -13,14 +13,21 @@ Each fp8 tensor is cast once into both of its layouts (:func:`quantize_pair`): `
 operand row-major and its second column-major, and each tensor enters one of its two GEMMs as itself and the other
 transposed, so it is needed in both physical layouts.
 
+A weight's cast is kept between calls (:func:`quantize_weight`): within one run of Megatron's schedule the weights
+do not change, so a model chunk's first micro-batch casts them and the later ones reuse the casts
+(:func:`reuse_weight_casts`, set by ``schedule.py``). Outside a schedule run every call casts.
+
 ``_scaled_mm`` needs every GEMM dimension divisible by 16; a call with other shapes (e.g. a token budget's odd
 micro-batch) runs that linear in bf16 instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -48,21 +55,116 @@ def _scale(amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return scale, scale.reciprocal()
 
 
-def quantize_pair(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_pair(
+    x: Tensor, dtype: torch.dtype, out: tuple[Tensor, Tensor, Tensor] | None = None, active: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """A 2-D ``x`` cast as :func:`_quantize` does, in both layouts: ``(q [M, N], q.t() [N, M] row-major, inverse
     scale)`` -- the row- and the column-major operand of the two GEMMs each fp8 tensor takes part in.
 
-    On GPU: the amax as a max-norm (one read of ``x``), then one Triton kernel writing both layouts
-    (:mod:`lightning_megatron.kernels.fp8_triton`); elsewhere :func:`_quantize` and a transposed copy.
+    On GPU: the amax as a max-norm (one read of ``x``), then one Triton kernel writing both layouts and the inverse
+    scale (:mod:`lightning_megatron.kernels.fp8_triton`); elsewhere :func:`_quantize` and a transposed copy.
+    ``out``: the three tensors to write into (else new ones); ``active`` (GPU only): a one-element int32 tensor,
+    nothing written while it holds 0 (a graph-captured cast that replays may skip).
     """
     x = x.detach().contiguous()
     if not x.is_cuda:
+        if out is not None or active is not None:
+            raise ValueError("quantize_pair writes into given tensors (out, active) on GPU only")
         q, inv = _quantize(x, dtype)
         return q, q.t().contiguous(), inv
     from lightning_megatron.kernels.fp8_triton import cast_transpose
 
-    scale, inv = _scale(torch.linalg.vector_norm(x, float("inf")), dtype)  # the amax, exact in x's dtype
-    return (*cast_transpose(x, scale, dtype), inv)
+    amax = torch.linalg.vector_norm(x, float("inf"))  # exact in x's dtype
+    return cast_transpose(x, amax, dtype, out, active)
+
+
+@dataclass
+class _WeightCast:
+    source: tuple[int, torch.Size, torch.dtype, torch.dtype]
+    """The weight's address, shape and dtype and the fp8 dtype the cast was made for: another means a new cast."""
+    casts: tuple[Tensor, Tensor, Tensor]
+    """:func:`quantize_pair`'s three tensors (on GPU written in place by each new cast)."""
+    generation: int
+    """:attr:`_WeightCasts.generation` when they were made: reused only within the same one."""
+
+
+@dataclass
+class _WeightCasts:
+    """Process-wide: the weights' casts and which of them are current (see :func:`reuse_weight_casts`)."""
+
+    current: frozenset[int] = frozenset()
+    """``id()`` of the weights whose casts :func:`quantize_weight` returns as they are (if made in this generation)."""
+    generation: int = 0
+    """Counts :func:`weights_may_change` calls: a cast made before the last one is never reused."""
+    casts: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    flags: dict[torch.device, Tensor] = field(default_factory=dict)
+    """Per GPU, for graph-captured casts to read at replay: 0 while some casts are current, else 1 (cast)."""
+
+
+_WEIGHTS = _WeightCasts()
+
+
+def reuse_weight_casts(weights: frozenset[int]) -> None:
+    """The weights (their ``id()``; empty: none) unchanged since their casts were last made, so that
+    :func:`quantize_weight` returns those. ``schedule.run`` sets it for each micro-batch: none on a model chunk's
+    first one, the chunk's parameters on the later ones, none again when the schedule returns (the optimizer then
+    changes the weights; a caller outside the schedule may change them too). CUDA-graph replays of the casts read
+    a device flag instead, set here with one fill when it changes: it cannot tell weights apart, so a
+    graph-captured fp8 model must not run inside another fp8 model's schedule run (CUDA graphs are captured for
+    one model per process anyway: Megatron keeps their state process-wide)."""
+    reuse_before = bool(_WEIGHTS.current)
+    _WEIGHTS.current = weights
+    if bool(weights) != reuse_before:
+        for flag in _WEIGHTS.flags.values():
+            flag.fill_(0 if weights else 1)
+
+
+def weights_may_change() -> None:
+    """Start a new generation of casts (``schedule.run`` calls it when a schedule run starts and ends): casts made
+    before are not reused, even for weights :func:`reuse_weight_casts` names -- e.g. a weight whose linear ran in
+    bf16 on the chunk's first micro-batch (a token count fp8 cannot take) still holds the last step's cast."""
+    _WEIGHTS.generation += 1
+    reuse_weight_casts(frozenset())
+
+
+def quantize_weight(weight: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`quantize_pair` of a weight, or its last result while :func:`reuse_weight_casts` names the weight.
+
+    The cast lives in tensors kept for the weight (2 bytes per weight element), on GPU overwritten by each new
+    cast, so that a captured CUDA graph reads and writes fixed addresses. In a graph capture the cast is recorded
+    with the device flag, and each replay casts or skips as the flag says at that moment.
+    """
+    source = (weight.data_ptr(), weight.shape, weight.dtype, dtype)
+    entry = _WEIGHTS.casts.get(weight)
+    reuse = id(weight) in _WEIGHTS.current and entry is not None and entry.generation == _WEIGHTS.generation
+    capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+    if weight.is_cuda and not capturing and weight.device not in _WEIGHTS.flags:  # made outside any capture
+        value = 0 if _WEIGHTS.current else 1
+        _WEIGHTS.flags[weight.device] = torch.full((), value, dtype=torch.int32, device=weight.device)
+    if entry is None or entry.source != source:
+        entry = _WeightCast(source, quantize_pair(weight, dtype), _WEIGHTS.generation)
+        _WEIGHTS.casts[weight] = entry
+        return entry.casts
+    # A graph replay cannot check the generation: graphs run fixed shapes, so every micro-batch of a step takes the
+    # same (fp8 or bf16) path, and the first one casts.
+    if weight.is_cuda and (capturing or not reuse):  # in place: a captured graph's addresses
+        quantize_pair(weight, dtype, entry.casts, _WEIGHTS.flags.get(weight.device) if capturing else None)
+    elif not reuse:  # CPU: new tensors (a pending backward keeps those it saved; no graphs here)
+        entry.casts = quantize_pair(weight, dtype)
+    if not reuse:
+        entry.generation = _WEIGHTS.generation
+    return entry.casts
+
+
+def weight_ids(module: torch.nn.Module) -> frozenset[int]:
+    """The ``id()`` of ``module``'s parameters, for :func:`reuse_weight_casts`."""
+    return frozenset(id(param) for param in module.parameters())
+
+
+def forget_weight_casts(weights: list[Tensor]) -> None:
+    """Drop the casts kept for ``weights`` (their memory), e.g. when the weights leave the GPU."""
+    for weight in weights:
+        _WEIGHTS.casts.pop(weight, None)
 
 
 def scaled_mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:

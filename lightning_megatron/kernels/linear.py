@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor, nn
 
-from lightning_megatron.kernels.fp8 import E4M3, E5M2, gemm_shapes_ok, quantize_pair, scaled_mm
+from lightning_megatron.kernels.fp8 import E4M3, E5M2, gemm_shapes_ok, quantize_pair, quantize_weight, scaled_mm
 
 
 @functools.cache
@@ -163,7 +163,7 @@ class _Fp8Linear(torch.autograd.Function):
         shape = total.shape
         # Each operand in both layouts (fp8_triton): row-major here, the transposes kept for backward's GEMMs.
         x8, x8t, x_inv = quantize_pair(total.reshape(-1, shape[-1]), E4M3)  # [S*B, in], [in, S*B]
-        w8, w8t, w_inv = quantize_pair(weight, E4M3)  # [out, in], [in, out]
+        w8, w8t, w_inv = quantize_weight(weight, E4M3)  # [out, in], [in, out]; kept between micro-batches
         output = scaled_mm(x8, x_inv, w8.t(), w_inv, total.dtype).view(*shape[:-1], weight.shape[0])
         ctx.save_for_backward(x8t, x_inv, w8t, w_inv, weight)
         ctx.meta = (bias is not None, allreduce_dgrad, sequence_parallel, tp_group, input.shape, total.dtype)
