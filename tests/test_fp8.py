@@ -3,6 +3,9 @@ a dequantized reference on CPU (torch's CPU ``_scaled_mm``), errors, and the rea
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import lightning as L
@@ -181,17 +184,93 @@ def test_fp8_training_follows_full_precision(monkeypatch: pytest.MonkeyPatch) ->
     assert full[-1] < full[0] - 0.1
 
 
+def _interpreted_kernel_checks() -> None:
+    """The Triton kernels' logic on CPU tensors (run by the test below under ``TRITON_INTERPRET=1``)."""
+    from lightning_megatron.kernels.fp8_triton import amax, cast_transpose
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 136, dtype=torch.bfloat16) * 3  # 40,800 elements: 10 blocks over 8 programs (a loop)
+    x.view(-1)[-1] = -50.0  # the amax in the last element: the loop's and the mask's edge
+    assert amax(x).item() == 50.0
+    for dtype in (fp8.E4M3, fp8.E5M2):
+        q, qt, inv = cast_transpose(x, amax(x), dtype)
+        # (not q's values: the interpreter's fp8 rounding is its own, e.g. 31.08 -> 16 where the GPU gives 32)
+        assert torch.equal(inv, fp8.quantize_pair(x, dtype)[2])  # IEEE divisions, as the CPU's
+        assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    off, on = torch.zeros((), dtype=torch.int32), torch.ones((), dtype=torch.int32)
+    assert amax(x, off).item() == 0.0
+    assert amax(x, on).item() == 50.0
+    kept = [t.clone() for t in (q, qt, inv)]
+    cast_transpose(x * 2, amax(x * 2, off), fp8.E5M2, (q, qt, inv), off)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip((q, qt), kept[:2], strict=True))
+    assert torch.equal(inv, kept[2])
+    nan = torch.ones(64, 64, dtype=torch.bfloat16)
+    nan[3, 5] = float("nan")
+    for top in (amax(nan), torch.linalg.vector_norm(nan, float("inf"))):  # the graphs' amax and the eager one
+        assert not torch.isfinite(cast_transpose(nan, top, fp8.E4M3)[2])  # inverse scale: every GEMM non-finite
+
+
+def test_triton_kernels_in_the_interpreter() -> None:
+    """amax (with its loop over blocks and the gate), the cast into both layouts and its inverse scale, the gated
+    cast writing nothing, and a NaN input giving a non-finite scale with either amax -- on CPU, through Triton's
+    interpreter (a fresh process: the variable is read when the kernels are defined). The GPU tests check the bits."""
+    pytest.importorskip("triton")
+    code = "from tests.test_fp8 import _interpreted_kernel_checks as c; c()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2])
-def test_gpu_cast_transpose_equals_the_cpu_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("shape", [(200, 136), (2500, 1000)])
+def test_gpu_cast_transpose_equals_the_cpu_reference(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """200 x 136: not a multiple of the cast kernel's 64-wide tiles; 2500 x 1000: more blocks than the amax kernel
+    has programs on an H100/H200 (4 per SM, 4096 elements each), so that its programs loop."""
     torch.manual_seed(0)
-    x = torch.randn(200, 136, dtype=torch.bfloat16) * 3  # not a multiple of the kernel's 64-wide tiles
+    x = torch.randn(*shape, dtype=torch.bfloat16) * 3
+    x.view(-1)[-1] = -50.0  # the amax in the last element: the loop's and the mask's edge
     want = fp8.quantize_pair(x, dtype)
     got = fp8.quantize_pair(x.cuda(), dtype)
+    from lightning_megatron.kernels.fp8_triton import amax  # the amax of graph-captured casts (eager: torch's)
+
+    assert amax(x.cuda()).item() == x.abs().max().float().item()
     bits = [t.cpu().view(torch.uint8) if t.dtype == dtype else t.cpu() for t in (*got, *want)]  # NaN-safe
     for name, a, b, t in zip(("q", "q.t()", "inverse scale"), bits[:3], bits[3:], got, strict=True):
         assert t.is_contiguous(), name
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_gpu_cast_of_a_tensor_with_nan_is_not_finite() -> None:
+    x = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    x[3, 5] = float("nan")
+    assert not torch.isfinite(fp8.quantize_pair(x, fp8.E4M3)[2])  # the inverse scale: every GEMM output non-finite
+
+
+@pytest.mark.gpu
+def test_a_graph_captured_cast_follows_its_device_flag_at_each_replay() -> None:
+    """The weight cast as CUDA graphs capture it (``fp8.quantize_weight``): amax and cast both gated by a device
+    flag that each replay reads -- 1 recasts the weight in place, 0 leaves the last cast."""
+    torch.manual_seed(0)
+    w = torch.randn(320, 192, device="cuda", dtype=torch.bfloat16)
+    flag = torch.ones((), dtype=torch.int32, device="cuda")
+    out = fp8.quantize_pair(w, fp8.E4M3, active=flag)  # also compiles the gated kernels before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # on a side stream of its own
+        fp8.quantize_pair(w, fp8.E4M3, out, flag)
+
+    def bits(tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        return [t.view(torch.uint8) if t.dtype == fp8.E4M3 else t for t in tensors]
+
+    w.mul_(2.5)  # a new amax (the scale changes): a skipped cast would show
+    graph.replay()
+    want = bits(fp8.quantize_pair(w, fp8.E4M3))
+    assert all(torch.equal(a, b) for a, b in zip(bits(out), want, strict=True))
+    flag.fill_(0)
+    w.mul_(-0.3)
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(bits(out), want, strict=True))
 
 
 @pytest.mark.gpu
