@@ -120,7 +120,9 @@ class ModelConfig:
     """'hybrid': the parallel linears of the transformer layers run their three GEMMs in fp8 without Transformer
     Engine (torch._scaled_mm; e4m3 activations and weights, e5m2 output gradients, each tensor scaled by its own
     amax per GEMM). Master weights, optimizer and checkpoints stay those of a bf16 run; the LM head stays bf16.
-    Needs a GPU with fp8 tensor cores (Ada/Hopper or later) and kernels 'torch' or 'local'. None: no fp8."""
+    The weights' fp8 casts are kept for a step's later micro-batches: 2 bytes per weight element of GPU memory
+    until teardown. Needs a GPU with fp8 tensor cores (Ada/Hopper or later) and kernels 'torch' or 'local'.
+    Experimental: faster than bf16 only with ``cuda_graphs=True``, and its loss trails bf16's (README). None: no fp8."""
     cuda_graphs: bool = False
     """Capture each transformer layer's forward and backward as CUDA graphs in the first training step of a fit
     (Megatron-Core's own per-layer graphs, ``TransformerConfig.cuda_graph_impl='local'``) and replay them: the host

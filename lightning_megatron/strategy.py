@@ -379,14 +379,14 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     # ------------------------------------------------------------------ offload (GPU shared with inference)
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
-        """Release (return the bytes) parameters, gradients, optimizer state and fp8 weight casts on the accelerator:
-        the first and third to pinned host memory, gradients back zeroed; after :meth:`reload` training goes on."""
+        """Release (return the bytes) parameters and optimizer state to pinned host memory, gradients zeroed, fp8 casts
+        (uncounted) dropped; after :meth:`reload` every tensor is valid again and training goes on exactly as before."""
         if self._offloaded is not None:
             raise RuntimeError("MegatronStrategy.offload called twice without reload()")
-        fp8.forget_weight_casts([p for chunk in self.module.chunks for p in chunk.parameters()])  # recast when needed
         self._offloaded = offload_state.offload(
             self.module.chunks, self._megatron_optimizer, params=params, grads=grads, optimizer_state=optimizer
-        )
+        )  # (raises first under CUDA graphs, whose replays write into the casts: those must stay then)
+        fp8.forget_weight_casts(self.module.chunks)
         return self._offloaded.nbytes
 
     def reload(self) -> None:
@@ -482,12 +482,12 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     def _drop_step_state(self) -> None:
         ddp_chunks, run_chunks = self._ddp_chunks, self._run_chunks
-        self._ddp_chunks = self._run_chunks = None
-        self._last_step, self._step = None, None
+        self._ddp_chunks = self._run_chunks = self._last_step = self._step = None
         self._guard.forget()
         if ddp_chunks:
             ddp.clear_hooks(ddp_chunks[0].config)
         graphs.release(run_chunks or ())  # ModelConfig.cuda_graphs: Megatron's process-wide graph state
+        fp8.forget_weight_casts(run_chunks or ())  # the graphs that wrote into them are gone: free their memory
 
     def _keep_for_saving(self, failed: bool) -> None:
         # After a run its groups and optimizer stay for trainer.save_checkpoint (training/retained.py); after a

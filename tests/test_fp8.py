@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -86,14 +87,15 @@ def test_fp8_linear_is_close_to_full_precision(megatron_state: None) -> None:
 def test_a_weight_cast_is_reused_only_while_its_weight_is_named(megatron_state: None) -> None:
     _, layer, x = _pair("column", bias=False)
     _, other, _ = _pair("column", bias=False)
-    before = layer(x)[0]
+    before, other_before = layer(x)[0], other(x)[0]  # both weights have a kept cast now
     with torch.no_grad():
         layer.weight.mul_(2)  # a power of two: the fp8 values stay, the inverse scale doubles
         other.weight.mul_(2)
     try:
         fp8.reuse_weight_casts(fp8.weight_ids(layer))
         assert torch.equal(layer(x)[0], before)  # the kept cast of the old weight, as asked
-        other_now = other(x)[0]  # not named: cast again
+        other_now = other(x)[0]
+        assert torch.equal(other_now, 2 * other_before)  # not named: cast again
         fp8.weights_may_change()  # a new schedule run: a cast made before it is not reused, named or not
         fp8.reuse_weight_casts(fp8.weight_ids(layer))
         assert torch.equal(layer(x)[0], 2 * before)
@@ -208,6 +210,9 @@ def _interpreted_kernel_checks() -> None:
     nan[3, 5] = float("nan")
     for top in (amax(nan), torch.linalg.vector_norm(nan, float("inf"))):  # the graphs' amax and the eager one
         assert not torch.isfinite(cast_transpose(nan, top, fp8.E4M3)[2])  # inverse scale: every GEMM non-finite
+    for bad in (torch.empty(0, 16, dtype=torch.bfloat16), x.t()):  # empty; not contiguous
+        with pytest.raises(ValueError, match="fp8 casts take a contiguous, non-empty tensor"):
+            cast_transpose(bad, amax(x), fp8.E4M3)
 
 
 def test_triton_kernels_in_the_interpreter() -> None:
@@ -217,7 +222,8 @@ def test_triton_kernels_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     code = "from tests.test_fp8 import _interpreted_kernel_checks as c; c()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    root = Path(__file__).parents[1]
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -67,6 +67,35 @@ def test_offload_twice_is_an_error() -> None:
         MegatronStrategy().reload()
 
 
+def test_offload_refused_under_cuda_graphs_keeps_the_fp8_weight_casts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captured graphs replay into the kept fp8 casts' addresses: offload() refuses before dropping them, and the
+    teardown (graphs released by then) drops them."""
+    from lightning_megatron.kernels import fp8
+    from lightning_megatron.training import graphs
+
+    forgotten: list[int] = []
+    monkeypatch.setattr(graphs, "in_use", lambda chunks: True)  # as after a capture (CPU runs have no graphs)
+
+    def count(modules: list[torch.nn.Module]) -> None:
+        forgotten.append(sum(len(list(m.parameters())) for m in modules))
+
+    monkeypatch.setattr(fp8, "forget_weight_casts", count)
+
+    class Refused(Plain):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            with pytest.raises(RuntimeError, match=r"offload\(\) with ModelConfig\(cuda_graphs=True\)"):
+                trainer.strategy.offload()
+            assert not forgotten
+            self.losses.append(float(outputs["loss"]))
+            self.model = pl_module
+
+    refused = Refused()
+    _run(refused)
+    assert len(refused.losses) == 4
+    assert len(forgotten) == 1  # at teardown, every parameter of the model
+    assert forgotten[0] == len(list(refused.model.parameters()))
+
+
 @pytest.mark.gpu(devices=1)
 def test_offload_releases_gpu_memory() -> None:
     plain, offloaded = Plain(), OffloadEveryStep()

@@ -2,7 +2,8 @@
 
 Each of a linear's three GEMMs runs in fp8 through ``torch._scaled_mm``: activations and weights in e4m3, output
 gradients in e5m2 (Megatron's "hybrid" recipe), every tensor scaled by its own amax just before the GEMM (no
-amax history, hence no state: checkpoints are those of a bf16 run, master weights and optimizer unchanged). The
+amax history, hence nothing to checkpoint: checkpoints are those of a bf16 run, master weights and optimizer
+unchanged). The
 weight gradient leaves the GEMM in fp32 and is added to ``main_grad``.
 
 No amax is reduced across ranks: under tensor parallelism every GEMM is a rank's own (a weight shard, its input
@@ -15,7 +16,8 @@ transposed, so it is needed in both physical layouts.
 
 A weight's cast is kept between calls (:func:`quantize_weight`): within one run of Megatron's schedule the weights
 do not change, so a model chunk's first micro-batch casts them and the later ones reuse the casts
-(:func:`reuse_weight_casts`, set by ``schedule.py``). Outside a schedule run every call casts.
+(:func:`reuse_weight_casts`, set by ``schedule.py``). Outside a schedule run every call casts. The kept casts
+take 2 bytes per weight element of GPU memory until the strategy's teardown or ``offload()`` drops them.
 
 ``_scaled_mm`` needs every GEMM dimension divisible by 16; a call with other shapes (e.g. a token budget's odd
 micro-batch) runs that linear in bf16 instead.
@@ -23,6 +25,7 @@ micro-batch) runs that linear in bf16 instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -152,7 +155,10 @@ def quantize_weight(weight: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor,
         return entry.casts
     # A graph replay cannot check the generation: graphs run fixed shapes, so every micro-batch of a step takes the
     # same (fp8 or bf16) path, and the first one casts.
-    if weight.is_cuda and (capturing or not reuse):  # in place: a captured graph's addresses
+    # In place: a captured graph's addresses. Autograd does not see these writes (no version bump), and a pending
+    # backward (e.g. a recompute under virtual pipelining) may hold the old cast: harmless, because a recast of an
+    # unchanged weight writes the same bits, and weights change only between schedule runs.
+    if weight.is_cuda and (capturing or not reuse):
         quantize_pair(weight, dtype, entry.casts, _WEIGHTS.flags.get(weight.device) if capturing else None)
     elif not reuse:  # CPU: new tensors (a pending backward keeps those it saved; no graphs here)
         entry.casts = quantize_pair(weight, dtype)
@@ -166,10 +172,11 @@ def weight_ids(module: torch.nn.Module) -> frozenset[int]:
     return frozenset(id(param) for param in module.parameters())
 
 
-def forget_weight_casts(weights: list[Tensor]) -> None:
-    """Drop the casts kept for ``weights`` (their memory), e.g. when the weights leave the GPU."""
-    for weight in weights:
-        _WEIGHTS.casts.pop(weight, None)
+def forget_weight_casts(modules: Iterable[torch.nn.Module]) -> None:
+    """Drop the casts kept for the parameters of ``modules`` (their memory), e.g. when the weights leave the GPU."""
+    for module in modules:
+        for weight in module.parameters():
+            _WEIGHTS.casts.pop(weight, None)
 
 
 def scaled_mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:

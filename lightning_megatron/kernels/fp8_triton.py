@@ -32,8 +32,9 @@ def _amax(x_ptr, amax_ptr, active_ptr, numel, BLOCK: tl.constexpr, GATED: tl.con
     if GATED:
         live = tl.where(tl.load(active_ptr) != 0, numel, 0)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(tl.program_id(0) * BLOCK, live, tl.num_programs(0) * BLOCK):
-        offsets = tl.arange(0, BLOCK).to(tl.int64) + start  # int64: offsets of >2**31 elements
+    # int64 loop (its start sets the type): an int32 one would wrap for tensors within a grid's stride of 2**31
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, live, tl.num_programs(0) * BLOCK):
+        offsets = tl.arange(0, BLOCK) + start
         x = tl.load(x_ptr + offsets, mask=offsets < live, other=0.0).to(tl.float32)
         # NaN counts as inf (a max would drop it): the scale becomes 0 and the GEMMs non-finite, as with
         # torch's max-norm, which returns NaN.
@@ -80,6 +81,7 @@ def amax(x: Tensor, active: Tensor | None = None) -> Tensor:
     One read of ``x`` by a fixed number of programs (4 per SM). ``active``: a one-element int32 tensor; where it
     holds 0 when the kernel runs, ``x`` is not read and the result is 0.
     """
+    _check(x)
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     numel = x.numel()
     grid = (max(1, min(triton.cdiv(numel, _AMAX_BLOCK), _programs(x.device))),)
@@ -88,20 +90,28 @@ def amax(x: Tensor, active: Tensor | None = None) -> Tensor:
     return out
 
 
+def _check(x: Tensor) -> None:
+    # The kernels index x as a dense row-major block; an empty one would leave the inverse scale unwritten (the
+    # CPU cast raises on it too).
+    if not x.is_contiguous() or x.numel() == 0:
+        raise ValueError(f"fp8 casts take a contiguous, non-empty tensor; got shape {tuple(x.shape)}, {x.stride()=}")
+
+
 def cast_transpose(
     x: Tensor,
-    amax: Tensor,
+    x_amax: Tensor,
     dtype: torch.dtype,
     out: tuple[Tensor, Tensor, Tensor] | None = None,
     active: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``clamp(x * scale)`` cast to fp8 ``dtype``, as [M, N] and as its transpose [N, M], both row-major, and the
-    inverse scale (a 0-dim fp32 tensor), where ``scale`` maps ``amax`` (a one-element tensor) to ``dtype``'s
-    largest value.
+    inverse scale (a 0-dim fp32 tensor), where ``scale`` maps ``x_amax`` (a one-element tensor: :func:`amax`) to
+    ``dtype``'s largest value.
 
     ``x``: a contiguous 2-D CUDA tensor. ``out``: the three tensors to write into, else new ones. ``active``: a
     one-element int32 tensor; where it holds 0 when the kernel runs, nothing is written (``out`` keeps its values).
     """
+    _check(x)
     m, n = x.shape
     if out is None:
         out = (
@@ -113,5 +123,5 @@ def cast_transpose(
     grid = (triton.cdiv(m, _BLOCK), triton.cdiv(n, _BLOCK))
     gate = active if active is not None else inv  # not read when GATED is off
     fmax = torch.finfo(dtype).max
-    _cast_transpose[grid](x, amax, gate, q, qt, inv, m, n, FMAX=fmax, BLOCK=_BLOCK, GATED=active is not None)
+    _cast_transpose[grid](x, x_amax, gate, q, qt, inv, m, n, FMAX=fmax, BLOCK=_BLOCK, GATED=active is not None)
     return q, qt, inv
