@@ -2,6 +2,7 @@
 
     python benchmarks/packing.py --mode attention            # kernels only: SDPA, FlexAttention, varlen, mask
     python benchmarks/packing.py --mode padded,budget,packed  # Trainer + MegatronStrategy, 1.0B Llama shape
+    python benchmarks/packing.py --mode packed --cp 2 --row-length 32768 --docs-per-step 16  # packed rows, 2 GPUs
 
 Training modes, each in its own process, on the same documents (random lengths 64-4,096 tokens, synthetic ids),
 ``--docs-per-step`` documents per optimizer step:
@@ -10,7 +11,8 @@ of ``--docs-per-micro-batch``; ``budget``: the same batches with ``max_tokens_pe
 micro-batch cut to its own longest document, grouped by length); ``packed``: the documents packed first-fit into
 rows of ``--row-length`` (``pack_sequences``), one row per micro-batch, as many rows per step as the step's
 documents need (fixed per run: the rows are dealt to steps in order, ``--docs-per-step`` on average).
-Useful tokens/s counts document tokens only (no padding). Prints one JSON line per mode.
+Useful tokens/s counts document tokens only (no padding). Prints one JSON line per mode. ``--cp N`` runs the packed
+mode with context parallelism on N GPUs (each row split over them; peak memory is rank 0's).
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--cp", type=int, default=1, help="packed mode only: context parallelism over this many GPUs")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.cp > 1 and args.mode != "packed":
+        p.error(f"--cp {args.cp} runs the packed mode only (--mode packed); got --mode {args.mode}")
+    return args
 
 
 def documents(args: argparse.Namespace) -> list[torch.Tensor]:
@@ -92,7 +98,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     elif mode == "budget":
         strategy = MegatronStrategy(max_tokens_per_micro_batch=args.budget)
     else:
-        strategy = MegatronStrategy(micro_batch_size=1)
+        strategy = MegatronStrategy(micro_batch_size=1, cp=args.cp)
 
     class Clock(L.Callback):
         def __init__(self) -> None:
@@ -106,7 +112,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     clock = Clock()
     trainer = L.Trainer(
-        accelerator="gpu", devices=1, precision="bf16-mixed", strategy=strategy, logger=False,
+        accelerator="gpu", devices=args.cp, precision="bf16-mixed", strategy=strategy, logger=False,
         max_steps=args.warmup + args.steps, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[clock], use_distributed_sampler=False,
     )  # fmt: skip
@@ -125,7 +131,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "mode": mode, "useful_tokens_per_s": round(useful / elapsed), "computed_tokens_per_s": round(total / elapsed),
         "padding_fraction": round(1 - useful / total, 4), "step_time_s": round(elapsed / args.steps, 4),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "docs_per_step": args.docs_per_step, "row_length": args.row_length, "gpu": torch.cuda.get_device_name(),
+        "docs_per_step": args.docs_per_step, "row_length": args.row_length, "cp": args.cp,
+        "gpu": torch.cuda.get_device_name(),
     }  # fmt: skip
 
 
@@ -194,7 +201,9 @@ def _time(fn: Any, reps: int = 20) -> float:
 def main() -> None:
     args = parse()
     if args.child:
-        print("RESULT " + json.dumps(train(args)), flush=True)
+        result = train(args)
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # under --cp, Lightning's launcher started the other ranks
+            print("RESULT " + json.dumps(result), flush=True)
         return
     for mode in args.mode.split(","):
         if mode == "attention":

@@ -3,6 +3,7 @@
     python benchmarks/throughput.py                                   # 1 GPU, 1.0B Llama shape, variants a,b,c,d
     python benchmarks/throughput.py --devices 2 --tp 2 --sp --variants a,b
     python benchmarks/throughput.py --devices 2 --pp 2 --vpp 2 --micro-batch-size 2 --micro-batches 16
+    python benchmarks/throughput.py --devices 2 --cp 2 --seq-length 32768 --micro-batch-size 1 --variants a
 
 Prints one JSON line per variant, each measured in its own torchrun job on the same GPUs:
 (a) ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule``; (b) a raw Megatron-Core loop with the same model,
@@ -63,12 +64,19 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None)
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    p.add_argument(
+        "--cp", type=int, default=1,
+        help="context parallelism, variant a only (raw Megatron-Core's needs Transformer Engine; c and d have none)",
+    )  # fmt: skip
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=2, help="per optimizer step and data-parallel rank")
     p.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="variant b: foreach AdamW")
     p.add_argument("--recompute", choices=["selective", "full"], default=None)
-    p.add_argument("--fp8", action="store_true", help="variant a: ModelConfig(fp8='hybrid'), fp8 GEMMs without TE")
+    p.add_argument(
+        "--fp8", nargs="?", const="hybrid", default=None, choices=["hybrid", "e4m3"],
+        help="variant a: ModelConfig(fp8=...), fp8 GEMMs without TE ('--fp8' alone: 'hybrid')",
+    )  # fmt: skip
     p.add_argument(
         "--no-weight-cast-reuse", dest="weight_cast_reuse", action="store_false",
         help="variant a with --fp8: cast the weights on every micro-batch (kernels/fp8.py:reuse_weight_casts off)",
@@ -101,7 +109,10 @@ def parse() -> argparse.Namespace:
         "--sync-debug", action="store_true",
         help="count the host-GPU synchronisations of the timed steps by call site (slows the run: no timing)",
     )  # fmt: skip
-    return p.parse_args()
+    args = p.parse_args()
+    if args.devices % (args.tp * args.pp * args.cp):
+        p.error(f"--devices {args.devices} is not a multiple of --tp x --pp x --cp = {args.tp * args.pp * args.cp}")
+    return args
 
 
 def model_config(args: argparse.Namespace) -> Any:
@@ -113,7 +124,7 @@ def model_config(args: argparse.Namespace) -> Any:
     fusion = {"auto": None, "on": True, "off": False}[args.wgrad_fusion]
     return ModelConfig(
         **SHAPES[args.shape], vocab_size=VOCAB, seq_length=args.seq_length, kernels=args.kernels,
-        gradient_accumulation_fusion=fusion, fp8="hybrid" if args.fp8 and args.variant == "a" else None,
+        gradient_accumulation_fusion=fusion, fp8=args.fp8 if args.variant == "a" else None,
         cuda_graphs=args.cuda_graphs and args.variant in ("a", "b"), **recompute,
     )  # fmt: skip
 
@@ -123,6 +134,18 @@ def dataset(args: argparse.Namespace, dp: int) -> torch.Tensor:
 
     batch = args.micro_batch_size * args.micro_batches
     return synthetic_tokens(batch * dp * total_steps(args), args.seq_length, VOCAB)
+
+
+def data_parallel(args: argparse.Namespace) -> int:
+    """Data-parallel replicas of variants a and b: the GPUs over the model-parallel ones (TP x PP x CP)."""
+    return args.devices // (args.tp * args.pp * args.cp)
+
+
+def replica_ranks(args: argparse.Namespace) -> list[int]:
+    """The global ranks of the first model replica (data-parallel rank 0, CP rank 0) in Megatron's default rank
+    order, tp-cp-ep-dp-pp: tensor-parallel ranks adjacent, pipeline stages ``tp * cp * dp`` apart."""
+    stride = args.tp * args.cp * data_parallel(args)
+    return [t + stage * stride for stage in range(args.pp) for t in range(args.tp)]
 
 
 def total_steps(args: argparse.Namespace) -> int:
@@ -136,9 +159,9 @@ def timeline_path(args: argparse.Namespace) -> str:
     return f"{args.host_timeline}.{args.variant}.{args.run_index}{f'.rank{rank}' if rank else ''}.json.gz"
 
 
-def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: torch.Tensor, dp: int) -> dict:
+def make_clock(args: argparse.Namespace) -> Any:
+    """The callback that times the steps after the warm-up (and records the warm-up losses, counts syncs, profiles)."""
     import lightning as L
-    from torch.utils.data import DataLoader
 
     class Clock(L.Callback):
         """Wall clock between the end of the warm-up and the end of the last step; the GPU is drained only there
@@ -150,6 +173,7 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
             self.syncs = SyncCounter(args.sync_debug)
             self.timeline: Any = None
             self.timeline_summary: dict | None = None
+            self.losses: list[float] = []
 
         def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
             if args.host_timeline and hasattr(trainer.strategy, "megatron_optimizer"):
@@ -160,6 +184,9 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
                 host_timeline.annotate_chunks(strategy._ddp_chunks)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            loss = trainer.callback_metrics.get("train_loss")  # the strategy's: the same on every rank
+            if loss is not None and trainer.global_step <= min(3, args.warmup):  # the warm-up's, off the clock
+                self.losses.append(round(float(loss), 5))
             if args.host_timeline and trainer.global_step == args.warmup + args.steps + args.timeline_steps:
                 from benchmarks import host_timeline
 
@@ -183,7 +210,14 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
             if self.profiler is not None:
                 write_profile(self.profiler, f"{args.profile}.{args.variant}")
 
-    clock = Clock()
+    return Clock()
+
+
+def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: torch.Tensor, dp: int) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    clock = make_clock(args)
     profiler = None
     if args.host_timeline:
         from benchmarks import host_timeline
@@ -201,7 +235,7 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
     trainer.fit(module, DataLoader(data, batch_size=batch, pin_memory=args.pin_memory))
     return {
         "elapsed": clock.stamps[1] - clock.stamps[0], "steps": args.steps, "syncs": clock.syncs.counts,
-        "timeline": clock.timeline_summary,
+        "timeline": clock.timeline_summary, "first_losses": clock.losses,
     }  # fmt: skip
 
 
@@ -209,7 +243,7 @@ def variant_a(args: argparse.Namespace) -> dict:
     from lightning_megatron import LoRAConfig, MegatronLMModule, MegatronStrategy
 
     config = model_config(args)
-    dp = args.devices // (args.tp * args.pp)
+    dp = data_parallel(args)
     if not args.weight_cast_reuse:
         from lightning_megatron.kernels import fp8
 
@@ -218,8 +252,9 @@ def variant_a(args: argparse.Namespace) -> dict:
     lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
     module = MegatronLMModule(config, lr=1e-4, decay_steps=1000, lora=lora)
     strategy = MegatronStrategy(
-        tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size
-    )
+        tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, sequence_parallel=args.sp,
+        micro_batch_size=args.micro_batch_size,
+    )  # fmt: skip
     result = run_lightning(args, module, strategy, dataset(args, dp), dp)
     params = sum(p.numel() for c in module.chunks for p in c.parameters())
     frozen = sum(p.numel() for c in module.chunks for p in c.parameters() if not p.requires_grad)
@@ -336,7 +371,7 @@ def child(args: argparse.Namespace) -> None:
     if args.variant == "b":
         from benchmarks.raw_megatron import run
 
-        result = run(args, model_config(args), dataset(args, args.devices // (args.tp * args.pp)))
+        result = run(args, model_config(args), dataset(args, data_parallel(args)))
     elif args.variant == "d":
         from benchmarks.hf_fsdp2 import run
 
@@ -344,8 +379,8 @@ def child(args: argparse.Namespace) -> None:
     else:
         result = {"a": variant_a, "c": variant_c}[args.variant](args)
     params = torch.tensor([float(result["params"]), float(result.get("frozen", 0))], device="cuda")
-    if args.variant in ("a", "b") and args.tp * args.pp > 1:  # each rank holds 1/(tp*pp): sum over the first such group
-        ranks = list(range(args.tp * args.pp))  # global ranks 0..tp*pp-1 form one model replica (Megatron order)
+    if args.variant in ("a", "b") and args.tp * args.pp > 1:  # each rank holds 1/(tp*pp): sum over one replica
+        ranks = replica_ranks(args)
         group = torch.distributed.new_group(ranks)
         if torch.distributed.get_rank() in ranks:
             torch.distributed.all_reduce(params, group=group)
@@ -356,7 +391,7 @@ def child(args: argparse.Namespace) -> None:
     if distributed and torch.distributed.get_rank() != 0:
         return
     tokens = args.steps * args.micro_batch_size * args.micro_batches * args.seq_length
-    tokens *= args.devices // (args.tp * args.pp)
+    tokens *= data_parallel(args) if args.variant in ("a", "b") else args.devices
     tokens_per_s = tokens / result["elapsed"]
     shape = SHAPES[args.shape]
     total, frozen = params.tolist()  # a frozen parameter (LoRA's base) gets no weight-gradient GEMM: 4 FLOPs, not 6
@@ -367,7 +402,7 @@ def child(args: argparse.Namespace) -> None:
         "RESULT " + json.dumps({
             "variant": VARIANTS[args.variant],
             "shape": args.shape, "devices": args.devices, "tp": args.tp, "pp": args.pp, "vpp": args.vpp,
-            "sp": args.sp, "kernels": args.kernels if args.variant in ("a", "b") else "hf_sdpa",
+            "cp": args.cp, "sp": args.sp, "kernels": args.kernels if args.variant in ("a", "b") else "hf_sdpa",
             "micro_batch": f"{args.micro_batch_size}x{args.micro_batches}", "seq": args.seq_length,
             "recompute": args.recompute, "params": int(total), "frozen_params": int(frozen),
             "lora_rank": args.lora_rank if args.variant == "a" else 0, "tokens_per_s": round(tokens_per_s),
@@ -375,8 +410,9 @@ def child(args: argparse.Namespace) -> None:
             "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
             "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(),
             "pinned_batches": args.pin_memory, "fused_wgrad": result.get("fused_wgrad", False),
-            "fp8": result.get("fp8", False),
+            "fp8": result.get("fp8", False), "fp8_format": args.fp8 if result.get("fp8") else None,
             "weight_cast_reuse": args.weight_cast_reuse, "cuda_graphs": args.cuda_graphs and args.variant in ("a", "b"),
+            "first_losses": result.get("first_losses", []),
             **(sync_report(result["syncs"], args.steps) if args.sync_debug else {}),
         }),
         flush=True,
@@ -399,8 +435,11 @@ def main() -> None:
         return
     timelines = []
     for index, variant in enumerate(args.variants.split(",")):
-        if variant in ("c", "d") and args.tp * args.pp > 1:
+        if variant in ("c", "d") and args.tp * args.pp * args.cp > 1:
             continue  # the HF model runs data-parallel only (DDP / FSDP2)
+        if variant == "b" and args.cp > 1:  # Megatron-Core's context parallelism needs Transformer Engine's attention
+            print(json.dumps({"variant": variant, "skipped": "--cp > 1: raw Megatron-Core's CP needs TE"}), flush=True)
+            continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.devices}"]
         cmd += [__file__, *sys.argv[1:], "--variant", variant, "--run-index", str(index)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}

@@ -117,12 +117,14 @@ class ModelConfig:
     'torch' kernels on GPU (torch >= 2.11), off elsewhere; True: also with 'local' and on CPU (an upcast GEMM
     there, slower: for tests); False: Megatron's unfused path. Same numerics up to rounding; same checkpoints."""
     fp8: str | None = None
-    """'hybrid': the parallel linears of the transformer layers run their three GEMMs in fp8 without Transformer
-    Engine (torch._scaled_mm; e4m3 activations and weights, e5m2 output gradients, each tensor scaled by its own
-    amax per GEMM). Master weights, optimizer and checkpoints stay those of a bf16 run; the LM head stays bf16.
-    The weights' fp8 casts are kept for a step's later micro-batches: 2 bytes per weight element of GPU memory
-    until teardown. Needs a GPU with fp8 tensor cores (Ada/Hopper or later) and kernels 'torch' or 'local'.
-    Experimental: faster than bf16 only with ``cuda_graphs=True``, and its loss trails bf16's (README). None: no fp8."""
+    """The parallel linears of the transformer layers run their three GEMMs in fp8 without Transformer Engine
+    (torch._scaled_mm; each tensor scaled by its own amax per GEMM), in one of Megatron's fp8 formats: 'hybrid'
+    (e4m3 activations and weights, e5m2 output gradients) or 'e4m3' (e4m3 for all three; its loss came closer to
+    bf16's in our runs, see the README). Master weights, optimizer and checkpoints stay those of a bf16 run; the
+    LM head stays bf16. The weights' fp8 casts are kept for a step's later micro-batches: 2 bytes per weight
+    element of GPU memory until teardown. Needs a GPU with fp8 tensor cores (Ada/Hopper or later) and kernels
+    'torch' or 'local'. Experimental: faster than bf16 only with ``cuda_graphs=True``, and its loss trails bf16's
+    (README). None: no fp8."""
     cuda_graphs: bool = False
     """Capture each transformer layer's forward and backward as CUDA graphs in the first training step of a fit
     (Megatron-Core's own per-layer graphs, ``TransformerConfig.cuda_graph_impl='local'``) and replay them: the host
@@ -144,7 +146,7 @@ class ModelConfig:
         check_choice("activation", self.activation, tuple(_ACTIVATIONS))
         check_choice("position_embedding_type", self.position_embedding_type, ("rope", "learned_absolute", "none"))
         check_choice("kernels", self.kernels, ("auto", "torch", "te", "local"))
-        check_choice("fp8", self.fp8, (None, "hybrid"))
+        check_choice("fp8", self.fp8, (None, "hybrid", "e4m3"))
         if self.fp8 is not None and self.kernels == "te":
             raise ValueError(
                 f"fp8={self.fp8!r} is the torch-native fp8 path; with kernels='te' use Transformer Engine's own fp8 "

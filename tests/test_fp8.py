@@ -48,18 +48,24 @@ def test_quantize_scales_amax_to_the_largest_fp8_value(dtype: torch.dtype) -> No
     assert not zeros.float().any()
 
 
-def _pair(kind: str, bias: bool, tokens: int = 16) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+GRAD_DTYPES = {"hybrid": fp8.E5M2, "e4m3": fp8.E4M3}  # ModelConfig.fp8's formats: their output gradients' type
+
+
+def _pair(
+    kind: str, bias: bool, tokens: int = 16, fmt: str = "hybrid"
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
     from tests.test_fused_wgrad import linear_pair
 
-    classes = (linear.Fp8ColumnParallelLinear, linear.Fp8RowParallelLinear)
-    reference, layer = linear_pair(kind, bias, classes, (32, 48))
+    reference, layer = linear_pair(kind, bias, linear.FP8_LINEARS[fmt], (32, 48))
     return reference, layer, torch.randn(tokens // 2, 2, 32)  # [S, B, H]
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])
-@pytest.mark.parametrize("with_main_grad", [False, True])
-def test_fp8_linear_equals_the_dequantized_reference(megatron_state: None, kind: str, with_main_grad: bool) -> None:
-    _, layer, x = _pair(kind, bias=True)
+@pytest.mark.parametrize(("fmt", "with_main_grad"), [("hybrid", False), ("hybrid", True), ("e4m3", True)])
+def test_fp8_linear_equals_the_dequantized_reference(
+    megatron_state: None, kind: str, fmt: str, with_main_grad: bool
+) -> None:
+    _, layer, x = _pair(kind, bias=True, fmt=fmt)
     if with_main_grad:  # as Megatron's DDP sets up the weight
         layer.weight.main_grad = torch.zeros_like(layer.weight)
         layer.weight.grad_added_to_main_grad = False
@@ -69,7 +75,8 @@ def test_fp8_linear_equals_the_dequantized_reference(megatron_state: None, kind:
     out.backward(g)
     # The reference: the same GEMMs on the dequantized fp8 operands, in fp32.
     xq, wq = _dequantized(x.detach().reshape(-1, 32), fp8.E4M3), _dequantized(layer.weight.detach(), fp8.E4M3)
-    gq = _dequantized(g.reshape(-1, 48), fp8.E5M2)
+    gq = _dequantized(g.reshape(-1, 48), GRAD_DTYPES[fmt])
+    assert not torch.equal(gq, _dequantized(g.reshape(-1, 48), GRAD_DTYPES["e4m3" if fmt == "hybrid" else "hybrid"]))
     torch.testing.assert_close(out.reshape(-1, 48), xq @ wq.t() + layer.bias.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad.reshape(-1, 32), gq @ wq, rtol=1e-5, atol=1e-5)
     wgrad = layer.weight.main_grad if with_main_grad else layer.weight.grad
@@ -114,9 +121,23 @@ def test_shapes_fp8_cannot_take_run_unquantized(megatron_state: None) -> None:
     torch.testing.assert_close(layer(x)[0], reference(x)[0])
 
 
+def test_each_fp8_format_builds_its_linears() -> None:
+    from lightning_megatron.kernels.specs import layer_spec
+
+    for fmt, (column, row) in linear.FP8_LINEARS.items():
+        assert column.fp8
+        assert row.fp8
+        assert column.fp8_grad_dtype == row.fp8_grad_dtype == GRAD_DTYPES[fmt]
+        spec = layer_spec(tiny_gpt(kernels="torch", fp8=fmt), "torch", fp8=True).submodules
+        attention, mlp = spec.self_attention.submodules, spec.mlp.keywords["submodules"]
+        assert (attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2) == (column, row) * 2
+        assert f"fp8 GEMMs in the transformer layers ('{fmt}' format" in resolve.describe("torch", True, fmt)
+    assert "fp8" not in resolve.describe("torch", True, None)
+
+
 def test_fp8_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match=r"fp8='e4m3' is not supported; pick one of \[None, 'hybrid'\]"):
-        tiny_gpt(fp8="e4m3")
+    with pytest.raises(ValueError, match=r"fp8='e5m2' is not supported; pick one of \[None, 'hybrid', 'e4m3'\]"):
+        tiny_gpt(fp8="e5m2")
     with pytest.raises(ValueError, match=r"fp8='hybrid' is the torch-native fp8 path; with kernels='te'"):
         ModelConfig(**{**tiny_gpt().__dict__, "kernels": "te", "fp8": "hybrid"})
     with pytest.raises(ValueError, match=r"needs a GPU with fp8 tensor cores .* this run is on a CPU"):
@@ -157,6 +178,8 @@ def _losses(fp8_mode: str | None) -> list[float]:
     linears = [m for m in model.chunks[0].decoder.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
     assert len(linears) == 4 * 4  # qkv, proj, fc1, fc2 per layer
     assert all(type(m).__name__.startswith("Fp8") == model.fp8 for m in linears), {type(m).__name__ for m in linears}
+    if fp8_mode is not None:  # each format's gradient type reached every linear of the module's chunks
+        assert {m.fp8_grad_dtype for m in linears} == {GRAD_DTYPES[fp8_mode]}
     assert not type(model.chunks[0].output_layer).__name__.startswith("Fp8")  # the LM head stays bf16
     return losses
 
@@ -182,6 +205,10 @@ def test_fp8_training_follows_full_precision(monkeypatch: pytest.MonkeyPatch) ->
     assert len(weight_casts) == 6 * 16 + 6 * 4 * 16
     assert quantized != full
     assert quantized == pytest.approx(full, rel=2e-2)
+    e4m3 = _losses("e4m3")  # the other format: other gradients from the first step on, as close to full precision
+    assert e4m3[0] == quantized[0]
+    assert e4m3[1:] != quantized[1:]
+    assert e4m3 == pytest.approx(full, rel=2e-2)
     assert quantized[-1] < quantized[0] - 0.1
     assert full[-1] < full[0] - 0.1
 
@@ -296,29 +323,28 @@ def test_fp8_linear_on_gpu() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["column", "row"])
-def test_fp8_linear_gradients_on_gpu_equal_the_dequantized_reference(kind: str) -> None:
+@pytest.mark.parametrize("fmt", list(linear.FP8_LINEARS))
+def test_fp8_linear_gradients_on_gpu_equal_the_dequantized_reference(kind: str, fmt: str) -> None:
     """The three GEMMs of the real GPU path (Triton casts, CUDA ``_scaled_mm``) through Megatron's layer, against
     fp32 GEMMs of the dequantized operands: the forward output, the input gradient and the fp32 weight gradient
     accumulated into ``main_grad``."""
     from tests.test_fused_wgrad import linear_pair
 
+    def dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        q, _, inv = fp8.quantize_pair(t.detach().reshape(-1, t.shape[-1]), dtype)
+        return q.float() * inv
+
     with one_process_megatron(port=29614, cpu=False):
-        classes = (linear.Fp8ColumnParallelLinear, linear.Fp8RowParallelLinear)
-        _, layer = linear_pair(kind, False, classes, (1024, 2048))
+        _, layer = linear_pair(kind, False, linear.FP8_LINEARS[fmt], (1024, 2048))
         layer = layer.cuda().bfloat16()
         layer.weight.main_grad = torch.ones_like(layer.weight, dtype=torch.float32)  # accumulated into, not set
         layer.weight.grad_added_to_main_grad = False
         torch.manual_seed(0)
         x = torch.randn(1024, 4, 1024, device="cuda", dtype=torch.bfloat16).requires_grad_()  # [S, B, in]
         out, _ = layer(x)
-        g = torch.randn_like(out) * 1e-3  # gradients far below fp8's range: the e5m2 scale brings them up
+        g = torch.randn_like(out) * 1e-3  # gradients far below fp8's range: the scale brings them up
         out.backward(g)
-
-        def dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            q, _, inv = fp8.quantize_pair(t.detach().reshape(-1, t.shape[-1]), dtype)
-            return q.float() * inv
-
-        xq, wq, gq = dequantized(x, fp8.E4M3), dequantized(layer.weight, fp8.E4M3), dequantized(g, fp8.E5M2)
+        xq, wq, gq = dequantized(x, fp8.E4M3), dequantized(layer.weight, fp8.E4M3), dequantized(g, GRAD_DTYPES[fmt])
         # bf16 outputs: within bf16's rounding of fp32 GEMMs over exact fp8 products
         torch.testing.assert_close(out.reshape(-1, 2048).float(), xq @ wq.t(), rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(x.grad.reshape(-1, 1024).float(), gq @ wq, rtol=1e-2, atol=1e-5)

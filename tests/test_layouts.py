@@ -33,9 +33,10 @@ LAYOUTS = {
     # context parallelism (kernels='auto' picks the torch-native attention on CPU under CP): K/V all-gathered;
     # with SP each CP shard's tokens split over TP. (CP=2 alone, unpacked: tests/test_hf.py against transformers.)
     "tp2_sp_cp2": {"devices": 4, "tp": 2, "cp": 2, "sp": True, "model": {"gradient_accumulation_fusion": True}},
+    "cp2": {"devices": 2, "cp": 2},  # GPU only here (NCCL); on CPU, CP=2 alone runs in tests/test_hf.py
 }
 # On CPU, tp2_sp_cp2 covers sequence parallelism (tp2_sp runs on GPUs).
-CPU_LAYOUTS = [name for name in LAYOUTS if name != "tp2_sp"]
+CPU_LAYOUTS = [name for name in LAYOUTS if name not in ("tp2_sp", "cp2")]
 # Packed rows (documents of 3-20 tokens in rows of 32, attention and loss per document) from the same checkpoint.
 PACKED = {"packed": True, "model": {"kernels": "torch"}}
 # (CP=2 alone on packed rows: tests/test_hf.py, against transformers per document.)
@@ -198,11 +199,36 @@ def test_validate_and_predict_parity(name: str, reference: dict, tmp_path: Path)
         torch.testing.assert_close(logits, one_logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.gpu(devices=2)
-@pytest.mark.parametrize("name", ["dp2", "tp2", "tp2_sp", "pp2", "pp2_vpp2"])
-def test_gpu_layout_continues_single_process_curve(name: str, reference: dict, tmp_path: Path) -> None:
-    """Tier 2: the CPU reference checkpoint resumed over NCCL on GPUs continues the same curve."""
+def _gpu_resume_follows_the_curve(name: str, reference: dict, tmp_path: Path) -> None:
     resumed = _resume(LAYOUTS[name], reference, tmp_path, accelerator="gpu")
     full = reference["full"]
     _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "train_loss")
     _assert_close(resumed["val"], {str(MAX_STEPS): full["val"][str(MAX_STEPS)]}, "val_loss")
+
+
+@pytest.mark.gpu(devices=2)
+@pytest.mark.parametrize("name", ["dp2", "tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2"])
+def test_gpu_layout_continues_single_process_curve(name: str, reference: dict, tmp_path: Path) -> None:
+    """Tier 2: the CPU reference checkpoint resumed over NCCL on GPUs continues the same curve."""
+    _gpu_resume_follows_the_curve(name, reference, tmp_path)
+
+
+@pytest.mark.gpu(devices=4)
+@pytest.mark.parametrize("name", ["tp2_pp2", "tp2_sp_cp2"])
+def test_gpu_four_gpu_layout_continues_single_process_curve(name: str, reference: dict, tmp_path: Path) -> None:
+    """Tier 2 on four GPUs: TP x PP and TP+SP x CP over NCCL continue the same curve."""
+    _gpu_resume_follows_the_curve(name, reference, tmp_path)
+
+
+@pytest.mark.gpu(devices=4)
+def test_gpu_tp2_pp2_checkpoint_resumes_at_dp4_and_on_cpu(tmp_path: Path) -> None:
+    """The other way round: a checkpoint written by TP=2 x PP=2 on four GPUs continues that run's curve at DP=4 on
+    the GPUs and at one process on CPU."""
+    ckpt_dir = tmp_path / "ckpt"
+    saves = {"ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}
+    full = run_worker({**LAYOUTS["tp2_pp2"], "max_steps": MAX_STEPS, **VAL, **saves, "accelerator": "gpu"}, tmp_path)
+    ckpt = str(ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt")
+    for layout in ({"devices": 4, "accelerator": "gpu"}, {"devices": 1}):
+        resumed = _resume(layout, {"ckpt": ckpt}, tmp_path)
+        _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "train_loss")
+        _assert_close(resumed["val"], {str(MAX_STEPS): full["val"][str(MAX_STEPS)]}, "val_loss")

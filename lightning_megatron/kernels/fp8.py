@@ -1,9 +1,9 @@
 """fp8 GEMMs for Megatron's parallel linears without Transformer Engine: per-tensor dynamic scaling.
 
 Each of a linear's three GEMMs runs in fp8 through ``torch._scaled_mm``: activations and weights in e4m3, output
-gradients in e5m2 (Megatron's "hybrid" recipe), every tensor scaled by its own amax just before the GEMM (no
-amax history, hence nothing to checkpoint: checkpoints are those of a bf16 run, master weights and optimizer
-unchanged). The weight gradient leaves the GEMM in fp32 and is added to ``main_grad``.
+gradients in e5m2 (Megatron's "hybrid" format) or e4m3 (its "e4m3" format), every tensor scaled by its own amax
+just before the GEMM (no amax history, hence nothing to checkpoint: checkpoints are those of a bf16 run, master
+weights and optimizer unchanged). The weight gradient leaves the GEMM in fp32 and is added to ``main_grad``.
 
 No amax is reduced across ranks: under tensor parallelism every GEMM is a rank's own (a weight shard, its input
 -- replicated or all-gathered for column-parallel, the rank's slice for row-parallel -- and its output-gradient

@@ -142,7 +142,8 @@ class _LinearIntoMainGrad(torch.autograd.Function):
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """``input @ weight.t() + bias`` with fp8 forward, input-gradient and weight-gradient GEMMs.
+    """``input @ weight.t() + bias`` with fp8 forward, input-gradient and weight-gradient GEMMs: input and weight
+    in e4m3, the output gradient in ``grad_dtype``.
 
     Communication as Megatron's: under SP the input is all-gathered over TP (kept in fp8 for backward) and the
     input gradient reduce-scattered; with ``allreduce_dgrad`` the input gradient is all-reduced. The weight
@@ -158,6 +159,7 @@ class _Fp8Linear(torch.autograd.Function):
         allreduce_dgrad: bool,
         sequence_parallel: bool,
         tp_group: dist.ProcessGroup | None,
+        grad_dtype: torch.dtype,
     ) -> Tensor:
         total = _all_gather(input, tp_group)[0] if sequence_parallel else input
         shape = total.shape
@@ -167,6 +169,7 @@ class _Fp8Linear(torch.autograd.Function):
         output = scaled_mm(x8, x_inv, w8.t(), w_inv, total.dtype).view(*shape[:-1], weight.shape[0])
         ctx.save_for_backward(x8t, x_inv, w8t, w_inv, weight)
         ctx.meta = (bias is not None, allreduce_dgrad, sequence_parallel, tp_group, input.shape, total.dtype)
+        ctx.grad_dtype = grad_dtype
         return output if bias is None else output + bias
 
     @staticmethod
@@ -174,7 +177,7 @@ class _Fp8Linear(torch.autograd.Function):
         x8t, x_inv, w8t, w_inv, weight = ctx.saved_tensors
         has_bias, allreduce_dgrad, sequence_parallel, tp_group, input_shape, dtype = ctx.meta
         g = grad_output.reshape(-1, grad_output.shape[-1])  # [S*B, out]
-        g8, g8t, g_inv = quantize_pair(g, E5M2)  # [S*B, out], [out, S*B]
+        g8, g8t, g_inv = quantize_pair(g, ctx.grad_dtype)  # [S*B, out], [out, S*B]
         grad_input = scaled_mm(g8, g_inv, w8t.t(), w_inv, dtype)  # [S*B, out] @ [out, in]
         grad_input = grad_input.view(*grad_output.shape[:-1], weight.shape[1])
         grad_input, handle = _reduce_dgrad(grad_input, input_shape, allreduce_dgrad, sequence_parallel, tp_group)
@@ -183,7 +186,7 @@ class _Fp8Linear(torch.autograd.Function):
         grad_bias = g.sum(dim=0) if has_bias else None
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def _into_main_grad(weight: Tensor, wgrad: Tensor) -> Tensor:
@@ -196,10 +199,16 @@ def _into_main_grad(weight: Tensor, wgrad: Tensor) -> Tensor:
 
 
 def _forward(
-    megatron_impl: Callable[..., Tensor], input: Tensor, weight: Tensor, fp8: bool, batch_first: bool, **kwargs: Any
+    megatron_impl: Callable[..., Tensor],
+    input: Tensor,
+    weight: Tensor,
+    fp8_grad_dtype: torch.dtype | None,
+    batch_first: bool,
+    **kwargs: Any,
 ) -> Tensor:
-    """fp8 GEMMs (``fp8``) or the fused weight gradient where they apply, else Megatron's own path. ``batch_first``:
-    the LM head's output laid out [B, S, out] (see :class:`_LinearIntoMainGrad`), in training and inference."""
+    """fp8 GEMMs (``fp8_grad_dtype``: the output gradients' fp8 type; None: no fp8) or the fused weight gradient
+    where they apply, else Megatron's own path. ``batch_first``: the LM head's output laid out [B, S, out] (see
+    :class:`_LinearIntoMainGrad`), in training and inference."""
     megatron_only = (
         not weight.requires_grad  # frozen: Megatron's input-gradient-only path
         or kwargs.get("grad_output_buffer") is not None  # deferred embedding wgrad: Megatron's own bookkeeping
@@ -215,9 +224,10 @@ def _forward(
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
     args = (input, weight, kwargs.get("bias"), allreduce_dgrad, sequence_parallel, tp_group)
     tokens = input.numel() // input.shape[-1] * (tp_group.size() if sequence_parallel else 1)
-    if fp8:  # shapes _scaled_mm cannot take (or an MoE expert without tokens): Megatron's bf16 path
+    if fp8_grad_dtype is not None:
+        # shapes _scaled_mm cannot take (or an MoE expert without tokens): Megatron's bf16 path
         fits = tokens > 0 and gemm_shapes_ok(tokens, *weight.shape)
-        return _Fp8Linear.apply(*args) if fits else megatron_impl(input, weight, **kwargs)
+        return _Fp8Linear.apply(*args, fp8_grad_dtype) if fits else megatron_impl(input, weight, **kwargs)
     if torch.is_grad_enabled() and _has_main_grad(weight):
         return _LinearIntoMainGrad.apply(*args, batch_first)
     if batch_first and not torch.is_grad_enabled():  # forward only: the same GEMM, and communication, as Megatron's
@@ -234,21 +244,29 @@ class FusedWgradColumnParallelLinear(ColumnParallelLinear):
     """Megatron's ``ColumnParallelLinear`` with the weight gradient accumulated into ``main_grad`` in one GEMM."""
 
     fp8 = False
+    """Whether the GEMMs run in fp8 (per class; an instance may set its own, e.g. a probe keeping one in bf16)."""
+    fp8_grad_dtype = E5M2
+    """The output gradients' fp8 type when ``fp8``."""
     batch_first = False  # the output's memory layout (see _LinearIntoMainGrad): the LM head's
 
     def _forward_impl(self, input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         _keywords_only(args)
-        return _forward(super()._forward_impl, input, weight, self.fp8, self.batch_first, **kwargs)
+        grad_dtype = self.fp8_grad_dtype if self.fp8 else None
+        return _forward(super()._forward_impl, input, weight, grad_dtype, self.batch_first, **kwargs)
 
 
 class FusedWgradRowParallelLinear(RowParallelLinear):
     """Megatron's ``RowParallelLinear`` with the weight gradient accumulated into ``main_grad`` in one GEMM."""
 
     fp8 = False
+    """As :attr:`FusedWgradColumnParallelLinear.fp8`."""
+    fp8_grad_dtype = E5M2
+    """As :attr:`FusedWgradColumnParallelLinear.fp8_grad_dtype`."""
 
     def _forward_impl(self, input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         _keywords_only(args)
-        return _forward(super()._forward_impl, input, weight, self.fp8, False, **kwargs)
+        grad_dtype = self.fp8_grad_dtype if self.fp8 else None
+        return _forward(super()._forward_impl, input, weight, grad_dtype, False, **kwargs)
 
 
 class FusedWgradLMHead(FusedWgradColumnParallelLinear):
@@ -259,15 +277,35 @@ class FusedWgradLMHead(FusedWgradColumnParallelLinear):
 
 
 class Fp8ColumnParallelLinear(FusedWgradColumnParallelLinear):
-    """``ColumnParallelLinear`` whose three GEMMs run in fp8 (:mod:`lightning_megatron.kernels.fp8`)."""
+    """``ColumnParallelLinear`` whose three GEMMs run in fp8 (:mod:`lightning_megatron.kernels.fp8`): the
+    "hybrid" format, output gradients in e5m2."""
 
     fp8 = True
 
 
 class Fp8RowParallelLinear(FusedWgradRowParallelLinear):
-    """``RowParallelLinear`` whose three GEMMs run in fp8 (:mod:`lightning_megatron.kernels.fp8`)."""
+    """``RowParallelLinear`` whose three GEMMs run in fp8, as :class:`Fp8ColumnParallelLinear`."""
 
     fp8 = True
+
+
+class Fp8E4M3ColumnParallelLinear(Fp8ColumnParallelLinear):
+    """:class:`Fp8ColumnParallelLinear` in the "e4m3" format: output gradients in e4m3 too."""
+
+    fp8_grad_dtype = E4M3
+
+
+class Fp8E4M3RowParallelLinear(Fp8RowParallelLinear):
+    """:class:`Fp8RowParallelLinear` in the "e4m3" format: output gradients in e4m3 too."""
+
+    fp8_grad_dtype = E4M3
+
+
+FP8_LINEARS: dict[str, tuple[type[ColumnParallelLinear], type[RowParallelLinear]]] = {
+    "hybrid": (Fp8ColumnParallelLinear, Fp8RowParallelLinear),
+    "e4m3": (Fp8E4M3ColumnParallelLinear, Fp8E4M3RowParallelLinear),
+}
+"""The column- and row-parallel fp8 linears of each ``ModelConfig.fp8`` format (Megatron's names for them)."""
 
 
 def fuse_lm_head(layer: nn.Module) -> None:

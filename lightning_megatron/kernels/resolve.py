@@ -125,10 +125,11 @@ _DESCRIPTIONS = {
 }
 
 
-def describe(kernels: Resolved, fused_wgrad: bool = False, fp8: bool = False) -> str:
-    """One line naming a resolved kernel set, and whether Transformer Engine is there (printed once per run)."""
+def describe(kernels: Resolved, fused_wgrad: bool = False, fp8: str | None = None) -> str:
+    """One line naming a resolved kernel set, and whether Transformer Engine is there (printed once per run);
+    ``fp8``: the format of the transformer layers' fp8 GEMMs, if they run in fp8."""
     fused = "; weight gradients accumulated into fp32 main_grad in the GEMM" if fused_wgrad else ""
-    fused += "; fp8 GEMMs in the transformer layers (per-tensor scaling, e4m3/e5m2)" if fp8 else ""
+    fused += f"; fp8 GEMMs in the transformer layers ({fp8!r} format, per-tensor scaling)" if fp8 else ""
     return f"kernels: {_DESCRIPTIONS[kernels]}{fused}" + (
         "" if te_available() else "; Transformer Engine not installed"
     )

@@ -81,7 +81,8 @@ def layer_spec(
 
     ``fuse_wgrad`` builds the parallel linears as :mod:`lightning_megatron.kernels.linear`'s subclasses, whose
     weight gradients accumulate straight into ``main_grad`` (``'torch'``/``'local'`` only); ``fp8`` builds them as
-    the subclasses whose GEMMs run in fp8; ``lora`` puts adapters on its target linears (which stay unfused).
+    the subclasses whose GEMMs run in fp8, in ``config.fp8``'s format; ``lora`` puts adapters on its target
+    linears (which stay unfused).
     """
     if kernels == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -110,13 +111,15 @@ def layer_spec(
             )  # fmt: skip
             attention = functools.partial(SDPAttention, rotary=rotary)
         spec = replace_modules(spec, {DotProductAttention: attention})
+    if fp8 and config.fp8 is None:
+        raise ValueError("layer_spec(fp8=True) builds the linears of config.fp8's format, and config.fp8 is None")
     if fuse_wgrad or fp8:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
         from lightning_megatron.kernels import linear
 
         column, row = (
-            (linear.Fp8ColumnParallelLinear, linear.Fp8RowParallelLinear)
+            linear.FP8_LINEARS[config.fp8]
             if fp8
             else (linear.FusedWgradColumnParallelLinear, linear.FusedWgradRowParallelLinear)
         )

@@ -182,7 +182,9 @@ class MegatronLMModule(MegatronLightningModule):
 
     def configure_model(self) -> None:
         super().configure_model()
-        rank_zero_info(f"lightning_megatron: {describe(self.kernels, self.fused_wgrad, self.fp8)}")
+        rank_zero_info(
+            f"lightning_megatron: {describe(self.kernels, self.fused_wgrad, self.config.fp8 if self.fp8 else None)}"
+        )
 
     @classmethod
     def init_args_from_checkpoint(cls, common: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,83 @@
+#!/bin/bash
+# Run lists still to be run on GPUs, one section per device call (each within the device tool's 600 s per command;
+# the times are estimates from earlier one-GPU runs, not measured):
+#
+#   bash benchmarks/run_lists.sh SECTION        # JSON lines appended to $OUT/SECTION.jsonl ($OUT: ./out)
+#
+# One GPU (nvidia-h200):
+#   versus_hf (a) against (c) HF Llama + Lightning and (d) HF Llama + FSDP2 + compile at 3B and 125M (the 1B shape
+#             is measured); (c) at 3B takes 4 sequences a step (8 ran out of memory) (~8 min)
+# Two GPUs (nvidia-h200-x2):
+#   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
+#   cp2       1B at 32K and 64K tokens per sequence: one GPU against CP=2 (first_losses: the same initial
+#             weights and batches, so they should agree; at 64K one GPU needs full recompute, so CP=2 runs with
+#             and without it), and packed 32K rows at CP=2 against one GPU (~9 min)
+#   fp8tp2    1B at TP=2: bf16 eager against fp8 "e4m3" with CUDA graphs (~2 min)
+#   tests2    the two-GPU tier-2 tests (layouts over NCCL, CP=2 among them); the one-GPU ones: pytest -m gpu on a
+#             one-GPU machine, one test file per process
+# Four GPUs (nvidia-h200-x4):
+#   scaling4  3B, variants a and b: TP=2 x PP=2 and TP=2 x DP=2 (4 runs, ~5 min)
+#   cp4       1B: CP=4 at 128K tokens, CP=2 at 128K on two of the GPUs (first_losses against CP=4), CP=2 x TP=2+SP
+#             at 64K (~6 min)
+#   tests4    the four-GPU tier-2 tests (TP=2 x PP=2, TP=2+SP x CP=2, the TP=2 x PP=2 checkpoint resumed at DP=4
+#             and on CPU)
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0  # NVLink multicast off on the multi-GPU kinds (the device tool's KINDS.md)
+section=${1:?"usage: bash benchmarks/run_lists.sh SECTION (see the header)"}
+out=${OUT:-out}
+mkdir -p "$out"
+log="$out/$section.jsonl"
+
+tp() { timeout 300 python3 benchmarks/throughput.py "$@" | tee -a "$log"; }
+packing() { timeout 300 python3 benchmarks/packing.py --mode packed "$@" | tee -a "$log"; }
+
+case "$section" in
+versus_hf)
+    tp --shape 3b --micro-batch-size 2 --micro-batches 4 --variants a,d
+    tp --shape 3b --micro-batch-size 1 --micro-batches 4 --variants a,c
+    tp --shape 125m --variants a,c,d --cuda-graphs
+    ;;
+scaling2)
+    tp --shape 1b --variants a,b
+    tp --shape 1b --devices 2 --variants a,b
+    tp --shape 1b --devices 2 --tp 2 --sp --variants a,b
+    tp --shape 1b --devices 2 --pp 2 --vpp 2 --micro-batch-size 2 --micro-batches 16 --variants a,b
+    ;;
+cp2)
+    long=(--shape 1b --variants a --micro-batch-size 1 --micro-batches 2)
+    tp "${long[@]}" --seq-length 32768
+    tp "${long[@]}" --seq-length 32768 --devices 2 --cp 2
+    tp "${long[@]}" --seq-length 65536 --recompute full
+    tp "${long[@]}" --seq-length 65536 --devices 2 --cp 2 --recompute full
+    tp "${long[@]}" --seq-length 65536 --devices 2 --cp 2
+    packing --row-length 32768 --docs-per-step 16
+    packing --row-length 32768 --docs-per-step 16 --cp 2
+    ;;
+fp8tp2)
+    tp --shape 1b --variants a --devices 2 --tp 2 --sp
+    tp --shape 1b --variants a --devices 2 --tp 2 --sp --fp8 e4m3 --cuda-graphs
+    ;;
+tests2)
+    timeout 580 python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 tests/test_layouts.py \
+        -k test_gpu_layout_continues >"$out/$section.log" 2>&1
+    tail -30 "$out/$section.log"
+    ;;
+tests4)
+    timeout 580 python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 tests/test_layouts.py \
+        -k "four_gpu_layout or dp4" >"$out/$section.log" 2>&1
+    tail -30 "$out/$section.log"
+    ;;
+scaling4)
+    tp --shape 3b --devices 4 --tp 2 --pp 2 --micro-batch-size 2 --micro-batches 8 --variants a,b
+    tp --shape 3b --devices 4 --tp 2 --micro-batch-size 2 --micro-batches 4 --variants a,b
+    ;;
+cp4)
+    tp --shape 1b --variants a --devices 4 --cp 4 --seq-length 131072 --micro-batch-size 1 --micro-batches 2
+    tp --shape 1b --variants a --devices 2 --cp 2 --seq-length 131072 --micro-batch-size 1 --micro-batches 2
+    tp --shape 1b --variants a --devices 4 --cp 2 --tp 2 --sp --seq-length 65536 --micro-batch-size 1 --micro-batches 2
+    ;;
+*)
+    echo "unknown section '$section' (see the header of $0)" >&2
+    exit 2
+    ;;
+esac
