@@ -391,7 +391,7 @@ def child(args: argparse.Namespace) -> None:
     if distributed and torch.distributed.get_rank() != 0:
         return
     tokens = args.steps * args.micro_batch_size * args.micro_batches * args.seq_length
-    tokens *= data_parallel(args) if args.variant in ("a", "b") else args.devices
+    tokens *= data_parallel(args)  # c and d run only where it is all the GPUs (main skips them under TP/PP/CP)
     tokens_per_s = tokens / result["elapsed"]
     shape = SHAPES[args.shape]
     total, frozen = params.tolist()  # a frozen parameter (LoRA's base) gets no weight-gradient GEMM: 4 FLOPs, not 6

@@ -73,6 +73,12 @@ def _resume(layout: dict, reference: dict, tmp_path: Path, launcher: str = "fork
     return run_worker(_resume_args(layout, reference, **extra), tmp_path, launcher=launcher)
 
 
+def _assert_continues(resumed: dict, full: dict) -> None:
+    """A run resumed at CKPT_STEP has the training losses of ``full`` after that step and its final validation."""
+    _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "train_loss")
+    _assert_close(resumed["val"], {str(MAX_STEPS): full["val"][str(MAX_STEPS)]}, "val_loss")
+
+
 def test_resume_is_exact_at_one_layout(reference: dict, tmp_path: Path) -> None:
     resumed = _resume({"devices": 1}, reference, tmp_path)
     full_after = {k: v for k, v in reference["full"]["train"].items() if int(k) > CKPT_STEP}
@@ -95,8 +101,7 @@ def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_p
     # (tests/forked.py); test_torchrun_launch covers torchrun.
     resumed = _resume(LAYOUTS[name], reference, tmp_path, launcher="lightning" if name == "dp2" else "fork")
     full = reference["full"]
-    _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "train_loss")
-    _assert_close(resumed["val"], {str(MAX_STEPS): full["val"][str(MAX_STEPS)]}, "val_loss")
+    _assert_continues(resumed, full)
     assert resumed["callback_metrics"]["train_loss"] == pytest.approx(full["callback_metrics"]["train_loss"], rel=REL)
     if LAYOUTS[name].get("logs"):  # what rank 0's callbacks saw in each step
         assert sorted(resumed["contract"]) == [str(step) for step in range(CKPT_STEP + 1, MAX_STEPS + 1)]
@@ -200,10 +205,7 @@ def test_validate_and_predict_parity(name: str, reference: dict, tmp_path: Path)
 
 
 def _gpu_resume_follows_the_curve(name: str, reference: dict, tmp_path: Path) -> None:
-    resumed = _resume(LAYOUTS[name], reference, tmp_path, accelerator="gpu")
-    full = reference["full"]
-    _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "train_loss")
-    _assert_close(resumed["val"], {str(MAX_STEPS): full["val"][str(MAX_STEPS)]}, "val_loss")
+    _assert_continues(_resume(LAYOUTS[name], reference, tmp_path, accelerator="gpu"), reference["full"])
 
 
 @pytest.mark.gpu(devices=2)
@@ -229,6 +231,4 @@ def test_gpu_tp2_pp2_checkpoint_resumes_at_dp4_and_on_cpu(tmp_path: Path) -> Non
     full = run_worker({**LAYOUTS["tp2_pp2"], "max_steps": MAX_STEPS, **VAL, **saves, "accelerator": "gpu"}, tmp_path)
     ckpt = str(ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt")
     for layout in ({"devices": 4, "accelerator": "gpu"}, {"devices": 1}):
-        resumed = _resume(layout, {"ckpt": ckpt}, tmp_path)
-        _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "train_loss")
-        _assert_close(resumed["val"], {str(MAX_STEPS): full["val"][str(MAX_STEPS)]}, "val_loss")
+        _assert_continues(_resume(layout, {"ckpt": ckpt}, tmp_path), full)
