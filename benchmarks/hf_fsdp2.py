@@ -20,7 +20,8 @@ def run(args: Any, hf_config: Any, data: torch.Tensor) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaForCausalLM
 
-    from benchmarks.throughput import SyncCounter, start_profiler, write_profile
+    from benchmarks.recorders import GcPauses, SyncCounter
+    from benchmarks.throughput import start_profiler, write_profile
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -37,6 +38,7 @@ def run(args: Any, hf_config: Any, data: torch.Tensor) -> dict[str, Any]:
         data = data.pin_memory()
     batch, rank, world = args.micro_batch_size * args.micro_batches, dist.get_rank(), dist.get_world_size()
     syncs = SyncCounter(args.sync_debug)
+    pauses = GcPauses()
     stamps: list[float] = []
     profiler = None
     total = args.warmup + args.steps
@@ -52,6 +54,7 @@ def run(args: Any, hf_config: Any, data: torch.Tensor) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         if step == total - 1:
             syncs.stop()
+            pauses.stop()
         if step in (args.warmup - 1, total - 1):
             torch.cuda.synchronize()
             stamps.append(time.perf_counter())
@@ -60,7 +63,11 @@ def run(args: Any, hf_config: Any, data: torch.Tensor) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
             if args.profile:
                 profiler = start_profiler()
+            pauses.start()  # after the profiler's start, as in variant a
     if profiler is not None:
         write_profile(profiler, f"{args.profile}.d")
     params = sum(p.numel() for p in model.parameters())  # DTensor numel: the full size
-    return {"elapsed": stamps[1] - stamps[0], "steps": args.steps, "params": params, "syncs": syncs.counts}
+    return {
+        "elapsed": stamps[1] - stamps[0], "steps": args.steps, "params": params, "syncs": syncs.counts,
+        "gc": pauses.report(),
+    }  # fmt: skip

@@ -85,7 +85,8 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
 
         return output, loss_fn
 
-    from benchmarks.throughput import SyncCounter, timeline_path, total_steps
+    from benchmarks.recorders import GcPauses, SyncCounter
+    from benchmarks.throughput import timeline_path, total_steps
 
     timeline = None
     if args.host_timeline:
@@ -99,6 +100,7 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
     if args.pin_memory:
         data = data.pin_memory()  # as DataLoader(pin_memory=True) in variants a and c: slices stay pinned
     syncs = SyncCounter(args.sync_debug)
+    pauses = GcPauses()
     stamps: list[float] = []  # wall clock at the end of the warm-up and of the last step, the GPU drained
     total = args.warmup + args.steps
     summary = None
@@ -117,6 +119,7 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
         optimizer.step()
         if step == total - 1:
             syncs.stop()
+            pauses.stop()
         if step in (args.warmup - 1, total - 1):
             torch.cuda.synchronize()
             stamps.append(time.perf_counter())
@@ -131,6 +134,7 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
                 from benchmarks.throughput import start_profiler
 
                 profiler = start_profiler()
+            pauses.start()  # after the profiler's start, as in variant a
     if args.profile:
         from benchmarks.throughput import write_profile
 
@@ -138,7 +142,7 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
     params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     return {
         "elapsed": stamps[1] - stamps[0], "steps": args.steps, "params": params, "syncs": syncs.counts,
-        "timeline": summary,
+        "timeline": summary, "gc": pauses.report(),
     }  # fmt: skip
 
 

@@ -1,12 +1,14 @@
 #!/bin/bash
-# Run lists still to be run on GPUs, one section per device call (each within the device tool's 600 s per command;
-# the times are estimates from earlier one-GPU runs, not measured):
+# Run lists for GPUs, one section per device call (each within the device tool's 600 s per command; the times are
+# estimates from earlier one-GPU runs unless a date says when they were measured):
 #
 #   bash benchmarks/run_lists.sh SECTION        # JSON lines appended to $OUT/SECTION.jsonl ($OUT: ./out)
 #
 # One GPU (nvidia-h200):
 #   versus_hf (a) against (c) HF Llama + Lightning and (d) HF Llama + FSDP2 + compile at 3B and 125M (the 1B shape
-#             is measured); (c) at 3B takes 4 sequences a step (8 ran out of memory) (~8 min)
+#             is measured); (c) at 3B takes 4 sequences a step (8 ran out of memory) (479 s on 2026-12-03)
+#   onegpu    the fp8 gradient GPU test on the real GPU path (it ran in CPU mode until 2026-12-03; ~30 s), then 125M
+#             eager a,b,a,b with the garbage collections of the timed steps in each JSON line (the 125M gap) (~4 min)
 # Two GPUs (nvidia-h200-x2):
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
 #   cp2       1B at 32K and 64K tokens per sequence: one GPU against CP=2 (first_losses: the same initial
@@ -36,6 +38,12 @@ versus_hf)
     tp --shape 3b --micro-batch-size 2 --micro-batches 4 --variants a,d
     tp --shape 3b --micro-batch-size 1 --micro-batches 4 --variants a,c
     tp --shape 125m --variants a,c,d --cuda-graphs
+    ;;
+onegpu)
+    timeout 200 python3 -m pytest -m gpu -v -s -p no:cacheprovider --durations=5 tests/test_fp8.py -k gradients \
+        >"$out/$section.log" 2>&1
+    grep -E "fp8 GEMM|PASSED|FAILED|passed|failed" "$out/$section.log"
+    tp --shape 125m --variants a,b,a,b
     ;;
 scaling2)
     tp --shape 1b --variants a,b

@@ -26,14 +26,11 @@ both ends only.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import subprocess
 import sys
 import time
-import traceback
-import warnings
 from typing import Any
 
 import torch
@@ -163,6 +160,8 @@ def make_clock(args: argparse.Namespace) -> Any:
     """The callback that times the steps after the warm-up (and records the warm-up losses, counts syncs, profiles)."""
     import lightning as L
 
+    from benchmarks.recorders import GcPauses, SyncCounter  # in the variants' processes (the launcher's path lacks it)
+
     class Clock(L.Callback):
         """Wall clock between the end of the warm-up and the end of the last step; the GPU is drained only there
         (a per-step sync would stall the next step's launch, which real training does not do)."""
@@ -171,6 +170,7 @@ def make_clock(args: argparse.Namespace) -> Any:
             self.stamps: list[float] = []
             self.profiler: Any = None
             self.syncs = SyncCounter(args.sync_debug)
+            self.gc = GcPauses()
             self.timeline: Any = None
             self.timeline_summary: dict | None = None
             self.losses: list[float] = []
@@ -193,6 +193,7 @@ def make_clock(args: argparse.Namespace) -> Any:
                 self.timeline_summary = host_timeline.stop(self.timeline, timeline_path(args), args.timeline_steps)
             if trainer.global_step == args.warmup + args.steps:
                 self.syncs.stop()
+                self.gc.stop()
             if trainer.global_step in (args.warmup, args.warmup + args.steps):
                 torch.cuda.synchronize()
                 self.stamps.append(time.perf_counter())
@@ -201,6 +202,7 @@ def make_clock(args: argparse.Namespace) -> Any:
                 if args.profile:
                     self.profiler = start_profiler()
                 self.syncs.start()
+                self.gc.start()
             if args.host_timeline and trainer.global_step == args.warmup + args.steps:
                 from benchmarks import host_timeline
 
@@ -235,7 +237,7 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
     trainer.fit(module, DataLoader(data, batch_size=batch, pin_memory=args.pin_memory))
     return {
         "elapsed": clock.stamps[1] - clock.stamps[0], "steps": args.steps, "syncs": clock.syncs.counts,
-        "timeline": clock.timeline_summary, "first_losses": clock.losses,
+        "timeline": clock.timeline_summary, "first_losses": clock.losses, "gc": clock.gc.report(),
     }  # fmt: skip
 
 
@@ -298,45 +300,6 @@ def variant_c(args: argparse.Namespace) -> dict:
     module = HFLlama()
     result = run_lightning(args, module, "auto", dataset(args, args.devices), args.devices)
     return {**result, "params": sum(p.numel() for p in module.parameters())}
-
-
-class SyncCounter:
-    """Host-GPU synchronisations (``torch.cuda.set_sync_debug_mode``) between ``start`` and ``stop``, counted by
-    the innermost call sites outside torch. Pageable host-to-device copies synchronise inside the driver, unseen."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.counts: collections.Counter[str] = collections.Counter()
-        self._context: Any = None
-
-    def start(self) -> None:
-        if not self.enabled:
-            return
-        self._context = warnings.catch_warnings()
-        self._context.__enter__()
-        warnings.simplefilter("always")
-        warnings.showwarning = self._record  # restored by the context's exit
-        torch.cuda.set_sync_debug_mode("warn")
-
-    def _record(self, message: Any, *args: Any, **kwargs: Any) -> None:
-        if "synchroniz" not in str(message):
-            return  # another warning (e.g. a deprecation) that "always" let through
-        frames = [f for f in traceback.extract_stack()[:-1] if not _is_internal(f.filename)]
-        sites = " <- ".join(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno}" for f in reversed(frames[-4:]))
-        self.counts[sites] += 1
-
-    def stop(self) -> None:
-        if self._context is not None:
-            torch.cuda.set_sync_debug_mode(0)
-            self._context.__exit__(None, None, None)
-            self._context = None
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-def _is_internal(filename: str) -> bool:
-    return filename.startswith(_TORCH_DIR) or filename == __file__ or filename.endswith("/warnings.py")
 
 
 def start_profiler() -> Any:
@@ -412,7 +375,7 @@ def child(args: argparse.Namespace) -> None:
             "pinned_batches": args.pin_memory, "fused_wgrad": result.get("fused_wgrad", False),
             "fp8": result.get("fp8", False), "fp8_format": args.fp8 if result.get("fp8") else None,
             "weight_cast_reuse": args.weight_cast_reuse, "cuda_graphs": args.cuda_graphs and args.variant in ("a", "b"),
-            "first_losses": result.get("first_losses", []),
+            "first_losses": result.get("first_losses", []), "gc_in_timed_steps": result.get("gc"),
             **(sync_report(result["syncs"], args.steps) if args.sync_debug else {}),
         }),
         flush=True,

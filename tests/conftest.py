@@ -203,18 +203,20 @@ def one_process_megatron(port: int, cpu: bool = True) -> Iterator[None]:
     tests of modules outside a Trainer."""
     import torch
 
-    from lightning_megatron import cpu
+    from lightning_megatron import cpu as cpu_layer  # not `cpu`: that is the parameter
     from lightning_megatron.parallel.sizes import ParallelSizes
     from lightning_megatron.parallel.state import destroy, initialize, seed
 
+    if not cpu and cpu_layer.is_enabled():  # e.g. a CPU test's module fixture still open: CUDA would become CPU
+        raise RuntimeError("one_process_megatron(cpu=False) inside CPU mode: run GPU tests apart (pytest -m gpu)")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    with cpu.cpu_mode() if cpu else contextlib.nullcontext():
-        initialize(ParallelSizes())
-        seed(0)
+    with cpu_layer.cpu_mode() if cpu else contextlib.nullcontext():
         try:
+            initialize(ParallelSizes())
+            seed(0)
             yield
         finally:
             destroy()
@@ -243,3 +245,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             need = marker.kwargs.get("devices", 1)
             if have < need:
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {have}"))
+
+
+@pytest.fixture(autouse=True)
+def gpu_tests_run_outside_cpu_mode(request: pytest.FixtureRequest) -> None:
+    """A ``gpu`` test inside CPU mode (a CPU test's module fixture still open) would silently run on the CPU, as the
+    fp8 GPU test did until 2026-12-03: fail it instead."""
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    from lightning_megatron import cpu as cpu_layer
+
+    if cpu_layer.is_enabled():
+        pytest.fail("a gpu test started inside CPU mode (a CPU test's fixture is open): run GPU tests with -m gpu")

@@ -19,3 +19,22 @@ def test_replica_ranks_follow_megatron_rank_order(devices: int, tp: int, pp: int
     # Megatron's default order (initialize_model_parallel's): the first tensor x pipeline group is one replica.
     groups = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp").get_ranks("tp-pp")
     assert replica_ranks(args) == groups[0]
+
+
+def test_gc_pauses_records_the_collections_of_its_window_only() -> None:
+    import gc
+
+    from benchmarks.recorders import GcPauses
+
+    pauses = GcPauses()
+    gc.collect()  # before the window
+    pauses.start()
+    gc.collect()  # a full collection
+    gc.collect(0)
+    pauses.stop()
+    gc.collect()  # after it: not counted
+    report = pauses.report()
+    assert report["collections"][0] >= 1
+    assert report["collections"][2] == 1
+    assert len(report["gen2_ms"]) == 1
+    assert report["ms"] >= report["gen2_ms"][0]

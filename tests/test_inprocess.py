@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, cpu, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
+from tests.conftest import one_process_megatron
 
 
 def _data(n: int = 64) -> torch.Tensor:
@@ -107,6 +108,23 @@ def test_cpu_mode_is_reversible() -> None:
         assert torch.equal(a, torch.rand(3))  # the "CUDA" RNG is the CPU generator
     assert torch.cuda.current_device is original
     assert not cpu.is_enabled()
+
+
+def test_one_process_megatron_turns_cpu_mode_on_only_for_cpu_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU tests' fixture (``cpu=False``) must leave CUDA real. (Until 2026-12-03 a local import shadowed the
+    flag, so the fp8 GPU test ran on the CPU.) Megatron's state is not built here: only CPU mode is checked."""
+    from lightning_megatron.parallel import state
+
+    for name in ("initialize", "seed", "destroy"):
+        monkeypatch.setattr(state, name, lambda *args: None)
+    with one_process_megatron(port=29656, cpu=False):
+        assert not cpu.is_enabled()
+    with one_process_megatron(port=29656):
+        assert cpu.is_enabled()
+    assert not cpu.is_enabled()
+    in_cpu_mode = pytest.raises(RuntimeError, match="inside CPU mode")  # a GPU test must not run in it
+    with cpu.cpu_mode(), in_cpu_mode, one_process_megatron(port=29656, cpu=False):
+        pass
 
 
 class _CudaInBackward(torch.autograd.Function):
