@@ -346,9 +346,8 @@ def test_fp8_linear_gradients_on_gpu_equal_the_dequantized_reference(kind: str, 
     accumulated into ``main_grad``."""
     from tests.test_fused_wgrad import linear_pair
 
-    def dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        q, _, inv = fp8.quantize_pair(t.detach().reshape(-1, t.shape[-1]), dtype)
-        return q.float() * inv
+    def dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [..., K] -> [N, K], as the GEMMs see it
+        return _dequantized(t.detach().reshape(-1, t.shape[-1]), dtype)
 
     with one_process_megatron(port=29614, cpu=False):
         _, layer = linear_pair(kind, False, linear.FP8_LINEARS[fmt], (1024, 2048))
