@@ -7,8 +7,9 @@
 # One GPU (nvidia-h200):
 #   versus_hf (a) against (c) HF Llama + Lightning and (d) HF Llama + FSDP2 + compile at 3B and 125M (the 1B shape
 #             is measured); (c) at 3B takes 4 sequences a step (8 ran out of memory) (479 s on 2026-12-03)
-#   onegpu    the fp8 gradient GPU test on the real GPU path (it ran in CPU mode until 2026-12-03; ~30 s), then 125M
-#             eager a,b,a,b with the garbage collections of the timed steps in each JSON line (the 125M gap) (~4 min)
+#   onegpu    the fp8 gradient GPU test on the real GPU path (it ran in CPU mode until 2026-12-03; 24 s), then 125M
+#             eager a,b,a,b with the garbage collections of the timed steps in each JSON line (the 125M gap) (196 s
+#             on 2026-12-03)
 # Two GPUs (nvidia-h200-x2):
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
 #   cp2       1B at 32K and 64K tokens per sequence: one GPU against CP=2 (first_losses: the same initial
