@@ -12,9 +12,11 @@
 #             on 2026-12-03)
 # Two GPUs (nvidia-h200-x2):
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
-#   cp2       1B at 32K and 64K tokens per sequence: one GPU against CP=2 (first_losses: the same initial
-#             weights and batches, so they should agree; at 64K one GPU needs full recompute, so CP=2 runs with
-#             and without it), and packed 32K rows at CP=2 against one GPU (~9 min)
+#   cp2       1B at 32K tokens per sequence: one GPU against CP=2 (first_losses: the same initial weights and
+#             batches, so they should agree), and packed 32K rows at CP=2 against one GPU (the one-GPU runs took
+#             95 s and 79 s on one H200 on 2026-12-03; ~6 min)
+#   cp2long   1B at 64K tokens per sequence: one GPU needs full recompute (147 s on 2026-12-03), CP=2 runs with and
+#             without it (~6 min; apart from cp2: the two together would pass the 600 s of one device call)
 #   fp8tp2    1B at TP=2: bf16 eager against fp8 "e4m3" with CUDA graphs (~2 min)
 #   tests2    the two-GPU tier-2 tests (layouts over NCCL, CP=2 among them); the one-GPU ones: pytest -m gpu on a
 #             one-GPU machine, one test file per process
@@ -56,11 +58,14 @@ cp2)
     long=(--shape 1b --variants a --micro-batch-size 1 --micro-batches 2)
     tp "${long[@]}" --seq-length 32768
     tp "${long[@]}" --seq-length 32768 --devices 2 --cp 2
+    packing --row-length 32768 --docs-per-step 16
+    packing --row-length 32768 --docs-per-step 16 --cp 2
+    ;;
+cp2long)
+    long=(--shape 1b --variants a --micro-batch-size 1 --micro-batches 2)
     tp "${long[@]}" --seq-length 65536 --recompute full
     tp "${long[@]}" --seq-length 65536 --devices 2 --cp 2 --recompute full
     tp "${long[@]}" --seq-length 65536 --devices 2 --cp 2
-    packing --row-length 32768 --docs-per-step 16
-    packing --row-length 32768 --docs-per-step 16 --cp 2
     ;;
 fp8tp2)
     tp --shape 1b --variants a --devices 2 --tp 2 --sp
