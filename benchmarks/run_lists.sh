@@ -22,8 +22,9 @@
 #             one-GPU machine, one test file per process
 # Four GPUs (nvidia-h200-x4):
 #   scaling4  3B, variants a and b: TP=2 x PP=2 and TP=2 x DP=2 (4 runs, ~5 min)
-#   cp4       1B: CP=4 at 128K tokens, CP=2 at 128K on two of the GPUs (first_losses against CP=4), CP=2 x TP=2+SP
-#             at 64K (~6 min)
+#   cp4       1B: CP=4 at 128K tokens, CP=2 at 128K on two of the GPUs with full recompute (first_losses against
+#             CP=4; without recompute its 64K tokens per GPU would need ~125 GiB by the one-GPU slope of 1.7 GiB per
+#             1K tokens), CP=2 x TP=2+SP at 64K (~7 min)
 #   tests4    the four-GPU tier-2 tests (TP=2 x PP=2, TP=2+SP x CP=2, the TP=2 x PP=2 checkpoint resumed at DP=4
 #             and on CPU)
 set -uo pipefail
@@ -87,7 +88,8 @@ scaling4)
     ;;
 cp4)
     tp --shape 1b --variants a --devices 4 --cp 4 --seq-length 131072 --micro-batch-size 1 --micro-batches 2
-    tp --shape 1b --variants a --devices 2 --cp 2 --seq-length 131072 --micro-batch-size 1 --micro-batches 2
+    tp --shape 1b --variants a --devices 2 --cp 2 --seq-length 131072 --micro-batch-size 1 --micro-batches 2 \
+        --recompute full
     tp --shape 1b --variants a --devices 4 --cp 2 --tp 2 --sp --seq-length 65536 --micro-batch-size 1 --micro-batches 2
     ;;
 *)

@@ -52,6 +52,22 @@ def _batch(**fields: torch.Tensor) -> Callable[[], None]:
     return lambda: check_token_batch({"input_ids": ids, **fields}, vocab_size=256, seq_length=32)
 
 
+class _TupleData(L.LightningDataModule):
+    """Yields (ids,) tuples and makes them dicts in its own on_before_batch_transfer, ending with the module's (as the
+    README advises), so the module's host checks still run."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        super().__init__()
+        self.ids = ids
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(torch.utils.data.TensorDataset(self.ids), batch_size=4)
+
+    def on_before_batch_transfer(self, batch: object, dataloader_idx: int) -> object:
+        batch = {"input_ids": batch[0]}
+        return self.trainer.lightning_module.on_before_batch_transfer(batch, dataloader_idx)
+
+
 def _fit_empty() -> None:
     loader = DataLoader(synthetic_tokens(3, 32, 256), batch_size=4, drop_last=True)
     _trainer().fit(MegatronLMModule(tiny_gpt()), loader)
@@ -272,6 +288,12 @@ FIT_CASES = [
         ValueError,
         r"batch_size=3 is not divisible by micro_batch_size=2",
         id="fit micro batch",
+    ),
+    pytest.param(
+        lambda: _trainer().fit(MegatronLMModule(tiny_gpt()), datamodule=_TupleData(IDS.repeat(2, 1).fill_(300))),
+        ValueError,
+        r"input_ids.*outside \[0, 256\), e\.g\. 300",
+        id="fit datamodule hook",
     ),
     pytest.param(
         _fit_empty,

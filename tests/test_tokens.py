@@ -97,7 +97,7 @@ def test_errors_name_field_value_and_fix(tmp_path: Path) -> None:
         TokenFileDataModule(str(path), seq_length=8, val_fraction=1.0)
     with pytest.raises(ValueError, match=r"12 windows of seq_length=8: 11 train and 1 val .* batch_size=2 x 1 data"):
         TokenFileDataModule(str(path), seq_length=8, batch_size=2, val_fraction=0.1).setup("fit")
-    with pytest.raises(ValueError, match=r"is not a file; write one with python -m lightning_megatron.data.tokens"):
+    with pytest.raises(ValueError, match=r"is not a file; write one with lightning-megatron-tokens"):
         open_tokens(tmp_path / "missing.bin")
     (tmp_path / "odd.bin").write_bytes(b"x" * 201)
     with pytest.raises(ValueError, match=r"201 bytes is not a multiple of 2 \(dtype='uint16'\)"):
@@ -112,8 +112,17 @@ def test_errors_name_field_value_and_fix(tmp_path: Path) -> None:
         open_tokens(tmp_path / "f.npy")
 
 
+def test_token_file_command_is_installed() -> None:
+    # The documented command is a console script: `python -m lightning_megatron.data.tokens` makes runpy warn (the
+    # package imports that module before running it as __main__).
+    from importlib.metadata import entry_points
+
+    (command,) = entry_points(group="console_scripts", name="lightning-megatron-tokens")
+    assert command.load() is tokens_main
+
+
 def test_token_file_script_writes_byte_ids(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch) -> None:
-    # main() is what python -m lightning_megatron.data.tokens runs; in-process (a subprocess costs ~7 s of imports).
+    # main() is what the lightning-megatron-tokens command runs; in-process (a subprocess costs ~7 s of imports).
     (tmp_path / "a.txt").write_bytes(b"hello")
     (tmp_path / "b.txt").write_bytes(b"world")
     monkeypatch.chdir(tmp_path)

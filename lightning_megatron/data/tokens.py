@@ -4,7 +4,7 @@ A token file is a 1-D array of token ids: raw ``.bin`` (``uint16`` for vocabular
 above) or a ``.npy``. Nothing is loaded into memory: each sample is a slice of the memmap, so a corpus of any
 size costs only the pages the current batches touch.
 
-Write one with ``python -m lightning_megatron.data.tokens INPUT... --out tokens.bin`` (byte-level ids by default,
+Write one with ``lightning-megatron-tokens INPUT... --out tokens.bin`` (byte-level ids by default,
 or a local Hugging Face tokenizer with ``--tokenizer DIR``); train on one with
 :class:`~lightning_megatron.data.modules.TokenFileDataModule`.
 """
@@ -34,7 +34,7 @@ def open_tokens(path: str | Path, dtype: str = "uint16") -> np.ndarray:
     """The token ids of ``path`` as a read-only memmap: ``.npy`` files carry their dtype, raw files use ``dtype``."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"path={str(path)!r} is not a file; write one with python -m lightning_megatron.data.tokens")
+        raise ValueError(f"path={str(path)!r} is not a file; write one with lightning-megatron-tokens")
     if path.suffix == ".npy":
         tokens = np.load(path, mmap_mode="r")
         if tokens.ndim != 1 or tokens.dtype.name not in _DTYPES:
@@ -115,9 +115,7 @@ def _documents(inputs: Sequence[str], tokenizer: str | None) -> Iterable[np.ndar
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_megatron.data.tokens", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="lightning-megatron-tokens", description=__doc__.split("\n")[0])
     parser.add_argument("inputs", nargs="+", help="text files, one document each")
     parser.add_argument("--out", required=True, help="the token file to write (raw ids, e.g. tokens.bin)")
     parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer directory (default: byte-level ids)")
