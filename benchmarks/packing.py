@@ -108,6 +108,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if trainer.global_step in (args.warmup, args.warmup + args.steps):
                 torch.cuda.synchronize()
                 self.stamps.append(time.perf_counter())
+            if trainer.global_step == args.warmup:  # the peak of the timed steps (not reset after the last one)
                 torch.cuda.reset_peak_memory_stats()
 
     clock = Clock()

@@ -15,16 +15,16 @@
 #   cp2       1B at 32K tokens per sequence: one GPU against CP=2 (first_losses: the same initial weights and
 #             batches, so they should agree), and packed 32K rows at CP=2 against one GPU (the one-GPU runs took
 #             95 s and 79 s on one H200 on 2026-12-03; ~6 min)
-#   cp2long   1B at 64K tokens per sequence: one GPU needs full recompute (147 s on 2026-12-03), CP=2 runs with and
-#             without it (~6 min; apart from cp2: the two together would pass the 600 s of one device call)
+#   cp2long   1B at 64K tokens per sequence, one GPU against CP=2, both without recompute (one GPU: 97.5 GiB, 52.2%
+#             MFU on 2026-12-03) (~4 min; apart from cp2: the two together would pass the 600 s of one device call)
 #   fp8tp2    1B at TP=2: bf16 eager against fp8 "e4m3" with CUDA graphs (~2 min)
 #   tests2    the two-GPU tier-2 tests (layouts over NCCL, CP=2 among them); the one-GPU ones: pytest -m gpu on a
 #             one-GPU machine, one test file per process
 # Four GPUs (nvidia-h200-x4):
 #   scaling4  3B, variants a and b: TP=2 x PP=2 and TP=2 x DP=2 (4 runs, ~5 min)
-#   cp4       1B: CP=4 at 128K tokens, CP=2 at 128K on two of the GPUs with full recompute (first_losses against
-#             CP=4; without recompute its 64K tokens per GPU would need ~125 GiB by the one-GPU slope of 1.7 GiB per
-#             1K tokens), CP=2 x TP=2+SP at 64K (~7 min)
+#   cp4       1B: CP=4 at 128K tokens, CP=2 at 128K on two of the GPUs with full recompute (only for its
+#             first_losses against CP=4: 64K tokens per GPU took 97.5 GiB on one GPU without recompute, and CP adds
+#             the all-gathered 128K keys and values), CP=2 x TP=2+SP at 64K (~7 min)
 #   tests4    the four-GPU tier-2 tests (TP=2 x PP=2, TP=2+SP x CP=2, the TP=2 x PP=2 checkpoint resumed at DP=4
 #             and on CPU)
 set -uo pipefail
@@ -64,8 +64,7 @@ cp2)
     ;;
 cp2long)
     long=(--shape 1b --variants a --micro-batch-size 1 --micro-batches 2)
-    tp "${long[@]}" --seq-length 65536 --recompute full
-    tp "${long[@]}" --seq-length 65536 --devices 2 --cp 2 --recompute full
+    tp "${long[@]}" --seq-length 65536
     tp "${long[@]}" --seq-length 65536 --devices 2 --cp 2
     ;;
 fp8tp2)

@@ -117,8 +117,9 @@ def test_token_file_command_is_installed() -> None:
     # package imports that module before running it as __main__).
     from importlib.metadata import entry_points
 
-    (command,) = entry_points(group="console_scripts", name="lightning-megatron-tokens")
-    assert command.load() is tokens_main
+    commands = entry_points(group="console_scripts", name="lightning-megatron-tokens")
+    assert len(commands) == 1, "no lightning-megatron-tokens command: pyproject.toml lacks it, or run pip install -e ."
+    assert next(iter(commands)).load() is tokens_main
 
 
 def test_token_file_script_writes_byte_ids(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch) -> None:

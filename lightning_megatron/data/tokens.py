@@ -115,7 +115,10 @@ def _documents(inputs: Sequence[str], tokenizer: str | None) -> Iterable[np.ndar
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron-tokens", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="lightning-megatron-tokens",
+        description="Write text files as one token file for TokenFileDataModule (byte ids, or a local HF tokenizer).",
+    )
     parser.add_argument("inputs", nargs="+", help="text files, one document each")
     parser.add_argument("--out", required=True, help="the token file to write (raw ids, e.g. tokens.bin)")
     parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer directory (default: byte-level ids)")
