@@ -17,6 +17,7 @@ with quiet.importing():  # megatron-core's import-time notices about Transformer
     from lightning_megatron.modules.value import MegatronValueModule
     from lightning_megatron.parallel.sizes import ParallelSizes
     from lightning_megatron.strategy import MegatronStrategy
+    from lightning_megatron.training.preemption import Preempted
 
 __all__ = [
     "ByteCorpusDataModule",
@@ -31,6 +32,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerSpec",
     "ParallelSizes",
+    "Preempted",
     "SaveHF",
     "StepStats",
     "TokenFileDataModule",

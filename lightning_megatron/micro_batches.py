@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +36,23 @@ def check_micro_batch_size(batch_size: int, micro_batch_size: int) -> None:
         )
 
 
+def check_last_batch(dataloader: Any, micro_batch_size: int) -> None:
+    """Raise ``ValueError`` if the last batch of a DataLoader that keeps it (``drop_last=False``) would not split into
+    micro-batches: the epoch would otherwise fail at its very end."""
+    batch_size, sampler = getattr(dataloader, "batch_size", None), getattr(dataloader, "sampler", None)
+    if not isinstance(batch_size, int) or getattr(dataloader, "drop_last", True) or not hasattr(sampler, "__len__"):
+        return  # dropped, or a length that is unknown before the data is exhausted
+    samples = len(sampler)
+    last = samples % batch_size
+    if last % micro_batch_size:
+        raise ValueError(
+            f"the DataLoader's last batch would hold {last} samples ({samples} samples on this rank, batch_size="
+            f"{batch_size}, drop_last=False), which does not split into micro-batches of micro_batch_size="
+            f"{micro_batch_size}; pass drop_last=True, or use a dataset whose size per data-parallel rank is a "
+            f"multiple of {micro_batch_size}"
+        )
+
+
 def split_micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
     """Split every tensor of ``batch`` along dim 0 into micro-batches of ``micro_batch_size``."""
     size = batch["input_ids"].shape[0]
@@ -53,6 +71,14 @@ class MicroBatching:
     """Token budget per micro-batch (padded tokens, ``rows x longest``); ``None``: fixed ``size``."""
     length_multiple: int = 1
     """A budgeted micro-batch's length is rounded up to a multiple of this (``2*cp``; ``tp*cp`` under SP)."""
+
+    def check_loader(self, dataloader: Any) -> None:
+        """Fixed micro-batches: raise ``ValueError`` unless the DataLoader's batches split into them (its last one
+        included); budgeted micro-batches take any batch size."""
+        batch_size = getattr(dataloader, "batch_size", None)
+        if isinstance(batch_size, int) and self.max_tokens is None:
+            check_micro_batch_size(batch_size, self.size)
+            check_last_batch(dataloader, self.size)
 
     def split(self, batch: Batch, fixed: bool = False) -> list[Batch]:
         """The micro-batches of ``batch``; ``fixed`` ignores the budget (predictions keep the batch's order)."""

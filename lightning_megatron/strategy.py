@@ -21,9 +21,9 @@ from lightning_megatron import cpu, quiet, schedule
 from lightning_megatron.checkpointing import sharded
 from lightning_megatron.checkpointing.resume import ResumableLoader
 from lightning_megatron.checkpointing.writer import CheckpointWriter
-from lightning_megatron.contract import ChunkSpec, MegatronRuntime, OptimizerSpec, StepStats
+from lightning_megatron.contract import ChunkSpec, MegatronRuntime, StepStats
 from lightning_megatron.kernels import fp8
-from lightning_megatron.micro_batches import check_micro_batch_size, micro_batching
+from lightning_megatron.micro_batches import micro_batching
 from lightning_megatron.modules.base import MegatronLightningModule, check_overrides, megatron_module
 from lightning_megatron.parallel import ddp, state
 from lightning_megatron.parallel import precision as mixed
@@ -31,6 +31,7 @@ from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.training import clip_grads, graphs, guards, optim
 from lightning_megatron.training import offload as offload_state
 from lightning_megatron.training.grad_norms import grad_norms
+from lightning_megatron.training.preemption import Preempted, SigtermStop
 from lightning_megatron.training.retained import Retained, run_all
 
 if TYPE_CHECKING:
@@ -95,11 +96,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self.micro_batch_size = micro_batch_size
         self._batching = micro_batching(self._sizes, micro_batch_size, max_tokens_per_micro_batch)
         self.use_distributed_optimizer = use_distributed_optimizer
-        if ddp_config is not None and ddp_config.overlap_param_gather and not use_distributed_optimizer:
-            raise ValueError(
-                "ddp_config.overlap_param_gather=True needs use_distributed_optimizer=True (it overlaps the "
-                "distributed optimizer's parameter all-gather); set overlap_param_gather=False or keep the default"
-            )
+        ddp.check_config(ddp_config, use_distributed_optimizer)
         self._ddp_config = ddp_config
         self._seed = seed
         self._ddp_chunks: list[nn.Module] | None = None
@@ -118,6 +115,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._log_names = schedule.LogNames()
         self._retained: Retained | None = None  # what a finished run keeps for trainer.save_checkpoint
         self._quiet = quiet.RunFilters()
+        self._sigterm = SigtermStop()  # SIGTERM stops every rank at the same step (training/preemption.py)
 
     # ------------------------------------------------------------------ state
     @property
@@ -173,20 +171,17 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        batch_size = getattr(dataloader, "batch_size", None)
-        if isinstance(batch_size, int) and self._batching.max_tokens is None:
-            check_micro_batch_size(batch_size, self.micro_batch_size)
+        self._batching.check_loader(dataloader)
         if not self.module.trainer.training:
             return dataloader
         guards.check_dataloader(dataloader, "training")
-        return ResumableLoader.of_training(dataloader, self.module.trainer)
+        return ResumableLoader.of_training(dataloader, self.module.trainer, state.data_parallel_rank_and_size()[1])
 
     @property
     @override
     def launcher(self) -> _Launcher | None:
-        # One process started by hand needs no launcher, and Lightning refuses its subprocess launcher in
-        # interactive sessions: without this a one-device run in a notebook raises. Under torchrun (processes
-        # created externally) the launcher stays: it checks the world size against the Trainer's.
+        # One process started by hand needs no launcher (Lightning's refuses to run in a notebook). Under torchrun
+        # (processes created externally) the launcher stays: it checks the world size against the Trainer's.
         environment = self.cluster_environment
         if self.num_nodes * self.num_processes == 1 and not (environment and environment.creates_processes_externally):
             return None
@@ -219,14 +214,14 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def set_world_ranks(self) -> None:
-        # Lightning calls this when the Trainer is built, before any process is started: the earliest point where
-        # the world size is known, so an impossible layout fails right there.
+        # Called when the Trainer is built, before any process starts: an impossible layout fails right there.
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)
         super().set_world_ranks()
 
     @override
     def setup_environment(self) -> None:
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
+        self._sigterm.before_run()
         self._quiet.enter(self.root_device.type)  # third-party notices of the torch-native path (quiet.py)
         if self.root_device.type == "cpu":
             cpu.enable()
@@ -253,12 +248,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
-        spec = self.module.configure_optimizers()
-        if not isinstance(spec, OptimizerSpec):
-            raise TypeError(
-                f"{type(self.module).__name__}.configure_optimizers must return lightning_megatron.OptimizerSpec, "
-                f"got {type(spec).__name__}"
-            )
+        spec = optim.check_spec(self.module.configure_optimizers(), type(self.module).__name__)
         assert self._ddp_chunks is not None
         if self._retained is not None:  # an earlier fit's optimizer, kept for save_checkpoint, is replaced
             self._retained.forget_optimizer()
@@ -275,8 +265,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self.lr_scheduler_configs = []
 
     def _record_step(self, stats: StepStats) -> None:
-        self._last_step = stats
-        # Under "error", raised at the latest before any callback could save the bad step (guards.StepGuard).
+        self._last_step = stats  # and under "error", raise before any callback could save a bad step (StepGuard)
         self._guard.record(stats, self.module.trainer.global_step)
 
     def _should_step(self, loss: Tensor | None) -> bool:
@@ -290,9 +279,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]
         assert self._ddp_chunks is not None
         start = time.perf_counter()
-        for chunk in self._ddp_chunks:
-            chunk.zero_grad_buffer()
-        self.megatron_optimizer.zero_grad()
+        ddp.zero_grads(self._ddp_chunks, self.megatron_optimizer)
         with self.module.running_schedule():
             micro_batches = self._batching.split(schedule.as_batch(batch))
             loss = schedule.train(self.module, self._ddp_chunks, micro_batches, self.root_device, self._log_names)
@@ -305,9 +292,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        # Lightning's "16-mixed" plugin would unscale and step through a torch GradScaler; Megatron's fp16
-        # optimizer owns the loss scale (and skips steps whose gradients overflow), so run the plain precision
-        # step: the closure, on_before_optimizer_step, then our optimizer's step.
+        # Lightning's "16-mixed" plugin would step through a torch GradScaler; Megatron's fp16 optimizer owns the
+        # loss scale, so run the plain precision step: the closure, on_before_optimizer_step, our optimizer's step.
         plugin = self.precision_plugin
         result = Precision.optimizer_step(plugin, optimizer, model or self.lightning_module, closure, **kwargs)
         # Logged here, before any callback's on_train_batch_end of this step reads trainer.callback_metrics.
@@ -326,6 +312,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         return self._evaluation_step("test", batch)
 
     def _evaluation_step(self, stage: str, batch: Any) -> dict[str, Tensor]:
+        self._stop_if_signalled()
         loss = self.forward_loss(batch)
         self.module.log_eval_step(stage, loss["loss"], loss["num_tokens"], loss["logs"])
         return {"loss": loss["loss"], "num_tokens": loss["num_tokens"]}
@@ -339,6 +326,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:  # type: ignore[override]
+        self._stop_if_signalled()
         return schedule.gather_predictions(self._forward_only(batch, predict=True), self.root_device)
 
     def _forward_only(self, batch: Any, *, predict: bool) -> list[dict[str, Any]]:
@@ -370,10 +358,9 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def sync_params(self) -> None:
-        """Finish a parameter all-gather that ``overlap_param_gather`` deferred to the next forward, so the chunks
-        hold the last update (done for checkpoints, HF export and at the end of training; a no-op otherwise).
-        Under ``nonfinite="error"``, first raise ``FloatingPointError`` if that update came from a non-finite step
-        (its check is otherwise read at the next step: guards.StepGuard), so nothing saves or exports it."""
+        """Finish a parameter all-gather that ``overlap_param_gather`` deferred to the next forward (for checkpoints,
+        HF export, the end of training); first, under ``nonfinite="error"``, raise ``FloatingPointError`` if that
+        update came from a non-finite step (guards.StepGuard), so nothing saves or exports it."""
         self._guard.check_pending()
         ddp.sync_params(self._ddp_chunks or [])
 
@@ -418,9 +405,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
                 checkpoint, list(self.module.chunks), self._megatron_optimizer, self._scheduler,
                 sharded.model_config_dict(self.module), frozen_base=self.module.frozen_base(),
             )  # fmt: skip
-            self._writer.save(state_to_save, filepath)
-            if self._ddp_chunks is None:  # after fit/validate: no later hook would publish an async save
-                self._writer.finalize()
+            # After fit/validate no later hook would publish an async save: published right away then.
+            self._writer.save(state_to_save, filepath, publish=self._ddp_chunks is None)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -447,8 +433,19 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         self._writer.remove(filepath)  # waits for pending async saves: the last good checkpoint always stays
 
+    # ------------------------------------------------------------------ SIGTERM: every rank stops at one step
+    @override
+    def on_train_start(self) -> None:
+        self._sigterm.install()  # Lightning registered its handler just before the stage started
+
+    on_validation_start = on_test_start = on_predict_start = on_train_start
+
+    def _stop_if_signalled(self) -> None:  # collective, at a step boundary
+        self._sigterm.check(self._groups.control if self._groups else None, self.lightning_module.trainer.global_step)
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._stop_if_signalled()
         self._writer.poll()
 
     @override
@@ -460,7 +457,9 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def on_exception(self, exception: BaseException) -> None:
         self._guard.warn_if_failed(exception)  # a non-finite step may be the root cause
         super().on_exception(exception)
-        self._failed = True  # peers may be dead: teardown must not wait for them
+        # Peers may be dead: teardown must not wait for them -- unless every rank stopped together on SIGTERM, and
+        # a pending (or on-exception) save can still be published.
+        self._failed = not isinstance(exception, Preempted)
 
     @override
     def teardown(self) -> None:
@@ -476,6 +475,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             cpu.disable,
             lambda: state.restore_rng(self._rng),
             self._quiet.exit,
+            self._sigterm.uninstall,
             raise_errors=not failed,  # after a failure the user's exception is the one to see
         )
         self._rng = None

@@ -1,4 +1,4 @@
-"""A 2-process TP=2 CPU run for the failure tests: a rank that SIGKILLs itself, or one that stops answering.
+"""A 2-process TP=2 CPU run for the failure tests: a rank that SIGKILLs itself, one that stops answering, or SIGTERM.
 
 ``python tests/reliability_worker.py '{"max_steps": 8, "ckpt_dir": ..., "losses": ..., "kill_at": 6, ...}'``
 Lightning's launcher starts rank 1 as a child of rank 0 (this process), or the test starts both ranks with
@@ -14,9 +14,10 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
@@ -24,7 +25,9 @@ from lightning_megatron.data.corpus import synthetic_tokens
 
 
 class Failures(L.Callback):
-    """Records losses on rank 0; makes rank 1 die (``kill_at``) or go silent (``hang_at``) before that step."""
+    """Records losses on rank 0; makes rank 1 die (``kill_at``) or go silent (``hang_at``) before that step, or
+    send SIGTERM (``term_at``) to the whole job (``term`` = ``"group"``: every rank and its checkpoint writers, as a
+    scheduler does) or to rank 1 alone (``"self"``)."""
 
     def __init__(self, args: dict) -> None:
         self.args = args
@@ -35,6 +38,12 @@ class Failures(L.Callback):
         if trainer.global_step == self.args.get("kill_at"):
             _stamp(self.args["stamp"])
             os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_step == self.args.get("term_at"):
+            _stamp(self.args["stamp"])
+            if self.args["term"] == "group":
+                os.killpg(os.getpgid(0), signal.SIGTERM)
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
         if trainer.global_step == self.args.get("hang_at"):
             _stamp(self.args["stamp"])
             time.sleep(self.args["hang_for"])  # alive but silent (the test ends it once rank 0 has exited)
@@ -60,15 +69,24 @@ def main(args: dict) -> None:
         callbacks.append(
             ModelCheckpoint(dirpath=args["ckpt_dir"], every_n_train_steps=args["ckpt_every"], save_last=True)
         )
+    if args.get("on_exception_dir"):
+        callbacks.append(OnExceptionCheckpoint(args["on_exception_dir"]))
+    devices = args.get("devices", 2)
     strategy = MegatronStrategy(
-        tp=2, micro_batch_size=2, async_save=args.get("async_save", False), timeout=timedelta(seconds=args["timeout"])
-    )
+        tp=devices, micro_batch_size=2, async_save=args.get("async_save", False),
+        timeout=timedelta(seconds=args["timeout"]),
+    )  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=args["max_steps"], logger=False,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=args["max_steps"], logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(args.get("ckpt_dir")),
         callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
-    trainer.fit(model, DataLoader(data, batch_size=8, drop_last=True), ckpt_path=args.get("resume"))
+    try:
+        trainer.fit(model, DataLoader(data, batch_size=8, drop_last=True), ckpt_path=args.get("resume"))
+    except SystemExit as stop:  # SIGTERM: each rank says how it exits
+        if args.get("exits"):
+            Path(args["exits"], f"rank{trainer.global_rank}").write_text(str(stop.code))
+        raise
 
 
 if __name__ == "__main__":

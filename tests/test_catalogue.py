@@ -296,6 +296,13 @@ FIT_CASES = [
         id="fit datamodule hook",
     ),
     pytest.param(
+        lambda: _fit(_trainer(MegatronStrategy(micro_batch_size=2)), data=synthetic_tokens(9, 32, 256)),
+        ValueError,
+        r"last batch would hold 1 samples \(9 samples on this rank, batch_size=4, drop_last=False\).*"
+        r"micro_batch_size=2; pass drop_last=True",
+        id="fit last batch",
+    ),
+    pytest.param(
         _fit_empty,
         ValueError,
         r"training DataLoader has no batches.*3 samples, batch_size=4, drop_last=True",

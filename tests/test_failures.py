@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,7 +66,8 @@ def test_sigkill_one_rank_then_resume_last_reproduces_the_curve(tmp_path: Path) 
 
     names = sorted(p.name for p in ckpt.iterdir())
     # The interrupted save stays unpublished; the previous last.ckpt (step 3) and the step-6 checkpoint are whole.
-    assert names == ["epoch=0-step=6.ckpt", "last.ckpt", "last.ckpt.partial"], names
+    # (last.ckpt.lock: the lock file of that save, which the dead process no longer holds.)
+    assert names == ["epoch=0-step=6.ckpt", "last.ckpt", "last.ckpt.lock", "last.ckpt.partial"], names
     assert (ckpt / "last.ckpt" / "metadata.json").is_file()
 
     curve = _losses(tmp_path / "killed.jsonl")
@@ -82,6 +84,7 @@ def test_sigkill_one_rank_then_resume_last_reproduces_the_curve(tmp_path: Path) 
     assert sorted(again) == [4, 5, 6]  # resumed from last.ckpt = step 3, not from the half-written step-6 one
     assert again == {step: curve[step] for step in (4, 5, 6)}  # exactly the uninterrupted curve
     assert not (ckpt / "last.ckpt.partial").exists()  # the next save of last.ckpt replaced the leftover
+    assert not (ckpt / "last.ckpt.lock").exists()  # and took the stale lock
 
 
 @pytest.mark.multiprocess
@@ -115,3 +118,76 @@ def test_silent_rank_makes_the_other_fail_within_the_strategy_timeout(tmp_path: 
     # Megatron's groups got the sub-minute timeout (it used to be rounded up to a whole minute).
     assert timeout <= waited < timeout + 15, waited
     assert sorted(_losses(tmp_path / "losses.jsonl")) == [1, 2]
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_a_final_checkpoint(tmp_path: Path) -> None:
+    from tests.reliability_worker import main as run_in_this_process
+
+    # Async checkpoints at step 3 (+ last.ckpt), an OnExceptionCheckpoint; before step 5 rank 1 sends SIGTERM to the
+    # whole job's process group -- both ranks and their checkpoint writer processes -- as a scheduler does.
+    ckpt, exits, final = tmp_path / "ckpt", tmp_path / "exits", tmp_path / "final"
+    exits.mkdir()
+    job = {
+        "max_steps": 9, "ckpt_dir": str(ckpt), "ckpt_every": 3, "losses": str(tmp_path / "job.jsonl"), "term_at": 4,
+        "term": "group", "stamp": str(tmp_path / "term_at"), "async_save": True, "timeout": 600,
+        "on_exception_dir": str(final), "exits": str(exits),
+    }  # fmt: skip
+    proc = _launch(job, tmp_path, tmp_path / "job.log")
+    try:
+        rc = proc.wait(timeout=120)
+        exited = time.time()
+        deadline = exited + 30
+        while len(list(exits.iterdir())) < 2 and time.time() < deadline:  # rank 1 is rank 0's child: not waited
+            time.sleep(0.2)
+    finally:
+        _reap(proc)
+    log = (tmp_path / "job.log").read_text()
+    term_to_exit = exited - float((tmp_path / "term_at").read_text())
+    print(f"SIGTERM -> job exit: {term_to_exit:.2f} s (rc={rc})")
+    assert rc == 143, log[-3000:]
+    assert term_to_exit < 60, term_to_exit
+    assert {p.name: p.read_text() for p in exits.iterdir()} == {"rank0": "143", "rank1": "143"}, log[-3000:]
+    # Rank 0 may have entered the step's agreement before the signal reached it: 1 or 2 ranks counted it.
+    assert re.search(r"SIGTERM received by [12] of 2 rank\(s\): every rank stopped at global step 4", log), log[-3000:]
+    assert sorted(_losses(tmp_path / "job.jsonl")) == [1, 2, 3, 4]
+    # The periodic checkpoints are published (the step-3 save was finished, not abandoned), and so is the final one.
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in final.iterdir()) == ["on_exception.ckpt"]
+
+    # Both resume (here, at TP=1) and agree: the final checkpoint holds step 4's state, the batch position after it.
+    common = {"max_steps": 6, "timeout": 600, "devices": 1}
+    from_last = {**common, "resume": str(ckpt / "last.ckpt"), "losses": str(tmp_path / "from_last.jsonl")}
+    from_final = {**common, "resume": str(final / "on_exception.ckpt"), "losses": str(tmp_path / "from_final.jsonl")}
+    run_in_this_process(from_last)
+    run_in_this_process(from_final)
+    curve, after_final = _losses(tmp_path / "from_last.jsonl"), _losses(tmp_path / "from_final.jsonl")
+    assert sorted(curve) == [4, 5, 6]
+    assert sorted(after_final) == [5, 6]
+    assert curve[4] == pytest.approx(_losses(tmp_path / "job.jsonl")[4], rel=2e-4)  # TP=2 vs TP=1: float tolerance
+    for step in (5, 6):
+        assert after_final[step] == pytest.approx(curve[step], rel=2e-4)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_one_rank_stops_the_other_too(tmp_path: Path) -> None:
+    # Only rank 1 gets the signal (rank 0, which started it, does not): both must stop at the same step, non-zero.
+    exits = tmp_path / "exits"
+    exits.mkdir()
+    job = {
+        "max_steps": 9, "losses": str(tmp_path / "job.jsonl"), "term_at": 2, "term": "self",
+        "stamp": str(tmp_path / "term_at"), "timeout": 600, "exits": str(exits),
+    }  # fmt: skip
+    proc = _launch(job, tmp_path, tmp_path / "job.log")
+    try:
+        rc = proc.wait(timeout=120)
+        deadline = time.time() + 30
+        while len(list(exits.iterdir())) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        _reap(proc)
+    log = (tmp_path / "job.log").read_text()
+    assert rc == 143, log[-3000:]
+    assert {p.name: p.read_text() for p in exits.iterdir()} == {"rank0": "143", "rank1": "143"}, log[-3000:]
+    assert "SIGTERM received by 1 of 2 rank(s): every rank stopped at global step 2" in log, log[-3000:]
+    assert sorted(_losses(tmp_path / "job.jsonl")) == [1, 2]

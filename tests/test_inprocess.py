@@ -194,6 +194,13 @@ def test_resumable_loader_after_an_epoch_end_checkpoint() -> None:
     loader.load_state_dict({"batches_consumed": 2})
     assert list(loader) == [2, 3, 4]
     assert list(loader) == [0, 1, 2, 3, 4]  # only the first epoch after a restore is shortened
+    # The position is exact for the same global batch size; mid-epoch, another one is refused.
+    sized = ResumableLoader(list(range(5)), consumed=lambda: 2, global_batch=8)
+    assert sized.state_dict() == {"batches_consumed": 2, "global_batch_size": 8}
+    with pytest.raises(ValueError, match=r"global batches of 4 samples .* this run's global batch is 8"):
+        sized.load_state_dict({"batches_consumed": 2, "global_batch_size": 4})
+    sized.load_state_dict({"batches_consumed": 5, "global_batch_size": 4})  # at an epoch's end any size goes on
+    assert list(sized) == [0, 1, 2, 3, 4]
 
 
 def test_host_scalar_is_a_snapshot_on_the_host() -> None:

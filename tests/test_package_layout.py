@@ -213,7 +213,7 @@ def test_public_api() -> None:
         "ByteCorpusDataModule", "ChunkSpec", "LoRAConfig", "MegatronLMFromHF", "MegatronLMModule",
         "MegatronLightningModule", "MegatronStrategy", "MegatronThroughput", "MegatronValueModule", "ModelConfig",
         "OptimizerSpec",
-        "ParallelSizes", "SaveHF", "StepStats", "TokenFileDataModule", "pack_sequences", "tiny_gpt",
+        "ParallelSizes", "Preempted", "SaveHF", "StepStats", "TokenFileDataModule", "pack_sequences", "tiny_gpt",
     }  # fmt: skip
     assert set(lightning_megatron.__all__) == expected
     for name in expected:

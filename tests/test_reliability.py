@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron.checkpointing import checksums
 from lightning_megatron.data.corpus import synthetic_tokens
 
 
@@ -125,6 +126,7 @@ def test_tampered_metadata_is_refused_without_running_it(async_run: dict, tmp_pa
     path = _copy(async_run, tmp_path)
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    checksums.record_metadata(path)  # as a forger would: checksums detect damage, the unpickler refuses code
     with pytest.raises(ValueError, match=r"\.metadata is damaged or was tampered with"):
         _resume(path)
     assert not marker.exists()
@@ -142,6 +144,7 @@ def test_tampered_common_state_is_refused_without_running_it(async_run: dict, tm
     blob = bytearray((path / info.relative_path).read_bytes())
     blob[info.offset : info.offset + info.length] = data + b"\0" * (info.length - len(data))
     (path / info.relative_path).write_bytes(bytes(blob))
+    checksums.record(path, rank=0)  # forged too: the weights-only unpickler is what refuses the code
     with pytest.raises(ValueError, match=rf"checkpoint {path}.*cannot be read safely"):
         _resume(path)
     assert not marker.exists()
@@ -196,8 +199,15 @@ def test_nonfinite_skip_leaves_weights_and_counts() -> None:
     changes = WeightChanges()
     strategy = MegatronStrategy(micro_batch_size=2, nonfinite="skip")
     trainer = _trainer(4, strategy, callbacks=[changes])
-    trainer.fit(Poisoned({1: 1, 3: 2}), DataLoader(_data(), batch_size=8))
+    with pytest.warns(UserWarning, match=r"optimizer step \d was skipped") as warned:
+        trainer.fit(Poisoned({1: 1, 3: 2}), DataLoader(_data(), batch_size=8))
     assert changes.changed == [True, False, True, False]  # NaN loss (step 1) and NaN gradients (step 3) skipped
+    skips = [str(w.message) for w in warned if "was skipped" in str(w.message)]  # 1, 2, 4, ... skips: rate-limited
+    assert len(skips) == 2, skips
+    assert "optimizer step 1 was skipped" in skips[0]
+    assert "1 step(s) skipped so far" in skips[0]
+    assert "optimizer step 3 was skipped" in skips[1]
+    assert "2 step(s) skipped so far" in skips[1]
     assert strategy.skipped_steps == 2
     assert trainer.callback_metrics["skipped_steps"] == 2  # logged
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())

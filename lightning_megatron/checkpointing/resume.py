@@ -3,7 +3,13 @@
 Lightning restores a mid-epoch run's loop progress, but a plain ``DataLoader`` restarts from its first batch:
 the resumed run would train on batches it already saw. Lightning does restore loaders that implement
 ``state_dict``/``load_state_dict`` (its ``_Stateful`` protocol), so the strategy hands Lightning the training
-loader wrapped in :class:`ResumableLoader`, whose state is the number of batches the loop consumed.
+loader wrapped in :class:`ResumableLoader`, whose state is the number of batches the loop trained on and the
+global batch size (samples per step over all data-parallel ranks) they had.
+
+The position is exact only for the same global batch size: the sampler deals each epoch's samples to the
+data-parallel ranks in global batches, so a layout with another data-parallel size resumes exactly when
+``batch_size x data-parallel size`` is unchanged. Another global batch size mid-epoch would re-train or skip samples
+(and Lightning's loop counts the epoch in batches), so it is refused, naming both sizes.
 """
 
 from __future__ import annotations
@@ -15,19 +21,27 @@ _END = object()
 
 
 class ResumableLoader:
-    """Iterates ``loader``; after ``load_state_dict`` the next iteration skips the batches already consumed."""
+    """Iterates ``loader``; after ``load_state_dict`` the next iteration skips the batches already trained on.
 
-    def __init__(self, loader: Any, consumed: Callable[[], int]) -> None:
+    ``global_batch``: samples one batch of ``loader`` stands for over all data-parallel ranks (``None``: unknown,
+    e.g. a loader without ``batch_size``; then the position is not checked against another batch size).
+    """
+
+    def __init__(self, loader: Any, consumed: Callable[[], int], global_batch: int | None = None) -> None:
         self.loader = loader
         self._consumed = consumed
+        self.global_batch = global_batch
         self._skip = 0
 
     @classmethod
-    def of_training(cls, loader: Any, trainer: Any) -> ResumableLoader:
-        """``loader`` as the training loader of ``trainer``, whose loop counts the consumed batches (Lightning's loop
-        progress: public attributes, though not a documented API)."""
+    def of_training(cls, loader: Any, trainer: Any, data_parallel_size: int) -> ResumableLoader:
+        """``loader`` as the training loader of ``trainer``, whose loop counts the batches trained on (Lightning's
+        loop progress: public attributes, though not a documented API). ``processed``, not ``ready``: a save in
+        ``on_exception`` (e.g. on SIGTERM) comes after the next batch was fetched but before it was trained on."""
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        return cls(loader, consumed=lambda: progress.current.ready)
+        batch_size = _batch_size(loader)
+        global_batch = batch_size * data_parallel_size if batch_size else None
+        return cls(loader, consumed=lambda: progress.current.processed, global_batch=global_batch)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -54,10 +68,30 @@ class ResumableLoader:
         return getattr(self.loader, "dataset", None)
 
     def state_dict(self) -> dict[str, int]:
-        return {"batches_consumed": int(self._consumed())}
+        state = {"batches_consumed": int(self._consumed())}
+        if self.global_batch is not None:
+            state["global_batch_size"] = self.global_batch
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         consumed = int(state["batches_consumed"])
         # A checkpoint taken after the epoch's last batch resumes at the start of the next epoch.
         length = len(self.loader) if hasattr(self.loader, "__len__") else None
         self._skip = consumed % length if length else consumed
+        saved = state.get("global_batch_size")
+        if self._skip and saved is not None and self.global_batch is not None and saved != self.global_batch:
+            raise ValueError(
+                f"the checkpoint was saved {consumed} batches into an epoch of global batches of {saved} samples "
+                f"(DataLoader batch_size x data-parallel size), and this run's global batch is {self.global_batch}: "
+                f"resuming there would re-train or skip samples. Resume mid-epoch with a global batch of {saved} "
+                "(e.g. halve batch_size when doubling the data-parallel size), or change it at an epoch boundary "
+                "(a checkpoint saved at the end of an epoch)"
+            )
+
+
+def _batch_size(loader: Any) -> int | None:
+    """Samples per batch of ``loader`` (a DataLoader's ``batch_size``, or its batch sampler's)."""
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None

@@ -12,7 +12,7 @@ apex) live in :mod:`lightning_megatron.checkpointing.mcore_fixes`.
 from __future__ import annotations
 
 import dataclasses
-import shutil
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from lightning_megatron.checkpointing import checks, mcore_fixes
+from lightning_megatron.checkpointing import checks, checksums, mcore_fixes
+from lightning_megatron.checkpointing.saving import PARTIAL_SUFFIX
 
 # Reshardable across TP, PP, VPP and DP: the optimizer state is gathered per parameter on save.
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -38,7 +39,6 @@ FROZEN_BASE_KEY = "megatron_frozen_base"
 Weights = Literal["all", "trainable", "frozen"]
 SCHEDULER_KEY = "megatron_lr_scheduler"
 """Common-state entry holding Megatron's LR schedule (with the optimizer state only)."""
-PARTIAL_SUFFIX = ".partial"
 
 
 def chunk_key(index: int) -> str:
@@ -95,74 +95,6 @@ def model_config_dict(module: object) -> dict[str, Any] | None:
     """The module's ``ModelConfig`` (any dataclass ``config``) as a plain dict, loadable with ``weights_only``."""
     config = getattr(module, "config", None)
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else None
-
-
-def save(state: dict[str, Any], path: str | Path, async_queue: Any | None = None) -> None:
-    """Collective: every rank writes its shards of ``state`` (sharded tensors + common objects) to ``path``.
-
-    Crash-safe: the shards go to ``<path>.partial``, which becomes ``path`` (by rename, replacing an older
-    checkpoint of the same name such as ``last.ckpt``) only after every rank finished writing. A run killed
-    mid-save leaves the previous checkpoint intact and a ``.partial`` directory that nothing loads.
-
-    With ``async_queue`` (Megatron's ``AsyncCallsQueue``, see :func:`async_queue`) the shards are written by a
-    background process and the rename is the last finalisation step, run on every rank by the queue's
-    ``maybe_finalize_async_calls`` once every rank's writer is done.
-    """
-    from megatron.core import dist_checkpointing
-
-    path = Path(path)
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    rank = torch.distributed.get_rank()
-    status: list[str | None] = [None]
-    if rank == 0:
-        try:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
-            partial.mkdir(parents=True)
-        except OSError as error:  # tell the other ranks instead of leaving them in the next barrier
-            status = [f"{type(error).__name__}: {error}"]
-    torch.distributed.broadcast_object_list(status, src=0)
-    if status[0] is not None:
-        raise OSError(f"cannot create checkpoint directory {partial}: {status[0]}")
-    if async_queue is None:
-        dist_checkpointing.save(state, str(partial))
-        _publish(partial, path)
-        return
-    request = dist_checkpointing.save(
-        state, str(partial), async_sharded_save=True, async_strategy=_async_strategy()
-    )  # fmt: skip
-    request.add_finalize_fn(lambda: _publish(partial, path))  # after Megatron's own metadata.json finaliser
-    async_queue.schedule_async_request(request)
-
-
-def _publish(partial: Path, path: Path) -> None:
-    torch.distributed.barrier()  # every rank's shards are on disk
-    if torch.distributed.get_rank() == 0:
-        _replace(partial, path)
-    torch.distributed.barrier()
-
-
-def _async_strategy() -> str:
-    # NVIDIA's resiliency extension is Megatron's preferred async writer; its own (deprecated) one otherwise.
-    from megatron.core.dist_checkpointing.strategies.torch import HAVE_NVRX
-
-    return "nvrx" if HAVE_NVRX else "mcore"
-
-
-def async_queue() -> Any:
-    """The ``AsyncCallsQueue`` that matches :func:`save`'s async requests."""
-    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
-
-    _, queue_class = get_async_strategy(_async_strategy(), "AsyncCallsQueue")
-    return queue_class()
-
-
-def _replace(new: Path, path: Path) -> None:
-    old = path.with_name(path.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        path.rename(old)
-    new.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def load(
@@ -253,17 +185,8 @@ def _plan(
     frozen_base: dict[str, str] | None, weights: Weights | None,
 ) -> dict[str, Any]:  # fmt: skip
     """Check the files and the model against them; the state dict to load into and which weights it holds."""
-    if path.name.endswith(PARTIAL_SUFFIX):
-        final = path.with_name(path.name.removesuffix(PARTIAL_SUFFIX))
-        raise ValueError(f"{path} is an unfinished save (a run stopped while writing it); load {final} or an older one")
-    if not path.is_dir() or not (path / "metadata.json").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete Megatron sharded checkpoint (no metadata.json); checkpoints written by "
-            "MegatronStrategy are directories"
-        )
-    metadata = checks.read_metadata(path)
-    checks.check_files(path, metadata)
-    common = read_common_state(path)
+    metadata = open_checkpoint(path)
+    common = _read_common(path, metadata)
     if optimizer is not None and "optimizer" not in common.get(CONTENTS_KEY, ["model", "optimizer"]):
         raise KeyError(
             f"Trying to restore optimizer state but checkpoint {path} contains only the model (it was saved with "
@@ -280,13 +203,54 @@ def _plan(
         checks.check_nothing_left_out(path, metadata, model_state)
     if optimizer is not None:
         checks.check_optimizer_split(path, metadata, state[_OPTIMIZER_KEY])
+    # Last, as it reads every shard: each rank verifies its share of the files.
+    rank, world = _rank_and_world()
+    checksums.verify(
+        path, metadata, files=sorted({i.relative_path for i in metadata.storage_data.values()})[rank::world]
+    )
     return {"state": state, "weights": selected}
 
 
+def open_checkpoint(path: Path) -> Any:
+    """Check that ``path`` is a complete checkpoint MegatronStrategy wrote, with intact metadata that runs no code
+    and every shard file it names; return its torch DCP metadata (nothing else is read)."""
+    if path.name.endswith(PARTIAL_SUFFIX):
+        final = path.with_name(path.name.removesuffix(PARTIAL_SUFFIX))
+        raise ValueError(f"{path} is an unfinished save (a run stopped while writing it); load {final} or an older one")
+    if path.is_file():
+        raise ValueError(
+            f"{path} is a file (a plain Lightning/torch.save checkpoint), not a MegatronStrategy checkpoint: those are "
+            "directories written by every rank (sharded, dist_checkpointing). Load it without MegatronStrategy"
+        )
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    marker = path / "metadata.json"
+    if not marker.is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete Megatron sharded checkpoint (no metadata.json); checkpoints written by "
+            "MegatronStrategy are directories holding metadata.json, .metadata and *.distcp shard files"
+        )
+    checksums.verify_metadata(path)
+    try:
+        json.loads(marker.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{marker} is damaged (not valid JSON: {error}); checkpoint {path} cannot be read") from error
+    metadata = checks.read_metadata(path)
+    checks.check_files(path, metadata)
+    return metadata
+
+
 def read_common_state(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's non-tensor entries (Lightning's dict, the ModelConfig, ...), unpickled ``weights_only``."""
+    """The checkpoint's non-tensor entries (Lightning's dict, the ModelConfig, ...), unpickled ``weights_only``,
+    after :func:`open_checkpoint`'s checks and the common state's checksums."""
+    path = Path(path)
+    return _read_common(path, open_checkpoint(path))
+
+
+def _read_common(path: Path, metadata: Any) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
+    checksums.verify(path, metadata, items=[i for i in metadata.storage_data if i.fqn.startswith("common_state")])
     try:
         with checks.weights_only():
             return dist_checkpointing.load_common_state_dict(str(path))
@@ -297,19 +261,26 @@ def read_common_state(path: str | Path) -> dict[str, Any]:
         ) from error
 
 
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
 def _raise_on_every_rank(check: Callable[[], None]) -> None:
-    """Run a local check on every rank; if it fails anywhere, raise on every rank (no rank left in a collective)."""
+    """Run a local check on every rank; if it fails anywhere, raise on every rank (no rank left in a collective),
+    with the failing rank's message."""
     error: BaseException | None = None
     try:
         check()
     except (Exception, CheckpointException) as caught:  # whatever it hit, no rank may go on into the load
         error = caught
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        if torch.distributed.get_backend() == "nccl":
-            flag = flag.cuda()
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    rank, world = _rank_and_world()
+    messages: list[str | None] = [None if error is None else f"{type(error).__name__}: {error}"] * world
+    if world > 1:
+        torch.distributed.all_gather_object(messages, messages[rank])
     if error is not None:
         raise error
-    if int(flag.item()):
-        raise ValueError("another rank found the checkpoint unusable (see its error); nothing was loaded")
+    if failed := [(r, m) for r, m in enumerate(messages) if m is not None]:
+        r, message = failed[0]
+        raise ValueError(f"rank {r} found the checkpoint unusable, nothing was loaded: {message}")

@@ -11,21 +11,27 @@ removals wait until it is published, so a kill at any moment leaves at least the
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from lightning_megatron.checkpointing import sharded
+from lightning_megatron.checkpointing import saving
 
 
 class CheckpointWriter:
-    """Owns the async-save queue of one strategy and the removals waiting for it."""
+    """Owns the async-save queue of one strategy, its saves not yet published and the removals waiting for them."""
 
     def __init__(self, async_save: bool) -> None:
         self.async_save = async_save
         self._queue: Any | None = None
+        self._saves: list[saving.PendingSave] = []  # oldest first, as Megatron's queue finalises them
         self._removals: list[Path] = []
 
     @property
@@ -33,12 +39,19 @@ class CheckpointWriter:
         """Saves handed to background writers and not yet published."""
         return self._queue.get_num_unfinalized_calls() if self._queue is not None else 0
 
-    def save(self, state: dict[str, Any], path: str | Path) -> None:
-        """Collective. Synchronous, or asynchronous after publishing any earlier pending save."""
+    def save(self, state: dict[str, Any], path: str | Path, publish: bool = False) -> None:
+        """Collective. Synchronous, or asynchronous after publishing any earlier pending save (and, with
+        ``publish``, this one too before returning)."""
         self.finalize()
         if self.async_save and self._queue is None:
-            self._queue = sharded.async_queue()
-        sharded.save(state, path, async_queue=self._queue if self.async_save else None)
+            self._queue = saving.async_queue()
+        with _children_ignore_sigterm():
+            _start_result_queue()
+            pending = saving.save(state, path, async_queue=self._queue if self.async_save else None)
+        if pending is not None:
+            self._saves.append(pending)
+        if publish:
+            self.finalize()
 
     def remove(self, path: str | Path) -> None:
         """Remove a checkpoint directory (rank 0), or queue the removal until pending saves are published."""
@@ -49,15 +62,25 @@ class CheckpointWriter:
     def poll(self) -> None:
         """Collective while a save is pending (one small all-reduce): publish the saves every rank has written."""
         if self._queue is not None and self.pending:
-            self._queue.maybe_finalize_async_calls(blocking=False)
+            self._finalize(blocking=False)
             if not self.pending:
                 self._run_removals()
 
     def finalize(self) -> None:
         """Collective: wait for every pending save, publish it, then run the queued removals."""
         if self._queue is not None and self.pending:
-            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._finalize(blocking=True)
         self._run_removals()
+
+    def _finalize(self, blocking: bool) -> None:
+        assert self._queue is not None
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except (Exception, CheckpointException) as error:  # the oldest pending save failed
+            failed = self._saves.pop(0)
+            raise failed.failed(error) from error
+        finally:
+            del self._saves[: len(self._saves) - self.pending]  # published
 
     def abort(self) -> None:
         """After a failure (peers may be gone): stop local writers without any collective; nothing is published,
@@ -66,6 +89,9 @@ class CheckpointWriter:
             for call in list(self._queue.async_calls):
                 call.async_caller.close(abort=True)
             self._queue.async_calls.clear()
+        for pending in self._saves:
+            pending.lock.release()
+        self._saves.clear()
         self._removals.clear()
 
     def _run_removals(self) -> None:
@@ -74,3 +100,29 @@ class CheckpointWriter:
             return
         for path in removals:
             shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _children_ignore_sigterm() -> Iterator[None]:
+    """Processes started in here -- Megatron's checkpoint writers and the manager process of their result queue --
+    inherit SIGTERM blocked, so a SIGTERM sent to the whole job (as schedulers do) leaves them running: the rank
+    stops at its next step (training/preemption.py) and can still publish the save. This process gets the signal
+    as usual (another of its threads takes it while the main thread blocks it, or it arrives at the unblock)."""
+    if threading.current_thread() is not threading.main_thread():  # then Python cannot block signals
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _start_result_queue() -> None:
+    """Megatron's writers report to a queue served by a multiprocessing manager process, which Megatron spawns at
+    the first save; a spawned process gets a fresh signal mask, so a job-wide SIGTERM would kill it and every later
+    finalisation would fail on its broken pipe. Started here first instead, forked (Megatron's function takes the
+    start method; forked processes inherit the blocked SIGTERM). A no-op once the queue exists."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
+
+    get_write_results_queue("fork")

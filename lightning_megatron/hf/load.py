@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from lightning_megatron.config import ModelConfig
@@ -56,7 +56,7 @@ class HFCheckpoint:
         if (path / SAFETENSORS_INDEX).is_file():
             files = dict(json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"])
         elif (path / SAFETENSORS_FILE).is_file():
-            with safe_open(path / SAFETENSORS_FILE, framework="pt") as f:
+            with open_safetensors(path / SAFETENSORS_FILE) as f:
                 files = dict.fromkeys(f.keys(), SAFETENSORS_FILE)
         else:
             pickles = sorted(p.name for p in path.iterdir() if p.suffix in pickled.SUFFIXES)
@@ -117,12 +117,25 @@ class HFCheckpoint:
                 if file not in handles and file.endswith(pickled.SUFFIXES):
                     handles[file] = pickled.load(self.path / file)
                 elif file not in handles:
-                    handles[file] = stack.enter_context(safe_open(self.path / file, framework="pt"))
+                    handles[file] = stack.enter_context(open_safetensors(self.path / file))
                 if isinstance(handles[file], dict):
                     return pickled.Slice(handles[file][name])
                 return handles[file].get_slice(name)
 
             yield lazy
+
+
+def open_safetensors(file: Path) -> Any:
+    """``safe_open(file)``; a truncated or damaged file raises ``ValueError`` naming it (safetensors' own error only
+    names the header)."""
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as error:
+        size = file.stat().st_size if file.is_file() else 0
+        raise ValueError(
+            f"{file} is incomplete or damaged ({size} bytes; safetensors: {error}): a download or copy was probably "
+            "cut short; fetch that file again"
+        ) from error
 
 
 def load_chunk(chunk: nn.Module, checkpoint: HFCheckpoint, config: ModelConfig, vp_stage: int | None) -> None:

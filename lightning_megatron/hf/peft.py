@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_megatron.config import ModelConfig
-from lightning_megatron.hf.load import HFCheckpoint
+from lightning_megatron.hf.load import HFCheckpoint, open_safetensors
 from lightning_megatron.hf.mapping import adapter_shapes
 from lightning_megatron.lora.config import HF_BLOCK, PROJECTIONS, TARGETS, LoRAConfig, adapter_parts
 
@@ -117,7 +116,7 @@ def open_adapter(
                 f"{getattr(found, field)!r}); leave lora= out, or pass a dict of dropout/seed only (lora="
                 "{'dropout': 0.05}), to take the adapter's rank, alpha and targets"
             )
-    with safe_open(path / ADAPTER_FILE, framework="pt") as f:
+    with open_safetensors(path / ADAPTER_FILE) as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     want = adapter_shapes(config, found)
     if wrong := [n for n in set(want) | set(shapes) if want.get(n) != shapes.get(n)]:

@@ -50,6 +50,22 @@ def take_token_scale(chunks: list[Any]) -> Tensor | float | None:
     return factor
 
 
+def check_config(ddp_config: DistributedDataParallelConfig | None, use_distributed_optimizer: bool) -> None:
+    """Raise ``ValueError`` for a DDP config that the strategy's ``use_distributed_optimizer`` contradicts."""
+    if ddp_config is not None and ddp_config.overlap_param_gather and not use_distributed_optimizer:
+        raise ValueError(
+            "ddp_config.overlap_param_gather=True needs use_distributed_optimizer=True (it overlaps the "
+            "distributed optimizer's parameter all-gather); set overlap_param_gather=False or keep the default"
+        )
+
+
+def zero_grads(chunks: list[Any], optimizer: Any) -> None:
+    """Before a step's schedule run: zero the DDP gradient buffers and the optimizer's (main) gradients."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
 def wrap(
     chunks: list[nn.Module], ddp_config: DistributedDataParallelConfig | None, use_distributed_optimizer: bool
 ) -> list[nn.Module]:

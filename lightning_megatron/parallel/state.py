@@ -24,10 +24,13 @@ _created: list[Any] = []
 class Groups:
     """A handle on the Megatron process groups one :func:`initialize` call built."""
 
-    def __init__(self, sizes: ParallelSizes) -> None:
+    def __init__(self, sizes: ParallelSizes, control: Any | None) -> None:
         from megatron.core import parallel_state
 
         self.sizes = sizes
+        self.control = control
+        """A gloo group of every rank for the run's control flags (SIGTERM), so that agreeing on them never waits
+        for the accelerator; ``None`` for a single process."""
         self._marker = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     def alive(self) -> bool:
@@ -59,9 +62,12 @@ def initialize(sizes: ParallelSizes, timeout: timedelta | None = None) -> Groups
             expert_model_parallel_size=sizes.ep,
             **kwargs,
         )
+        control = None
+        if torch.distributed.get_world_size() > 1:
+            control = torch.distributed.new_group(backend="gloo", timeout=timeout)
     finally:  # a build that failed halfway has groups to release too
         _created[:] = [group for group in _registered_groups() if group not in before]
-    return Groups(sizes)
+    return Groups(sizes, control)
 
 
 def seed(base: int) -> dict[str, Any]:

@@ -181,6 +181,7 @@ class StepGuard:
         check_policy(policy)
         self.policy = policy
         self.skipped_steps = 0
+        self._warn_at = 1  # skipped-step counts that warn: 1, 2, 4, 8, ... (the metric has every step)
         self._pending: tuple[HostScalar, int] | None = None  # (the norm's host copy, its optimizer step)
         # A non-finite step found: every later check raises again (an on-exception save must not write it either).
         self._failed: tuple[float, int] | None = None
@@ -188,7 +189,8 @@ class StepGuard:
     def record(self, stats: StepStats, step: int) -> None:
         """After optimizer step ``step``: count a skipped step; under ``"error"`` check the previous step's norm
         and queue this one's host copy."""
-        self.skipped_steps += int(stats.skipped)
+        if stats.skipped:
+            self._skipped(step)
         if self.policy != "error":
             return
         self.check_pending()
@@ -196,6 +198,18 @@ class StepGuard:
             self._pending = (HostScalar(stats.grad_norm), step)
         else:
             check_grad_norm(stats.grad_norm, step)
+
+    def _skipped(self, step: int) -> None:
+        self.skipped_steps += 1
+        if self.skipped_steps < self._warn_at:
+            return
+        self._warn_at *= 2
+        rank_zero_warn(
+            f"optimizer step {step} was skipped: non-finite loss or gradients (with fp16, a loss-scale overflow); "
+            f"{self.skipped_steps} step(s) skipped so far. Weights, optimizer state and LR schedule stay "
+            f"as they were for a skipped step; the metric skipped_steps counts them, the next warning comes at "
+            f"{self._warn_at} skipped steps"
+        )
 
     def check_pending(self) -> None:
         """Raise ``FloatingPointError`` if the last recorded step's norm is not finite (waits for its copy only),

@@ -75,6 +75,16 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
         raise RuntimeError("the Megatron optimizer's state is saved sharded by MegatronStrategy.save_checkpoint")
 
 
+def check_spec(spec: object, module_name: str) -> OptimizerSpec:
+    """``spec`` if it is an :class:`OptimizerSpec` (what ``configure_optimizers`` must return), ``TypeError`` else."""
+    if not isinstance(spec, OptimizerSpec):
+        raise TypeError(
+            f"{module_name}.configure_optimizers must return lightning_megatron.OptimizerSpec, "
+            f"got {type(spec).__name__}"
+        )
+    return spec
+
+
 def build(
     spec: OptimizerSpec, chunks: list[Any], trainer: L.Trainer, *, dtype: torch.dtype, distributed: bool, fused: bool
 ) -> tuple[Any, Any]:

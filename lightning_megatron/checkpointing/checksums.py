@@ -1,0 +1,196 @@
+"""Checksums of a checkpoint's shard files: recorded when a rank has written its files, verified before loading.
+
+A flipped bit in a weight or an optimizer moment loads without any other sign (a finite value, the right size), so
+every rank records a CRC-32 of each 64 KiB block of the shard files it wrote (``__<rank>_<n>.distcp``, named by
+Megatron's writer) in ``checksums_<rank>.json``, right after writing them: in the background writer process for
+an async save, so training does not wait for it. Before a checkpoint is published, every shard file must have its
+checksums. Loading recomputes them (each rank a share of the files) and names the file, the byte range and the
+tensors stored there for any block that differs.
+
+They detect damage (disk or transfer errors, a truncated copy, a stray write), not forgery: whoever can rewrite
+the shards can rewrite the checksums. Nothing in a checkpoint can run code either way (:mod:`.checks`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+BLOCK_BYTES = 1 << 16  # 64 KiB: a damaged block names few tensors; 13 GB of shards make ~2 MB of checksums
+_READ_BLOCKS = 256  # blocks read at once (16 MiB)
+_PATTERN = "checksums_{rank}.json"
+_SHARD_SUFFIX = ".distcp"
+_METADATA_TABLE = "metadata_checksums.json"
+_METADATA_FILES = (".metadata", "metadata.json")  # torch DCP's index of the shards, Megatron's format marker
+
+
+def record(directory: Path, rank: int) -> None:
+    """Write ``checksums_<rank>.json`` for the shard files ``rank`` wrote into ``directory``."""
+    files = sorted(directory.glob(f"*__{rank}_*{_SHARD_SUFFIX}"))
+    blocks = _crcs([(file, range(_ceil(file.stat().st_size))) for file in files])
+    table = {
+        "algorithm": "crc32",
+        "block_bytes": BLOCK_BYTES,
+        "files": {file.name: {"size": file.stat().st_size, "blocks": crcs} for file, crcs in zip(files, blocks)},
+    }
+    (directory / _PATTERN.format(rank=rank)).write_text(json.dumps(table))
+
+
+def read(directory: Path) -> dict[str, dict[str, Any]] | None:
+    """Every shard file's recorded ``{"size", "blocks"}`` from all ``checksums_*.json`` of ``directory``; ``None``
+    when it has none (a checkpoint written before checksums existed). Raises ``ValueError`` for a damaged table."""
+    tables = sorted(directory.glob(_PATTERN.format(rank="*")))
+    if not tables:
+        return None
+    files: dict[str, dict[str, Any]] = {}
+    for table in tables:
+        try:
+            content = json.loads(table.read_text())
+            if content["algorithm"] != "crc32" or content["block_bytes"] != BLOCK_BYTES:
+                raise ValueError(f"algorithm {content['algorithm']!r}, blocks of {content['block_bytes']} bytes")
+            files.update(content["files"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{table} is damaged or unreadable ({type(error).__name__}: {error})") from error
+    return files
+
+
+def record_metadata(directory: Path) -> None:
+    """Record the CRC-32 of the small metadata files (rank 0, once they are written, before publishing)."""
+    table = {
+        name: zlib.crc32((directory / name).read_bytes()) for name in _METADATA_FILES if (directory / name).is_file()
+    }
+    (directory / _METADATA_TABLE).write_text(json.dumps(table))
+
+
+def verify_metadata(directory: Path) -> None:
+    """Raise ``ValueError`` naming a metadata file that differs from what was written (read before it is parsed)."""
+    table_file = directory / _METADATA_TABLE
+    if not table_file.is_file():
+        return  # a checkpoint written before checksums existed
+    try:
+        table = json.loads(table_file.read_text())
+    except ValueError as error:
+        raise ValueError(f"{table_file} is damaged or unreadable ({error})") from error
+    for name, crc in table.items():
+        file = directory / name
+        if file.is_file() and zlib.crc32(file.read_bytes()) != crc:
+            raise ValueError(
+                f"{file} differs from what was written (checksum): the metadata of checkpoint {directory} is damaged; "
+                "resume from another checkpoint (or restore this one from a copy)"
+            )
+
+
+def check_complete(directory: Path) -> None:
+    """Raise ``ValueError`` unless every shard file in ``directory`` has checksums (before publishing a save)."""
+    recorded = read(directory) or {}
+    shards = sorted(p.name for p in directory.glob(f"*{_SHARD_SUFFIX}"))
+    if missing := [name for name in shards if name not in recorded]:
+        raise ValueError(
+            f"no checksums were recorded for {len(missing)} shard file(s) of {directory}, e.g. {missing[:3]} (a "
+            "writer failed, or Megatron named its files in a way this version does not know)"
+        )
+
+
+def verify(path: Path, metadata: Any, files: Sequence[str] | None = None, items: Iterable[Any] | None = None) -> None:
+    """Raise ``ValueError`` naming the file, byte range and tensors of every block whose checksum differs.
+
+    ``files``: the shard files to check (default: all the metadata names); ``items``: only the blocks holding these
+    entries of ``metadata.storage_data`` (e.g. the common state). A damaged checksum table raises ``ValueError`` too;
+    a checkpoint written without checksums passes (there is nothing to compare).
+    """
+    recorded = read(path)
+    if recorded is None:
+        return
+    wanted = _ranges(metadata, items)
+    names = sorted(wanted) if files is None else [name for name in files if name in wanted]
+    for name in names:
+        if name not in recorded:
+            raise ValueError(f"{path / name} has no recorded checksums: checkpoint {path} is damaged (its table lost)")
+    problems = _differing(path, {name: recorded[name] for name in names}, wanted)
+    if problems:
+        raise ValueError(
+            f"checkpoint {path} is damaged: " + "; ".join(problems) + ". Resume from another checkpoint (or restore "
+            "this one from a copy)"
+        )
+
+
+def _ranges(metadata: Any, items: Iterable[Any] | None) -> dict[str, list[tuple[int, int, str]]]:
+    """``{file: [(offset, end, what)]}`` of the storage entries (all, or ``items``), ``what`` naming the tensor."""
+    selected = set(items) if items is not None else None
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in metadata.storage_data.items():
+        if selected is not None and index not in selected:
+            continue
+        offset = tuple(index.offset) if index.offset is not None else ()
+        what = f"{index.fqn}" + (f" (shard at {offset})" if any(offset) else "")
+        start = int(info.offset)
+        ranges.setdefault(info.relative_path, []).append((start, start + int(info.length), what))
+    return ranges
+
+
+def _differing(path: Path, recorded: dict[str, Any], ranges: dict[str, list[tuple[int, int, str]]]) -> list[str]:
+    """What differs in each file of ``recorded`` (within its ``ranges``) from what was recorded."""
+    problems, tasks = [], []
+    for name, table in recorded.items():
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif (size := file.stat().st_size) != table["size"]:
+            problems.append(f"{name} has {size} bytes, {table['size']} when it was written")
+        else:
+            blocks = sorted({b for start, end, _ in ranges[name] for b in range(start // BLOCK_BYTES, _ceil(end))})
+            tasks.append((file, blocks))
+    for (file, blocks), crcs in zip(tasks, _crcs(tasks), strict=True):
+        bad = [block for block, crc in zip(blocks, crcs, strict=True) if crc != recorded[file.name]["blocks"][block]]
+        if bad:
+            problems.append(_describe(file, bad, ranges[file.name]))
+    return problems
+
+
+def _describe(file: Path, bad: list[int], ranges: list[tuple[int, int, str]]) -> str:
+    size = file.stat().st_size
+    spans = [(b * BLOCK_BYTES, min(size, (b + 1) * BLOCK_BYTES)) for b in bad]
+    hit = sorted((start, what) for start, end, what in ranges for lo, hi in spans if start < hi and lo < end)
+    tensors = list(dict.fromkeys(what for _, what in hit))  # in file order
+    first = spans[0]
+    return (
+        f"{file.name} differs from what was written in {len(bad)} block(s) of {BLOCK_BYTES >> 10} KiB (first: bytes "
+        f"{first[0]}-{first[1]}), which hold {', '.join(tensors[:8])}" + (" and more" if len(tensors) > 8 else "")
+    )
+
+
+def _ceil(end: int) -> int:
+    return -(-end // BLOCK_BYTES)
+
+
+def _crcs(tasks: Sequence[tuple[Path, Sequence[int]]]) -> list[list[int]]:
+    """For each ``(file, ascending block numbers)``: the blocks' CRC-32s. Runs of consecutive blocks are read 16 MiB
+    at a time by a pool of threads (zlib and file reads release the GIL)."""
+    jobs = []  # (task, first block, number of blocks)
+    for index, (_, blocks) in enumerate(tasks):
+        start = 0
+        while start < len(blocks):
+            end = start + 1
+            while end < len(blocks) and blocks[end] == blocks[end - 1] + 1 and end - start < _READ_BLOCKS:
+                end += 1
+            jobs.append((index, blocks[start], end - start))
+            start = end
+
+    def crc(job: tuple[int, int, int]) -> tuple[int, int, list[int]]:
+        index, first, count = job
+        buffer = bytearray(count * BLOCK_BYTES)
+        with open(tasks[index][0], "rb", buffering=0) as f:
+            f.seek(first * BLOCK_BYTES)
+            view = memoryview(buffer)[: f.readinto(buffer)]
+        return index, first, [zlib.crc32(view[i : i + BLOCK_BYTES]) for i in range(0, len(view), BLOCK_BYTES)]
+
+    found: list[dict[int, int]] = [{} for _ in tasks]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for index, first, crcs in pool.map(crc, jobs):
+            found[index].update(enumerate(crcs, start=first))
+    return [[found[index][block] for block in blocks] for index, (_, blocks) in enumerate(tasks)]

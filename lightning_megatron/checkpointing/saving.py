@@ -1,0 +1,264 @@
+"""Writing a sharded checkpoint: crash-safe publish, checksums, one writer per checkpoint, failures that name a cause.
+
+Every rank writes its shards into ``<name>.partial`` through Megatron's ``dist_checkpointing`` (synchronously, or
+in Megatron's background writer processes); ``<name>.partial`` is renamed to ``<name>`` only once every rank has
+finished, every shard file has its checksums (:mod:`.checksums`, recorded by the writer that wrote it), and the
+small metadata files have theirs. A run killed mid-save leaves the previous checkpoint intact.
+
+While rank 0 writes a checkpoint it holds an exclusive lock on ``<name>.lock`` beside it, so a second run saving
+into the same directory fails at once, naming the first, instead of both deleting each other's files.
+
+A failed save raises ``OSError`` naming the checkpoint and the cause (e.g. no space left on the device), keeps
+every older checkpoint, and removes the incomplete ``.partial`` directory (freeing its space).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+from lightning_megatron.checkpointing import checksums
+
+PARTIAL_SUFFIX = ".partial"
+_WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_WRITER_ERRORS = "writer_errors_{rank}.txt"
+
+
+class PendingSave:
+    """A save handed to Megatron's background writers, until it is published (or failed)."""
+
+    def __init__(self, partial: Path, path: Path, lock: WriterLock) -> None:
+        self.partial, self.path, self.lock = partial, path, lock
+
+    def failed(self, error: BaseException) -> OSError:
+        """The error to raise for this save's failure; removes the ``.partial`` directory (rank 0)."""
+        return _failure(error, self.partial, self.path, self.lock)
+
+
+def save(state: dict[str, Any], path: str | Path, async_queue: Any | None = None) -> PendingSave | None:
+    """Collective: every rank writes its shards of ``state`` (sharded tensors + common objects) to ``path``.
+
+    With ``async_queue`` (Megatron's ``AsyncCallsQueue``, see :func:`async_queue`) the shards are written by a
+    background process and the publish (checksum check, rename) is the last finalisation step, run on every rank by
+    the queue's ``maybe_finalize_async_calls`` once every rank's writer is done; the returned :class:`PendingSave`
+    names the save if that raises.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    path = Path(path)
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    rank = torch.distributed.get_rank()
+    lock = _prepare(partial, rank)
+    strategy = "mcore" if async_queue is None else _async_strategy()  # sync: Megatron's own sync path runs "mcore"
+    try:
+        request = dist_checkpointing.save(state, str(partial), async_sharded_save=True, async_strategy=strategy)
+        if isinstance(request, AsyncRequest):  # the writer records its files' checksums right after writing them
+            if request.async_fn is not None:  # None: this rank writes no file
+                request = request._replace(async_fn=functools.partial(_write, request.async_fn, partial, rank))
+        else:  # NVIDIA's resiliency extension writes: record them once it is done
+            request.add_finalize_fn(lambda: checksums.record(partial, rank))
+        request.add_finalize_fn(lambda: _publish(partial, path, lock))  # after Megatron's metadata.json finaliser
+        if async_queue is None:
+            request.execute_sync()
+            return None
+    except (Exception, CheckpointException) as error:
+        raise _failure(error, partial, path, lock) from error
+    async_queue.schedule_async_request(request)
+    return PendingSave(partial, path, lock)
+
+
+def _prepare(partial: Path, rank: int) -> WriterLock:
+    """Rank 0 takes the checkpoint's lock and makes an empty ``.partial`` directory; a failure raises everywhere."""
+    lock = WriterLock(partial)
+    status: list[BaseException | None] = [None]
+    if rank == 0:
+        try:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+            shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
+            partial.mkdir()
+        except RuntimeError as error:  # another writer
+            status = [error]
+        except OSError as error:
+            lock.release()
+            status = [OSError(error.errno, f"cannot create checkpoint directory {partial}: {error}")]
+    # Tell the other ranks instead of leaving them in the next collective.
+    torch.distributed.broadcast_object_list(status, src=0)
+    if status[0] is not None:
+        raise status[0]
+    return lock
+
+
+def _write(write: Any, directory: Path, rank: int, *args: Any, **kwargs: Any) -> None:
+    """Megatron's writer function, then the checksums of what it wrote (in the writer process for async saves).
+
+    Megatron's writer threads report a failure only by logging it (the exception it passes on names the exception
+    type alone), so the log records are kept: in ``writer_errors_<rank>.txt``, which :func:`_failure` reads."""
+    errors = _Records()
+    logger = logging.getLogger(_WRITER_LOGGER)
+    logger.addHandler(errors)
+    try:
+        write(*args, **kwargs)
+    finally:
+        logger.removeHandler(errors)
+    if errors.messages:
+        (directory / _WRITER_ERRORS.format(rank=rank)).write_text("\n".join(errors.messages))
+        return
+    checksums.record(directory, rank)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _publish(partial: Path, path: Path, lock: WriterLock) -> None:
+    torch.distributed.barrier()  # every rank's shards are on disk
+    status: list[str | None] = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            checksums.check_complete(partial)
+            checksums.record_metadata(partial)
+            _replace(partial, path)
+        except (OSError, ValueError) as error:
+            status = [f"{type(error).__name__}: {error}"]
+        finally:
+            lock.release()
+    torch.distributed.broadcast_object_list(status, src=0)  # also the second barrier: published on every rank
+    if status[0] is not None:
+        raise OSError(f"checkpoint {path} was written but not published ({status[0]}); older checkpoints are intact")
+
+
+def _replace(new: Path, path: Path) -> None:
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    new.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _async_strategy() -> str:
+    # NVIDIA's resiliency extension is Megatron's preferred async writer; its own (deprecated) one otherwise.
+    from megatron.core.dist_checkpointing.strategies.torch import HAVE_NVRX
+
+    return "nvrx" if HAVE_NVRX else "mcore"
+
+
+def async_queue() -> Any:
+    """The ``AsyncCallsQueue`` that matches :func:`save`'s async requests."""
+    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+    _, queue_class = get_async_strategy(_async_strategy(), "AsyncCallsQueue")
+    return queue_class()
+
+
+def _failure(error: BaseException, partial: Path, path: Path, lock: WriterLock) -> OSError:
+    """``OSError`` naming the failed save's cause; rank 0 removes its ``.partial`` directory and lock."""
+    causes = [*_causes(error), *_writer_errors(partial)]
+    no_space = any("No space left" in cause or f"Errno {errno.ENOSPC}]" in cause for cause in causes)
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(partial.parent).free
+        no_space = no_space or free < (1 << 20)
+    if no_space:
+        reason = f"no space left on the device of {partial.parent} ({_gib(partial.parent)} free after the attempt)"
+    else:
+        reason = "; ".join(dict.fromkeys(causes)) or f"{type(error).__name__}: {error}"
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        lock.release()
+    return OSError(
+        errno.ENOSPC if no_space else errno.EIO,
+        f"writing checkpoint {path} failed: {reason}. Older checkpoints are intact; the incomplete {partial.name} "
+        "was removed",
+    )
+
+
+def _causes(error: BaseException) -> list[str]:
+    """One line per underlying exception of ``error`` (through torch DCP's per-rank failures and causes)."""
+    found: list[str] = []
+    pending: list[tuple[str, BaseException]] = [("", error)]
+    while pending:
+        where, current = pending.pop()
+        if isinstance(current, CheckpointException):
+            pending += [(f"rank {rank}: ", failure[0]) for rank, failure in current.failures.items()]
+            continue
+        nested = current.__cause__ or current.__context__
+        if nested is not None:
+            pending.append((where, nested))
+        else:
+            found.append(f"{where}{type(current).__name__}: {current}")
+    return found
+
+
+def _writer_errors(partial: Path) -> list[str]:
+    lines = []
+    for file in sorted(partial.glob(_WRITER_ERRORS.format(rank="*"))):
+        rank = file.stem.rsplit("_", 1)[-1]
+        with contextlib.suppress(OSError):
+            lines += [f"rank {rank}: {line}" for line in file.read_text().splitlines() if line]
+    return lines
+
+
+def _gib(directory: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB"
+    except OSError:
+        return "unknown"
+
+
+class WriterLock:
+    """An exclusive lock (``flock``) on ``<name>.lock`` beside a checkpoint while rank 0 writes it.
+
+    Held from the start of a save until it is published (or fails): a second process saving the same checkpoint
+    raises ``RuntimeError`` naming the holder (host, pid, since when). The operating system releases it when the
+    process dies, so a crashed run never blocks the next one. On a filesystem without ``flock`` there is no lock.
+    """
+
+    def __init__(self, partial: Path) -> None:
+        self.file = partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX) + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 1000).decode(errors="replace") or "another process"
+            os.close(fd)
+            final = self.file.with_suffix("")
+            raise RuntimeError(
+                f"checkpoint {final} is being written by {holder} right now: two runs are saving into one checkpoint "
+                "directory. Give each run its own ModelCheckpoint(dirpath=...) (or default_root_dir)"
+            ) from None
+        except OSError:  # no flock on this filesystem: go on without a lock
+            os.close(fd)
+            return
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()} pid {os.getpid()} (since {time.strftime('%H:%M:%S')})".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.file.unlink()
+        os.close(self._fd)
+        self._fd = None

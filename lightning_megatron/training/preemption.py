@@ -1,0 +1,109 @@
+"""SIGTERM -- how SLURM, Kubernetes and most schedulers stop or preempt a job -- ends every rank at one step.
+
+Lightning's own SIGTERM handling is not safe for a job whose ranks are bound by collectives: its handler runs a
+broadcast inside the signal handler (wherever each rank happens to be), and its loops raise ``SIGTERMException``
+at a different point on each rank, so the ranks then wait in different collectives and the job hangs. And its
+``SIGTERMException()`` exits with status 0, so a wrapper script thinks the job finished.
+
+While a stage runs, :class:`SigtermStop` replaces that handler with one that only notes the signal (and calls the
+handler the user had installed before the run, if any). At every step boundary -- each training batch's start and
+each validation/test/predict batch -- all ranks agree on whether any rank got the signal (one all-reduce of a flag
+over a gloo group, so no accelerator synchronisation), and if one did, every rank raises :class:`Preempted` there,
+outside any collective. Lightning then runs the ``on_exception`` hooks on every rank: an ``OnExceptionCheckpoint``
+or ``ModelCheckpoint(save_on_exception=True)`` writes a final checkpoint (a collective save that works because
+every rank is at the same point), and the process exits with status 143 (128 + SIGTERM), as a process killed by
+the signal would.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+EXIT_CODE = 128 + signal.SIGTERM
+"""The exit status of a preempted run: what a shell reports for a process the signal killed."""
+
+_Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class Preempted(SIGTERMException):
+    """Raised on every rank at the same step boundary after any rank received SIGTERM.
+
+    A ``SystemExit`` (as Lightning's ``SIGTERMException``, which callbacks may look for) with exit status
+    :data:`EXIT_CODE`: uncaught, the process ends with that status and no traceback.
+    """
+
+    def __init__(self, step: int, ranks: int, world_size: int) -> None:
+        super().__init__(EXIT_CODE)
+        self.step, self.ranks, self.world_size = step, ranks, world_size
+
+    def __str__(self) -> str:
+        return (
+            f"SIGTERM received by {self.ranks} of {self.world_size} rank(s): every rank stopped at global step "
+            f"{self.step} (that many optimizer steps done), exit status {EXIT_CODE}. Resume from the last "
+            "checkpoint (ckpt_path='last'); an OnExceptionCheckpoint or ModelCheckpoint(save_on_exception=True) "
+            "callback saves one at this point"
+        )
+
+
+class SigtermStop:
+    """Notes SIGTERM while installed; :meth:`check` turns it into :class:`Preempted` on every rank at once."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._chained: _Handler = None  # the user's handler from before the run: still called
+        self._replaced: _Handler = None  # what install() replaced (Lightning's), put back by uninstall()
+        self._installed = False
+
+    def before_run(self) -> None:
+        """At the run's setup, before Lightning registers its handler: remember the user's, forget old signals."""
+        self.received = False
+        self._chained = signal.getsignal(signal.SIGTERM)
+
+    def install(self) -> None:
+        """Replace the current SIGTERM handler (Lightning's, registered when the stage starts) with ours."""
+        # Python only lets the main thread set handlers (Lightning skips its own elsewhere, too).
+        if threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        if current == self._handle:  # bound methods compare equal, never identical
+            return
+        self._replaced = current
+        signal.signal(signal.SIGTERM, self._handle)
+        self._installed = True
+
+    def uninstall(self) -> None:
+        """Put back the handler :meth:`install` replaced (Lightning's teardown then restores the user's)."""
+        if not self._installed:
+            return
+        self._installed = False
+        if signal.getsignal(signal.SIGTERM) == self._handle:
+            signal.signal(signal.SIGTERM, self._replaced)  # type: ignore[arg-type]
+        self._replaced = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # No collective, no logging here: the main thread may be anywhere, inside a collective included.
+        self.received = True
+        if callable(self._chained):
+            self._chained(signum, frame)
+
+    def check(self, group: Any | None, step: int) -> None:
+        """Collective over ``group`` (every rank, at the same step boundary): raise :class:`Preempted` on every rank
+        if any of them received SIGTERM. One all-reduce of a flag; ``group=None``: this process alone."""
+        count = torch.tensor([int(self.received)], dtype=torch.int32)
+        world_size = 1
+        if group is not None:
+            torch.distributed.all_reduce(count, group=group)
+            world_size = torch.distributed.get_world_size(group)
+        if int(count.item()) == 0:
+            return
+        error = Preempted(step, int(count.item()), world_size)
+        rank_zero_warn(str(error))
+        raise error

@@ -1,0 +1,279 @@
+"""Faults an operator meets, in one process: SIGTERM, code in a checkpoint on every load path, damaged bytes and
+metadata, a full disk, a second writer, another batch size on resume, a truncated HF download.
+
+(The two-process SIGTERM and kill tests are in ``test_failures.py``; async saves, damaged shards, tampered
+``.metadata``/common state at ``fit`` and the non-finite policy in ``test_reliability.py``.)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import shutil
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, OnExceptionCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronLMModule, MegatronStrategy, Preempted, tiny_gpt
+from lightning_megatron.checkpointing import checksums
+from lightning_megatron.checkpointing.saving import WriterLock
+from lightning_megatron.data.corpus import synthetic_tokens
+
+DATA = synthetic_tokens(48, 32, 256, seed=5)
+
+
+def _trainer(max_steps: int = 4, strategy: MegatronStrategy | None = None, **kwargs: object) -> L.Trainer:
+    defaults: dict = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    return L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy or MegatronStrategy(micro_batch_size=2), max_steps=max_steps,
+        enable_model_summary=False, num_sanity_val_steps=0, **{**defaults, **kwargs},
+    )  # fmt: skip
+
+
+def _model(**kwargs: object) -> MegatronLMModule:
+    return MegatronLMModule(tiny_gpt(), decay_steps=8, **kwargs)
+
+
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.losses[trainer.global_step] = float(outputs["loss"])
+
+
+def _fit(
+    steps: int, *callbacks: L.Callback, ckpt_path: str | None = None, batch_size: int = 8, **kwargs: object
+) -> dict[int, float]:
+    losses = Losses()
+    enable = any(isinstance(c, Checkpoint) for c in callbacks)
+    trainer = _trainer(steps, callbacks=[losses, *callbacks], enable_checkpointing=enable, **kwargs)
+    trainer.fit(_model(), DataLoader(DATA, batch_size=batch_size), ckpt_path=ckpt_path)
+    return losses.losses
+
+
+# ---------------------------------------------------------------------------------------------- SIGTERM
+class SendSigterm(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_ends_the_fit_with_status_143_and_its_final_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+    received: list[int] = []
+
+    def users_handler(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, users_handler)
+    try:
+        with pytest.raises(Preempted) as stop:
+            _fit(4, SendSigterm(), OnExceptionCheckpoint(tmp_path))
+        assert signal.getsignal(signal.SIGTERM) is users_handler  # back after the fit
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stop.value.code == 143  # a SystemExit: uncaught, the process exits with 143
+    assert stop.value.step == 2
+    assert "every rank stopped at global step 2" in str(stop.value)
+    assert received == [signal.SIGTERM]  # still called
+    # The final checkpoint holds step 2 and the position after its batch: the rest of the curve is unchanged.
+    full = _fit(4)
+    resumed = _fit(4, ckpt_path=str(tmp_path / "on_exception.ckpt"))
+    assert resumed == {step: full[step] for step in (3, 4)}
+
+
+class SigtermInValidation(L.Callback):
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:  # noqa: ANN001
+        if batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_during_validate_stops_it() -> None:
+    trainer = _trainer(callbacks=[SigtermInValidation()])
+    with pytest.raises(Preempted, match="stopped at global step 0"):
+        trainer.validate(_model(), DataLoader(DATA[:24], batch_size=8), verbose=False)  # stops before batch 1
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# ---------------------------------------------------------------------------------------------- code in a checkpoint
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A full checkpoint (step 2), a weights-only one, and an adapter-only one (LoRA on the full one's weights)."""
+    root = tmp_path_factory.mktemp("saved")
+    _fit(2, ModelCheckpoint(dirpath=root, filename="full", every_n_train_steps=2))
+    trainer = _trainer(1)
+    module = MegatronLMModule.load_from_checkpoint(root / "full.ckpt")
+    trainer.validate(module, DataLoader(DATA[:8], batch_size=8), verbose=False)
+    trainer.save_checkpoint(root / "weights.ckpt", weights_only=True)
+    lora = MegatronLMModule.load_from_checkpoint(root / "full.ckpt", lora={"rank": 2, "alpha": 4.0})
+    saver = ModelCheckpoint(dirpath=root, filename="adapters", every_n_train_steps=1)
+    _trainer(1, callbacks=[saver], enable_checkpointing=True).fit(lora, DataLoader(DATA, batch_size=8))
+    return {name: root / f"{name}.ckpt" for name in ("full", "weights", "adapters")}
+
+
+class _Payload:
+    """Unpickling this runs code: what a tampered checkpoint would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.marker), "w"))
+
+
+def _tamper_metadata(path: Path, marker: Path) -> None:
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    checksums.record_metadata(path)  # forged too: checksums catch damage, not forgery
+
+
+def _tamper_common_state(path: Path, marker: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    info = next(s for i, s in metadata.storage_data.items() if i.fqn.startswith("common_state"))
+    data = pickle.dumps(_Payload(marker))
+    blob = bytearray((path / info.relative_path).read_bytes())
+    blob[info.offset : info.offset + len(data)] = data
+    (path / info.relative_path).write_bytes(bytes(blob))
+    checksums.record(path, rank=0)
+
+
+def _validate(path: Path) -> None:
+    _trainer().validate(_model(), DataLoader(DATA[:8], batch_size=8), ckpt_path=str(path), verbose=False)
+
+
+LOADS: dict[str, tuple[str, Callable[[Path], object]]] = {
+    "fit": ("full", lambda path: _trainer(3).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))),
+    "validate": ("full", _validate),
+    "load_from_checkpoint": ("full", MegatronLMModule.load_from_checkpoint),
+    "weights-only": ("weights", MegatronLMModule.load_from_checkpoint),
+    "adapter-only": ("adapters", MegatronLMModule.load_from_checkpoint),
+}
+
+
+@pytest.mark.parametrize("tamper", [_tamper_metadata, _tamper_common_state], ids=["metadata", "common-state"])
+@pytest.mark.parametrize("load", sorted(LOADS))
+def test_code_in_a_checkpoint_never_runs(saved: dict, tmp_path: Path, load: str, tamper: Callable) -> None:
+    which, run = LOADS[load]
+    path, marker = tmp_path / f"{which}.ckpt", tmp_path / "pwned"
+    shutil.copytree(saved[which], path)
+    tamper(path, marker)
+    with pytest.raises(ValueError, match=r"damaged or was tampered with|cannot be read safely"):
+        run(path)
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------- damage
+def _flip_bit(path: Path, fqn_prefix: str) -> str:
+    """Flip one bit in the middle of the first stored tensor whose name starts with ``fqn_prefix``; its name."""
+    metadata = checksums_metadata(path)
+    index, info = next((i, s) for i, s in sorted(metadata.storage_data.items(), key=lambda x: x[0].fqn)
+                       if i.fqn.startswith(fqn_prefix))  # fmt: skip
+    file = path / info.relative_path
+    blob = bytearray(file.read_bytes())
+    blob[info.offset + info.length - 64] ^= 0x40  # near the end of the blob: in the tensor's bytes
+    file.write_bytes(bytes(blob))
+    return index.fqn
+
+
+def checksums_metadata(path: Path) -> object:
+    from lightning_megatron.checkpointing.checks import read_metadata
+
+    return read_metadata(path)
+
+
+@pytest.mark.parametrize("prefix", ["decoder.layers.mlp.linear_fc1.weight", "optimizer.state.exp_avg_sq"])
+def test_a_flipped_bit_is_found_and_named(saved: dict, tmp_path: Path, prefix: str) -> None:
+    path = tmp_path / "full.ckpt"
+    shutil.copytree(saved["full"], path)
+    fqn = _flip_bit(path, prefix)
+    with pytest.raises(ValueError, match=rf"checkpoint {path} is damaged: __0_0\.distcp differs .* hold .*{fqn}"):
+        _trainer(3).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
+    if prefix.startswith("decoder"):  # the weights path too (load_from_checkpoint loads them as the chunks are built)
+        with pytest.raises(ValueError, match=rf"__0_0\.distcp differs .* hold .*{fqn}"):
+            _trainer().predict(MegatronLMModule.load_from_checkpoint(path), DataLoader(DATA[:4], batch_size=4))
+
+
+def test_damaged_metadata_and_foreign_files_are_named(saved: dict, tmp_path: Path) -> None:
+    path = tmp_path / "full.ckpt"
+    shutil.copytree(saved["full"], path)
+    blob = bytearray((path / ".metadata").read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    (path / ".metadata").write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match=r"\.metadata differs from what was written.*metadata of checkpoint"):
+        MegatronLMModule.load_from_checkpoint(path)
+    shutil.rmtree(path)
+    shutil.copytree(saved["full"], path)
+    (path / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_')  # cut short
+    with pytest.raises(ValueError, match=r"metadata\.json differs from what was written"):
+        MegatronLMModule.load_from_checkpoint(path)
+    (path / "metadata_checksums.json").unlink()  # as in a checkpoint written without checksums
+    with pytest.raises(ValueError, match=r"metadata\.json is damaged \(not valid JSON"):
+        MegatronLMModule.load_from_checkpoint(path)
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}}, plain)
+    for load in (MegatronLMModule.load_from_checkpoint, _validate):
+        with pytest.raises(ValueError, match=r"plain\.ckpt is a file \(a plain Lightning/torch\.save checkpoint\)"):
+            load(plain)
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path: Path) -> None:
+    from tests.test_hf import make_hf_model
+
+    hf = make_hf_model("llama", tmp_path / "hf")
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors is incomplete or damaged \(\d+ bytes; safetensors:"):
+        MegatronLMModule.from_hf(hf)
+
+
+# ---------------------------------------------------------------------------------------------- saving
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_no_space_left_is_named_and_the_last_checkpoint_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    real = filesystem_async._write_item
+
+    class FullDisk(L.Callback):  # from step 3 on, every write of a shard fails as on a full disk
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            if trainer.global_step == 3:
+                monkeypatch.setattr(filesystem_async, "_write_item", _no_space)
+
+    def _no_space(*args: object, **kwargs: object) -> object:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    strategy = MegatronStrategy(micro_batch_size=2, async_save=async_save)
+    with pytest.raises(OSError, match=r"writing checkpoint .*step=4\.ckpt failed: no space left on the device"):
+        _fit(6, FullDisk(), saver, strategy=strategy)
+    monkeypatch.setattr(filesystem_async, "_write_item", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt"]  # no .partial left, no lock
+    full = _fit(4)
+    assert _fit(4, ckpt_path=str(tmp_path / "step=2.ckpt")) == {step: full[step] for step in (3, 4)}
+
+
+def test_a_second_writer_of_the_same_checkpoint_is_named(tmp_path: Path) -> None:
+    other = WriterLock(tmp_path / "last.ckpt.partial")  # another run, saving last.ckpt right now
+    other.acquire()
+    try:
+        saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True, save_top_k=0)
+        with pytest.raises(RuntimeError, match=rf"checkpoint {tmp_path}/last\.ckpt is being written by host .* pid "):
+            _fit(2, saver)
+    finally:
+        other.release()
+
+
+# ---------------------------------------------------------------------------------------------- resume position
+def test_resuming_mid_epoch_with_another_global_batch_size_is_refused(tmp_path: Path) -> None:
+    _fit(2, ModelCheckpoint(dirpath=tmp_path, filename="mid", every_n_train_steps=2))  # 2 of 6 batches of 8
+    with pytest.raises(ValueError, match=r"saved 2 batches into an epoch of global batches of 8 samples.*is 4"):
+        _fit(4, ckpt_path=str(tmp_path / "mid.ckpt"), batch_size=4)
