@@ -29,8 +29,8 @@ from lightning_megatron.parallel import ddp, state
 from lightning_megatron.parallel import precision as mixed
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.training import clip_grads, graphs, guards, optim
-from lightning_megatron.training import offload as offload_state
 from lightning_megatron.training.grad_norms import grad_norms
+from lightning_megatron.training.offload import Offloader
 from lightning_megatron.training.preemption import Preempted, SigtermStop
 from lightning_megatron.training.retained import Retained, run_all
 
@@ -104,7 +104,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._megatron_optimizer: Any | None = None
         self._scheduler: Any | None = None
         self._last_step: StepStats | None = None
-        self._offloaded: offload_state.Offloaded | None = None
+        self._offload = Offloader()
         self._guard = guards.StepGuard(nonfinite)
         self._writer = CheckpointWriter(async_save)
         self._failed = False
@@ -368,20 +368,15 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
         """Release (return the bytes) parameters and optimizer state to pinned host memory, gradients zeroed, fp8 casts
         (uncounted) dropped; after :meth:`reload` every tensor is valid again and training goes on exactly as before."""
-        if self._offloaded is not None:
-            raise RuntimeError("MegatronStrategy.offload called twice without reload()")
-        self._offloaded = offload_state.offload(
+        nbytes = self._offload.release(
             self.module.chunks, self._megatron_optimizer, params=params, grads=grads, optimizer_state=optimizer
         )  # (raises first under CUDA graphs, whose replays write into the casts: those must stay then)
         fp8.forget_weight_casts(self.module.chunks)
-        return self._offloaded.nbytes
+        return nbytes
 
     def reload(self) -> None:
         """Bring back what :meth:`offload` released."""
-        if self._offloaded is None:
-            raise RuntimeError("MegatronStrategy.reload called without a previous offload()")
-        offload_state.reload(self._offloaded)
-        self._offloaded = None
+        self._offload.reload()
 
     # ------------------------------------------------------------------ checkpoints (sharded: save/load_checkpoint)
     @override
@@ -435,10 +430,16 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     # ------------------------------------------------------------------ SIGTERM: every rank stops at one step
     @override
-    def on_train_start(self) -> None:
-        self._sigterm.install()  # Lightning registered its handler just before the stage started
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        # Lightning registers its SIGTERM handler right before a stage's first barrier ("run-stage"): ours takes over.
+        self._sigterm.install()
+        super().barrier(*args, **kwargs)
 
-    on_validation_start = on_test_start = on_predict_start = on_train_start
+    @override
+    def on_validation_end(self) -> None:
+        self._stop_if_signalled()  # a signal in the stage's last step
+
+    on_test_end = on_predict_end = on_validation_end
 
     def _stop_if_signalled(self) -> None:  # collective, at a step boundary
         self._sigterm.check(self._groups.control if self._groups else None, self.lightning_module.trainer.global_step)
@@ -450,6 +451,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def on_train_end(self) -> None:
+        self._stop_if_signalled()  # a signal in the last step or the last saves
         self.sync_params()  # the final weights, for whatever runs after fit
         self._writer.finalize()
 
@@ -457,8 +459,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def on_exception(self, exception: BaseException) -> None:
         self._guard.warn_if_failed(exception)  # a non-finite step may be the root cause
         super().on_exception(exception)
-        # Peers may be dead: teardown must not wait for them -- unless every rank stopped together on SIGTERM, and
-        # a pending (or on-exception) save can still be published.
+        # Peers may be dead: teardown must not wait for them -- unless every rank stopped together on SIGTERM.
         self._failed = not isinstance(exception, Preempted)
 
     @override
@@ -467,7 +468,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         # Every step runs even if one raises: no global patch (CPU mode, clip-grads, RNG, graphs) outlives the run.
         run_all(
             self._writer.abort if failed else self._writer.finalize,  # finalize: e.g. save_checkpoint after fit
-            lambda: self.reload() if self._offloaded is not None else None,  # never leave released storages behind
+            lambda: self._offload.reload(strict=False),  # never leave released storages behind
             self._drop_step_state,
             clip_grads.restore_clip_grads,
             super().teardown,
@@ -475,7 +476,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             cpu.disable,
             lambda: state.restore_rng(self._rng),
             self._quiet.exit,
-            self._sigterm.uninstall,
+            lambda: self._sigterm.uninstall(redeliver=not failed),
             raise_errors=not failed,  # after a failure the user's exception is the one to see
         )
         self._rng = None
@@ -490,8 +491,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         fp8.forget_weight_casts(run_chunks or ())  # the graphs that wrote into them are gone: free their memory
 
     def _keep_for_saving(self, failed: bool) -> None:
-        # After a run its groups and optimizer stay for trainer.save_checkpoint (training/retained.py); after a
-        # failure (peers may be gone) everything goes.
+        # After a run its groups and optimizer stay for trainer.save_checkpoint (training/retained.py); not a failure's.
         if failed or self._groups is None:
             self._megatron_optimizer = self._scheduler = self._groups = self._retained = None
             state.destroy()

@@ -25,9 +25,10 @@ from lightning_megatron.data.corpus import synthetic_tokens
 
 
 class Failures(L.Callback):
-    """Records losses on rank 0; makes rank 1 die (``kill_at``) or go silent (``hang_at``) before that step, or
-    send SIGTERM (``term_at``) to the whole job (``term`` = ``"group"``: every rank and its checkpoint writers, as a
-    scheduler does) or to rank 1 alone (``"self"``)."""
+    """Records losses on rank 0; makes rank 1 die (``kill_at``) or go silent (``hang_at``) before that step, or send
+    SIGTERM (``term_at``; ``term_after``: at the end of that step, before its checkpoint is saved) to the whole job
+    (``term`` = ``"group"``: every rank and its checkpoint writers, as a scheduler does) or to rank 1 alone
+    (``"self"``)."""
 
     def __init__(self, args: dict) -> None:
         self.args = args
@@ -39,17 +40,23 @@ class Failures(L.Callback):
             _stamp(self.args["stamp"])
             os.kill(os.getpid(), signal.SIGKILL)
         if trainer.global_step == self.args.get("term_at"):
-            _stamp(self.args["stamp"])
-            if self.args["term"] == "group":
-                os.killpg(os.getpgid(0), signal.SIGTERM)
-            else:
-                os.kill(os.getpid(), signal.SIGTERM)
+            self._terminate()
         if trainer.global_step == self.args.get("hang_at"):
             _stamp(self.args["stamp"])
             time.sleep(self.args["hang_for"])  # alive but silent (the test ends it once rank 0 has exited)
             os._exit(3)
 
+    def _terminate(self) -> None:
+        _stamp(self.args["stamp"])
+        if self.args["term"] == "group":
+            os.killpg(os.getpgid(0), signal.SIGTERM)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        # Before ModelCheckpoint's save of this step (Lightning runs checkpoint callbacks last).
+        if trainer.global_rank == 1 and trainer.global_step == self.args.get("term_after"):
+            self._terminate()
         if trainer.global_rank == 0:
             with open(self.args["losses"], "a") as f:
                 f.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")

@@ -1,6 +1,7 @@
-"""Failures of a real 2-process TP=2 CPU job: a rank killed mid-training (then resumed), a rank that goes silent.
+"""Failures of a real 2-process TP=2 CPU job: a rank killed mid-training (then resumed), a rank that goes silent,
+SIGTERM to the whole job (then resumed from its final checkpoint) or to one rank.
 
-Both use ``tests/reliability_worker.py``; each test is one or two short multi-process runs.
+All use ``tests/reliability_worker.py``; each test is one or two short multi-process runs.
 """
 
 from __future__ import annotations
@@ -170,13 +171,17 @@ def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_a_final_checkpoint
 
 
 @pytest.mark.multiprocess
-def test_sigterm_to_one_rank_stops_the_other_too(tmp_path: Path) -> None:
-    # Only rank 1 gets the signal (rank 0, which started it, does not): both must stop at the same step, non-zero.
-    exits = tmp_path / "exits"
+def test_sigterm_to_one_rank_just_before_an_async_save_stops_the_other_too(tmp_path: Path) -> None:
+    from lightning_megatron.checkpointing import sharded
+
+    # Only rank 1 gets the signal (rank 0, which started it, does not), right before the async save of step 2 starts:
+    # the save goes on, both ranks stop at the next step boundary, non-zero, and the checkpoint is published.
+    ckpt, exits = tmp_path / "ckpt", tmp_path / "exits"
     exits.mkdir()
     job = {
-        "max_steps": 9, "losses": str(tmp_path / "job.jsonl"), "term_at": 2, "term": "self",
-        "stamp": str(tmp_path / "term_at"), "timeout": 600, "exits": str(exits),
+        "max_steps": 9, "ckpt_dir": str(ckpt), "ckpt_every": 2, "losses": str(tmp_path / "job.jsonl"),
+        "term_after": 2, "term": "self", "stamp": str(tmp_path / "term_at"), "async_save": True, "timeout": 600,
+        "exits": str(exits),
     }  # fmt: skip
     proc = _launch(job, tmp_path, tmp_path / "job.log")
     try:
@@ -191,3 +196,7 @@ def test_sigterm_to_one_rank_stops_the_other_too(tmp_path: Path) -> None:
     assert {p.name: p.read_text() for p in exits.iterdir()} == {"rank0": "143", "rank1": "143"}, log[-3000:]
     assert "SIGTERM received by 1 of 2 rank(s): every rank stopped at global step 2" in log, log[-3000:]
     assert sorted(_losses(tmp_path / "job.jsonl")) == [1, 2]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    for name in ("epoch=0-step=2.ckpt", "last.ckpt"):  # published whole: metadata, shards, checksums
+        common = sharded.read_common_state(ckpt / name)
+        assert common["global_step"] == 2

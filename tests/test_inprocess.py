@@ -188,7 +188,7 @@ def test_resumable_loader_after_an_epoch_end_checkpoint() -> None:
     from lightning_megatron.checkpointing.resume import ResumableLoader
 
     loader = ResumableLoader(list(range(5)), consumed=lambda: 5)
-    assert loader.state_dict() == {"batches_consumed": 5}
+    assert loader.state_dict() == {"batches_consumed": 5, "batches_per_epoch": 5}
     loader.load_state_dict({"batches_consumed": 5})  # saved after the epoch's last batch: next epoch is whole
     assert list(loader) == [0, 1, 2, 3, 4]
     loader.load_state_dict({"batches_consumed": 2})
@@ -196,10 +196,13 @@ def test_resumable_loader_after_an_epoch_end_checkpoint() -> None:
     assert list(loader) == [0, 1, 2, 3, 4]  # only the first epoch after a restore is shortened
     # The position is exact for the same global batch size; mid-epoch, another one is refused.
     sized = ResumableLoader(list(range(5)), consumed=lambda: 2, global_batch=8)
-    assert sized.state_dict() == {"batches_consumed": 2, "global_batch_size": 8}
+    assert sized.state_dict() == {"batches_consumed": 2, "global_batch_size": 8, "batches_per_epoch": 5}
     with pytest.raises(ValueError, match=r"global batches of 4 samples .* this run's global batch is 8"):
-        sized.load_state_dict({"batches_consumed": 2, "global_batch_size": 4})
-    sized.load_state_dict({"batches_consumed": 5, "global_batch_size": 4})  # at an epoch's end any size goes on
+        sized.load_state_dict({"batches_consumed": 2, "global_batch_size": 4, "batches_per_epoch": 10})
+    # 5 of the saved run's 10 batches: mid-epoch there, though a multiple of this loader's 5 batches per epoch
+    with pytest.raises(ValueError, match=r"saved 5 batches into an epoch"):
+        sized.load_state_dict({"batches_consumed": 5, "global_batch_size": 4, "batches_per_epoch": 10})
+    sized.load_state_dict({"batches_consumed": 10, "global_batch_size": 4, "batches_per_epoch": 10})  # epoch end
     assert list(sized) == [0, 1, 2, 3, 4]
 
 

@@ -60,7 +60,7 @@ def test_offload_round_trip_keeps_training_identical() -> None:
 
 def test_offload_twice_is_an_error() -> None:
     strategy = MegatronStrategy()
-    strategy._offloaded = object()  # type: ignore[assignment]
+    strategy._offload.record = object()  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="offload called twice"):
         strategy.offload()
     with pytest.raises(RuntimeError, match="reload called without"):

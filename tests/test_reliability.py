@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -211,6 +212,15 @@ def test_nonfinite_skip_leaves_weights_and_counts() -> None:
     assert strategy.skipped_steps == 2
     assert trainer.callback_metrics["skipped_steps"] == 2  # logged
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+
+def test_skipped_steps_warn_at_1_2_4_8_skips() -> None:
+    strategy = MegatronStrategy(micro_batch_size=2, nonfinite="skip")
+    with pytest.warns(UserWarning, match="was skipped") as warned:
+        _trainer(6, strategy).fit(Poisoned(dict.fromkeys(range(5), 1)), DataLoader(_data(), batch_size=8))
+    counts = [re.search(r"(\d+) step\(s\) skipped so far", str(w.message)) for w in warned]
+    assert [int(c.group(1)) for c in counts if c] == [1, 2, 4]  # 5 skipped steps, 3 warnings
+    assert strategy.skipped_steps == 5
 
 
 @pytest.mark.parametrize(("poison", "clip_grad"), [(2, 1.0), (1, 0.0)], ids=["nan-grads", "nan-loss-no-clipping"])

@@ -71,12 +71,15 @@ class ResumableLoader:
         state = {"batches_consumed": int(self._consumed())}
         if self.global_batch is not None:
             state["global_batch_size"] = self.global_batch
+        if hasattr(self.loader, "__len__"):
+            state["batches_per_epoch"] = len(self.loader)
         return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         consumed = int(state["batches_consumed"])
-        # A checkpoint taken after the epoch's last batch resumes at the start of the next epoch.
-        length = len(self.loader) if hasattr(self.loader, "__len__") else None
+        # A checkpoint taken after the epoch's last batch resumes at the start of the next epoch: measured in the
+        # saved run's epoch (another batch size makes another epoch length).
+        length = state.get("batches_per_epoch") or (len(self.loader) if hasattr(self.loader, "__len__") else None)
         self._skip = consumed % length if length else consumed
         saved = state.get("global_batch_size")
         if self._skip and saved is not None and self.global_batch is not None and saved != self.global_batch:

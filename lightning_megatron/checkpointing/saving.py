@@ -5,8 +5,8 @@ in Megatron's background writer processes); ``<name>.partial`` is renamed to ``<
 finished, every shard file has its checksums (:mod:`.checksums`, recorded by the writer that wrote it), and the
 small metadata files have theirs. A run killed mid-save leaves the previous checkpoint intact.
 
-While rank 0 writes a checkpoint it holds an exclusive lock on ``<name>.lock`` beside it, so a second run saving
-into the same directory fails at once, naming the first, instead of both deleting each other's files.
+While rank 0 writes a checkpoint it holds an exclusive lock on ``<name>.lock`` beside it, so a second run saving the
+same checkpoint at the same time fails at once, naming the first, instead of both deleting each other's files.
 
 A failed save raises ``OSError`` naming the checkpoint and the cause (e.g. no space left on the device), keeps
 every older checkpoint, and removes the incomplete ``.partial`` directory (freeing its space).
@@ -76,6 +76,9 @@ def save(state: dict[str, Any], path: str | Path, async_queue: Any | None = None
             return None
     except (Exception, CheckpointException) as error:
         raise _failure(error, partial, path, lock) from error
+    except BaseException:  # e.g. KeyboardInterrupt: the lock must not outlive the save in this process
+        lock.release()
+        raise
     async_queue.schedule_async_request(request)
     return PendingSave(partial, path, lock)
 
@@ -192,17 +195,16 @@ def _failure(error: BaseException, partial: Path, path: Path, lock: WriterLock) 
 
 
 def _causes(error: BaseException) -> list[str]:
-    """One line per underlying exception of ``error`` (through torch DCP's per-rank failures and causes)."""
+    """One line per root cause of ``error``: through torch DCP's per-rank failures and explicit causes (``raise ...
+    from``), not the exception being handled when it happened (a save in ``on_exception`` fails during that)."""
     found: list[str] = []
     pending: list[tuple[str, BaseException]] = [("", error)]
     while pending:
         where, current = pending.pop()
         if isinstance(current, CheckpointException):
             pending += [(f"rank {rank}: ", failure[0]) for rank, failure in current.failures.items()]
-            continue
-        nested = current.__cause__ or current.__context__
-        if nested is not None:
-            pending.append((where, nested))
+        elif current.__cause__ is not None:
+            pending.append((where, current.__cause__))
         else:
             found.append(f"{where}{type(current).__name__}: {current}")
     return found
@@ -237,20 +239,25 @@ class WriterLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 1000).decode(errors="replace") or "another process"
-            os.close(fd)
-            final = self.file.with_suffix("")
-            raise RuntimeError(
-                f"checkpoint {final} is being written by {holder} right now: two runs are saving into one checkpoint "
-                "directory. Give each run its own ModelCheckpoint(dirpath=...) (or default_root_dir)"
-            ) from None
-        except OSError:  # no flock on this filesystem: go on without a lock
-            os.close(fd)
-            return
+        while True:
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 1000).decode(errors="replace") or "another process"
+                os.close(fd)
+                raise RuntimeError(
+                    f"checkpoint {self.file.with_suffix('')} is being written by {holder} right now: two runs are "
+                    "saving the same checkpoint. Give each run its own ModelCheckpoint(dirpath=...) (or "
+                    "default_root_dir)"
+                ) from None
+            except OSError:  # no flock on this filesystem: go on without a lock
+                os.close(fd)
+                return
+            with contextlib.suppress(FileNotFoundError):
+                if os.fstat(fd).st_ino == os.stat(self.file).st_ino:
+                    break
+            os.close(fd)  # the holder removed the file after we opened it: lock the new one
         os.ftruncate(fd, 0)
         os.write(fd, f"host {socket.gethostname()} pid {os.getpid()} (since {time.strftime('%H:%M:%S')})".encode())
         self._fd = fd

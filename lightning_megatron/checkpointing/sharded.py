@@ -3,7 +3,8 @@
 A checkpoint is a directory. Model chunks, the (distributed) optimizer state and everything Lightning puts into
 its checkpoint dict (loops, callbacks, LR schedule, hyper-parameters) are saved together: tensors as sharded
 tensors keyed by their *global* names (layer numbers include the pipeline/VPP offset), the rest as Megatron's
-common state. Loading at another TP/PP/VPP/DP layout reads the same global tensors with other shards.
+common state. Loading at another TP/PP/VPP/DP layout reads the same global tensors with other shards. Writing
+(crash-safe publish, checksums, the writer lock) is :mod:`.saving`'s; every read starts with :func:`open_checkpoint`.
 
 The three megatron-core 0.19 workarounds that loading needs on the torch-native Adam path (no Transformer Engine /
 apex) live in :mod:`lightning_megatron.checkpointing.mcore_fixes`.
@@ -105,8 +106,9 @@ def load(
     ``scheduler``).
 
     Before anything is read collectively, every rank checks the files (complete, not truncated, metadata free of
-    foreign pickled objects) and the model's shape (the saved ``model_config`` against ``model_config``, every
-    tensor's global shape); a failure raises on every rank. Non-tensor entries are unpickled with
+    foreign pickled objects), the model's shape (the saved ``model_config`` against ``model_config``, every
+    tensor's global shape) and the checksums of what it loads in its share of the shard files (:mod:`.checksums`);
+    a failure raises on every rank, with the failing rank's message. Non-tensor entries are unpickled with
     ``weights_only=True``. Returns the checkpoint's other (common) entries: Lightning's loops, callbacks, ...
 
     ``weights``: ``None`` loads what the checkpoint holds -- all weights, or only the trainable ones when it was
@@ -203,12 +205,21 @@ def _plan(
         checks.check_nothing_left_out(path, metadata, model_state)
     if optimizer is not None:
         checks.check_optimizer_split(path, metadata, state[_OPTIMIZER_KEY])
-    # Last, as it reads every shard: each rank verifies its share of the files.
+    # Last, as it reads the shards: each rank verifies what is loaded in its share of the files.
     rank, world = _rank_and_world()
-    checksums.verify(
-        path, metadata, files=sorted({i.relative_path for i in metadata.storage_data.values()})[rank::world]
-    )
+    files = sorted({info.relative_path for info in metadata.storage_data.values()})[rank::world]
+    checksums.verify(path, metadata, files=files, items=_stored_items(metadata, state))
     return {"state": state, "weights": selected}
+
+
+def _stored_items(metadata: Any, state: dict[str, Any]) -> list[Any]:
+    """The entries of ``metadata.storage_data`` a load of ``state`` reads (and the common state)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    keys = {item.key for item in nested_values(state) if isinstance(item, ShardedBase)} | {"common_state"}
+    # A sharded object is stored as "<key>/shard_<offset>_<shape>".
+    return [index for index in metadata.storage_data if index.fqn.split("/shard_")[0] in keys]
 
 
 def open_checkpoint(path: Path) -> Any:

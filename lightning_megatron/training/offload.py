@@ -105,3 +105,26 @@ def reload(record: Offloaded) -> None:
         storage.fill_(0)
     record.saved.clear()
     record.zeroed.clear()
+
+
+class Offloader:
+    """The storages one strategy released with :func:`offload`, until :meth:`reload` (one release at a time)."""
+
+    def __init__(self) -> None:
+        self.record: Offloaded | None = None
+
+    def release(self, chunks: Iterable[nn.Module], optimizer: Any | None, **which: bool) -> int:
+        """:func:`offload` (``which``: its ``params``, ``grads``, ``optimizer_state``); the bytes released."""
+        if self.record is not None:
+            raise RuntimeError("MegatronStrategy.offload called twice without reload()")
+        self.record = offload(chunks, optimizer, **which)
+        return self.record.nbytes
+
+    def reload(self, strict: bool = True) -> None:
+        """Bring the released storages back; without one, ``RuntimeError`` if ``strict`` (else nothing)."""
+        if self.record is None:
+            if strict:
+                raise RuntimeError("MegatronStrategy.reload called without a previous offload()")
+            return
+        reload(self.record)
+        self.record = None

@@ -6,13 +6,14 @@ at a different point on each rank, so the ranks then wait in different collectiv
 ``SIGTERMException()`` exits with status 0, so a wrapper script thinks the job finished.
 
 While a stage runs, :class:`SigtermStop` replaces that handler with one that only notes the signal (and calls the
-handler the user had installed before the run, if any). At every step boundary -- each training batch's start and
-each validation/test/predict batch -- all ranks agree on whether any rank got the signal (one all-reduce of a flag
-over a gloo group, so no accelerator synchronisation), and if one did, every rank raises :class:`Preempted` there,
-outside any collective. Lightning then runs the ``on_exception`` hooks on every rank: an ``OnExceptionCheckpoint``
-or ``ModelCheckpoint(save_on_exception=True)`` writes a final checkpoint (a collective save that works because
-every rank is at the same point), and the process exits with status 143 (128 + SIGTERM), as a process killed by
-the signal would.
+handler the user had installed before the run, if any). At every step boundary -- each training batch's start,
+each validation/test/predict batch and each stage's end -- all ranks agree on whether any rank got the signal (one
+all-reduce of a flag over a gloo group, so no accelerator synchronisation), and if one did, every rank raises
+:class:`Preempted` there, outside any collective. Lightning then runs the ``on_exception`` hooks on every rank:
+an ``OnExceptionCheckpoint`` or ``ModelCheckpoint(save_on_exception=True)`` writes a final checkpoint (a collective
+save that works because every rank is at the same point), and the process exits with status 143 (128 + SIGTERM),
+as a process killed by the signal would. A signal after the last check (during teardown) is raised again once the
+run is torn down, where the process had the default action, so it ends the process as it would have.
 """
 
 from __future__ import annotations
@@ -54,39 +55,51 @@ class Preempted(SIGTERMException):
 
 
 class SigtermStop:
-    """Notes SIGTERM while installed; :meth:`check` turns it into :class:`Preempted` on every rank at once."""
+    """Notes SIGTERM while installed; :meth:`check` turns it into :class:`Preempted` on every rank at once.
+
+    The strategy calls :meth:`before_run` at setup, :meth:`install` at every barrier (Lightning registers its
+    handler right before a stage's first barrier), :meth:`check` at every step boundary and at each stage's end,
+    :meth:`uninstall` at teardown.
+    """
 
     def __init__(self) -> None:
         self.received = False
-        self._chained: _Handler = None  # the user's handler from before the run: still called
+        self._chained: _Handler = None  # the handler from before the run: still called, and put back last
         self._replaced: _Handler = None  # what install() replaced (Lightning's), put back by uninstall()
-        self._installed = False
+        self._active = self._installed = self._raised = False
 
     def before_run(self) -> None:
-        """At the run's setup, before Lightning registers its handler: remember the user's, forget old signals."""
-        self.received = False
+        """At the run's setup, before Lightning registers its handler: remember the one in place, forget signals."""
+        self.received = self._raised = False
         self._chained = signal.getsignal(signal.SIGTERM)
+        self._active = True
 
     def install(self) -> None:
-        """Replace the current SIGTERM handler (Lightning's, registered when the stage starts) with ours."""
+        """During a run, replace a SIGTERM handler registered since :meth:`before_run` (Lightning's) with ours."""
         # Python only lets the main thread set handlers (Lightning skips its own elsewhere, too).
-        if threading.current_thread() is not threading.main_thread():
+        if not self._active or threading.current_thread() is not threading.main_thread():
             return
         current = signal.getsignal(signal.SIGTERM)
-        if current == self._handle:  # bound methods compare equal, never identical
+        # Bound methods compare equal, never identical. The handler from before the run is not Lightning's.
+        if current == self._handle or current is self._chained:
             return
         self._replaced = current
         signal.signal(signal.SIGTERM, self._handle)
         self._installed = True
 
-    def uninstall(self) -> None:
-        """Put back the handler :meth:`install` replaced (Lightning's teardown then restores the user's)."""
-        if not self._installed:
-            return
-        self._installed = False
-        if signal.getsignal(signal.SIGTERM) == self._handle:
-            signal.signal(signal.SIGTERM, self._replaced)  # type: ignore[arg-type]
-        self._replaced = None
+    def uninstall(self, redeliver: bool = True) -> None:
+        """Put back the handler :meth:`install` replaced (Lightning's teardown then restores the one from before the
+        run). A signal that came after the last :meth:`check` is not dropped: with ``redeliver`` and the default
+        action before the run, it is raised again, so the process ends as the signal asked."""
+        self._active = False
+        if self._installed:
+            self._installed = False
+            if signal.getsignal(signal.SIGTERM) == self._handle:
+                signal.signal(signal.SIGTERM, self._replaced)  # type: ignore[arg-type]
+            self._replaced = None
+        if redeliver and self.received and not self._raised and self._chained == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # No collective, no logging here: the main thread may be anywhere, inside a collective included.
@@ -105,5 +118,6 @@ class SigtermStop:
         if int(count.item()) == 0:
             return
         error = Preempted(step, int(count.item()), world_size)
+        self._raised = True
         rank_zero_warn(str(error))
         raise error
