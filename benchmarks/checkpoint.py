@@ -1,6 +1,6 @@
 """What a checkpoint costs through the public API, and the checksums' share of it.
 
-    python benchmarks/checkpoint.py --out /scratch/ckpt          # 1 GPU, 1.0B Llama shape, bf16-mixed
+    python benchmarks/checkpoint.py --out /scratch/ckpt --commit $(git rev-parse --short HEAD)   # 1 GPU, 1.0B
     python benchmarks/checkpoint.py --out /tmp/ckpt --cpu --shape tiny
 
 One process, three fits of ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule`` (Adam, distributed optimizer):
@@ -43,6 +43,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-at", type=int, default=5, help="the step after which the checkpoint is saved")
     p.add_argument("--max-wait-steps", type=int, default=200, help="async: steps to wait for the publish at most")
     p.add_argument("--disk-probe-gib", type=float, default=2.0)
+    p.add_argument("--commit", default=None, help="the code's git commit, copied into every row")
     return p.parse_args()
 
 
@@ -146,7 +147,7 @@ def main() -> None:
     args = parse()
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
-    common = {"shape": args.shape, "device": "cpu" if args.cpu else torch.cuda.get_device_name()}
+    common = {"shape": args.shape, "device": "cpu" if args.cpu else torch.cuda.get_device_name(), "commit": args.commit}
     sync = SaveOnce(args.out / "sync.ckpt", args.save_at, cuda=not args.cpu)
     fit(args, sync, args.save_at + 1, async_save=False)
     size = sum(f.stat().st_size for f in (args.out / "sync.ckpt").iterdir())

@@ -48,8 +48,9 @@ def check_last_batch(dataloader: Any, micro_batch_size: int) -> None:
         raise ValueError(
             f"the DataLoader's last batch would hold {last} samples ({samples} samples on this rank, batch_size="
             f"{batch_size}, drop_last=False), which does not split into micro-batches of micro_batch_size="
-            f"{micro_batch_size}; pass drop_last=True, or use a dataset whose size per data-parallel rank is a "
-            f"multiple of {micro_batch_size}"
+            f"{micro_batch_size}; for training pass drop_last=True; where every sample counts (validation, "
+            f"prediction) use a dataset whose size per data-parallel rank is a multiple of {micro_batch_size}, or a "
+            "micro_batch_size that divides both the batch size and the last batch"
         )
 
 

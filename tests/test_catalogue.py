@@ -299,7 +299,7 @@ FIT_CASES = [
         lambda: _fit(_trainer(MegatronStrategy(micro_batch_size=2)), data=synthetic_tokens(9, 32, 256)),
         ValueError,
         r"last batch would hold 1 samples \(9 samples on this rank, batch_size=4, drop_last=False\).*"
-        r"micro_batch_size=2; pass drop_last=True",
+        r"micro_batch_size=2; for training pass drop_last=True",
         id="fit last batch",
     ),
     pytest.param(

@@ -230,8 +230,9 @@ def open_checkpoint(path: Path) -> Any:
         raise ValueError(f"{path} is an unfinished save (a run stopped while writing it); load {final} or an older one")
     if path.is_file():
         raise ValueError(
-            f"{path} is a file (a plain Lightning/torch.save checkpoint), not a MegatronStrategy checkpoint: those are "
-            "directories written by every rank (sharded, dist_checkpointing). Load it without MegatronStrategy"
+            f"{path} is a file (a plain Lightning/torch.save checkpoint), not one MegatronStrategy wrote: those are "
+            "directories (ModelCheckpoint's epoch=...-step=....ckpt/ or last.ckpt/, written by every rank). Pass "
+            "such a directory; a plain LightningModule's file loads with that module's class and strategy"
         )
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
