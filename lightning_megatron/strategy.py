@@ -369,7 +369,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         """Release (return the bytes) parameters and optimizer state to pinned host memory, gradients zeroed, fp8 casts
         (uncounted) dropped; after :meth:`reload` every tensor is valid again and training goes on exactly as before."""
         nbytes = self._offload.release(
-            self.module.chunks, self._megatron_optimizer, params=params, grads=grads, optimizer_state=optimizer
+            lambda: self.module.chunks, self._megatron_optimizer, params=params, grads=grads, optimizer_state=optimizer
         )  # (raises first under CUDA graphs, whose replays write into the casts: those must stay then)
         fp8.forget_weight_casts(self.module.chunks)
         return nbytes

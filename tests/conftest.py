@@ -257,3 +257,13 @@ def gpu_tests_run_outside_cpu_mode(request: pytest.FixtureRequest) -> None:
 
     if cpu_layer.is_enabled():
         pytest.fail("a gpu test started inside CPU mode (a CPU test's fixture is open): run GPU tests with -m gpu")
+
+
+class Payload:
+    """Unpickling this runs code (it creates ``marker``): what a tampered checkpoint or weight file would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.marker), "w"))

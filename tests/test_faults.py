@@ -25,6 +25,7 @@ from lightning_megatron import MegatronLMModule, MegatronStrategy, Preempted, ti
 from lightning_megatron.checkpointing import checksums
 from lightning_megatron.checkpointing.saving import WriterLock
 from lightning_megatron.data.corpus import synthetic_tokens
+from tests.conftest import Payload
 
 DATA = synthetic_tokens(48, 32, 256, seed=5)
 
@@ -175,18 +176,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / f"{name}.ckpt" for name in ("full", "weights", "adapters")}
 
 
-class _Payload:
-    """Unpickling this runs code: what a tampered checkpoint would carry."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple:
-        return (open, (str(self.marker), "w"))
-
-
 def _tamper_metadata(path: Path, marker: Path) -> None:
-    (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     checksums.record_metadata(path)  # forged too: checksums catch damage, not forgery
 
 
@@ -195,7 +186,7 @@ def _tamper_common_state(path: Path, marker: Path) -> None:
 
     metadata = FileSystemReader(str(path)).read_metadata()
     info = next(s for i, s in metadata.storage_data.items() if i.fqn.startswith("common_state"))
-    data = pickle.dumps(_Payload(marker))
+    data = pickle.dumps(Payload(marker))
     blob = bytearray((path / info.relative_path).read_bytes())
     blob[info.offset : info.offset + len(data)] = data
     (path / info.relative_path).write_bytes(bytes(blob))

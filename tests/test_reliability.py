@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.checkpointing import checksums
 from lightning_megatron.data.corpus import synthetic_tokens
+from tests.conftest import Payload
 
 
 def _data(n: int = 32) -> Tensor:
@@ -113,20 +114,10 @@ def test_damaged_shard_is_named(async_run: dict, tmp_path: Path, damage: str) ->
         _resume(path)
 
 
-class _Payload:
-    """Unpickling this runs code: what a tampered checkpoint would carry."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple:
-        return (open, (str(self.marker), "w"))
-
-
 def test_tampered_metadata_is_refused_without_running_it(async_run: dict, tmp_path: Path) -> None:
     path = _copy(async_run, tmp_path)
     marker = tmp_path / "pwned"
-    (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     checksums.record_metadata(path)  # as a forger would: checksums detect damage, the unpickler refuses code
     with pytest.raises(ValueError, match=r"\.metadata is damaged or was tampered with"):
         _resume(path)
@@ -140,7 +131,7 @@ def test_tampered_common_state_is_refused_without_running_it(async_run: dict, tm
     marker = tmp_path / "pwned"
     metadata = FileSystemReader(str(path)).read_metadata()
     (index, info) = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith("common_state"))
-    data = pickle.dumps(_Payload(marker))  # torch.load(weights_only=False) would run it while reading the header
+    data = pickle.dumps(Payload(marker))  # torch.load(weights_only=False) would run it while reading the header
     assert len(data) <= info.length, (len(data), info.length)
     blob = bytearray((path / info.relative_path).read_bytes())
     blob[info.offset : info.offset + info.length] = data + b"\0" * (info.length - len(data))
@@ -300,7 +291,7 @@ def test_pickled_hf_weights_need_an_explicit_opt_in(tmp_path: Path) -> None:
 def test_opted_in_pickle_still_runs_no_code(tmp_path: Path) -> None:
     _, pickled = _pickled_hf(tmp_path)
     marker = tmp_path / "pwned"
-    torch.save({"model.embed_tokens.weight": _Payload(marker)}, pickled / "pytorch_model.bin")
+    torch.save({"model.embed_tokens.weight": Payload(marker)}, pickled / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"pytorch_model\.bin cannot be read with torch\.load\(weights_only=True\)"):
         MegatronLMModule.from_hf(pickled, allow_pickle=True)
     assert not marker.exists()

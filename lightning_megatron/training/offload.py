@@ -7,7 +7,7 @@ keeps every view and reference valid, so nothing has to be re-wired after :func:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,11 +113,12 @@ class Offloader:
     def __init__(self) -> None:
         self.record: Offloaded | None = None
 
-    def release(self, chunks: Iterable[nn.Module], optimizer: Any | None, **which: bool) -> int:
-        """:func:`offload` (``which``: its ``params``, ``grads``, ``optimizer_state``); the bytes released."""
+    def release(self, chunks: Callable[[], Iterable[nn.Module]], optimizer: Any | None, **which: bool) -> int:
+        """:func:`offload` of ``chunks()`` (asked for only when nothing is released yet) and ``optimizer``
+        (``which``: its ``params``, ``grads``, ``optimizer_state``); the bytes released."""
         if self.record is not None:
             raise RuntimeError("MegatronStrategy.offload called twice without reload()")
-        self.record = offload(chunks, optimizer, **which)
+        self.record = offload(chunks(), optimizer, **which)
         return self.record.nbytes
 
     def reload(self, strict: bool = True) -> None:
