@@ -430,10 +430,10 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     # ------------------------------------------------------------------ SIGTERM: every rank stops at one step
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        # Lightning registers its SIGTERM handler right before a stage's first barrier ("run-stage"): ours takes over.
-        self._sigterm.install()
-        super().barrier(*args, **kwargs)
+    def barrier(self, name: str | None = None) -> None:
+        # Lightning registers its SIGTERM handler just before its "run-stage" barrier (Trainer._run): ours takes over.
+        self._sigterm.at_barrier(takeover=name == "run-stage")
+        super().barrier(name)
 
     @override
     def on_validation_end(self) -> None:

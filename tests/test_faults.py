@@ -133,7 +133,7 @@ def test_a_signal_after_the_last_check_is_delivered_again(redeliver: bool) -> No
         "stop = SigtermStop()\n"
         "stop.before_run()  # the default action before the run\n"
         "signal.signal(signal.SIGTERM, lambda *args: None)  # what Lightning registers\n"
-        "stop.install()\n"
+        "stop.at_barrier(takeover=True)  # Lightning's 'run-stage' barrier\n"
         "os.kill(os.getpid(), signal.SIGTERM)  # after the last check\n"
         f"stop.uninstall(redeliver={redeliver})\n"
         "print('ran on', flush=True)\n"
@@ -145,6 +145,31 @@ def test_a_signal_after_the_last_check_is_delivered_again(redeliver: bool) -> No
     else:  # a failed run's teardown: its own exception is the one to see
         assert done.returncode == 0, done.stderr[-2000:]
         assert "ran on" in done.stdout
+
+
+class RegistersAHandler(L.Callback):
+    """Registers its own SIGTERM handler in ``setup``, after the strategy's setup began (as a logger might)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def setup(self, trainer, pl_module, stage) -> None:  # noqa: ANN001
+        signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum: int, frame: object) -> None:
+        self.calls += 1
+
+
+def test_a_handler_registered_during_setup_is_chained_and_left_in_place() -> None:
+    registers = RegistersAHandler()
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(Preempted, match="stopped at global step 2"):
+            _fit(4, registers, SendSigterm())
+        assert registers.calls == 1  # called while ours noted the signal
+        assert signal.getsignal(signal.SIGTERM) == registers.handle  # Lightning restored it; ours is gone
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class SigtermInValidation(L.Callback):

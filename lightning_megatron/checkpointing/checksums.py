@@ -4,7 +4,7 @@ A flipped bit in a weight or an optimizer moment loads without any other sign (a
 every rank records a CRC-32 of each 64 KiB block of the shard files it wrote (``__<rank>_<n>.distcp``, named by
 Megatron's writer) in ``checksums_<rank>.json``, right after writing them: in the background writer process for
 an async save, so training does not wait for it. Before a checkpoint is published, every shard file must have its
-checksums. Loading recomputes them (each rank a share of the files) and names the file, the byte range and the
+checksums. Loading recomputes those of the entries each rank reads and names the file, the byte range and the
 tensors stored there for any block that differs.
 
 They detect damage (disk or transfer errors, a truncated copy, a stray write), not forgery: whoever can rewrite
@@ -96,18 +96,18 @@ def check_complete(directory: Path) -> None:
         )
 
 
-def verify(path: Path, metadata: Any, files: Sequence[str] | None = None, items: Iterable[Any] | None = None) -> None:
+def verify(path: Path, metadata: Any, items: Iterable[Any] | None = None) -> None:
     """Raise ``ValueError`` naming the file, byte range and tensors of every block whose checksum differs.
 
-    ``files``: the shard files to check (default: all the metadata names); ``items``: only the blocks holding these
-    entries of ``metadata.storage_data`` (e.g. the common state). A damaged checksum table raises ``ValueError`` too;
-    a checkpoint written without checksums passes (there is nothing to compare).
+    ``items``: only the blocks holding these entries of ``metadata.storage_data`` (what a load reads; default: all).
+    A damaged checksum table raises ``ValueError`` too; a checkpoint written without checksums passes (there is
+    nothing to compare).
     """
     recorded = read(path)
     if recorded is None:
         return
     wanted = _ranges(metadata, items)
-    names = sorted(wanted) if files is None else [name for name in files if name in wanted]
+    names = sorted(wanted)
     for name in names:
         if name not in recorded:
             raise ValueError(f"{path / name} has no recorded checksums: checkpoint {path} is damaged (its table lost)")

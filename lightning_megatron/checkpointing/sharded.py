@@ -107,7 +107,7 @@ def load(
 
     Before anything is read collectively, every rank checks the files (complete, not truncated, metadata free of
     foreign pickled objects), the model's shape (the saved ``model_config`` against ``model_config``, every
-    tensor's global shape) and the checksums of what it loads in its share of the shard files (:mod:`.checksums`);
+    tensor's global shape) and the checksums of the stored entries it loads (:mod:`.checksums`);
     a failure raises on every rank, with the failing rank's message. Non-tensor entries are unpickled with
     ``weights_only=True``. Returns the checkpoint's other (common) entries: Lightning's loops, callbacks, ...
 
@@ -205,10 +205,8 @@ def _plan(
         checks.check_nothing_left_out(path, metadata, model_state)
     if optimizer is not None:
         checks.check_optimizer_split(path, metadata, state[_OPTIMIZER_KEY])
-    # Last, as it reads the shards: each rank verifies what is loaded in its share of the files.
-    rank, world = _rank_and_world()
-    files = sorted({info.relative_path for info in metadata.storage_data.values()})[rank::world]
-    checksums.verify(path, metadata, files=files, items=_stored_items(metadata, state))
+    # Last, as it reads the shards: each rank verifies the stored entries it loads.
+    checksums.verify(path, metadata, items=_stored_items(metadata, state))
     return {"state": state, "weights": selected}
 
 

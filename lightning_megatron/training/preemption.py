@@ -57,40 +57,42 @@ class Preempted(SIGTERMException):
 class SigtermStop:
     """Notes SIGTERM while installed; :meth:`check` turns it into :class:`Preempted` on every rank at once.
 
-    The strategy calls :meth:`before_run` at setup, :meth:`install` at every barrier (Lightning registers its
-    handler right before a stage's first barrier), :meth:`check` at every step boundary and at each stage's end,
-    :meth:`uninstall` at teardown.
+    The strategy calls :meth:`before_run` at setup, :meth:`at_barrier` at every barrier (Lightning registers its
+    handler between its last barrier of the setup and the first of the stage, ``"run-stage"``), :meth:`check` at
+    every step boundary and at each stage's end, :meth:`uninstall` at teardown.
     """
 
     def __init__(self) -> None:
         self.received = False
-        self._chained: _Handler = None  # the handler from before the run: still called, and put back last
-        self._replaced: _Handler = None  # what install() replaced (Lightning's), put back by uninstall()
+        self._chained: _Handler = None  # the handler in place before Lightning's: still called, and put back last
+        self._replaced: _Handler = None  # Lightning's, which ours replaced: put back by uninstall()
         self._active = self._installed = self._raised = False
 
     def before_run(self) -> None:
-        """At the run's setup, before Lightning registers its handler: remember the one in place, forget signals."""
-        self.received = self._raised = False
+        """At the run's setup: remember the handler in place, forget earlier signals."""
+        self.received = self._raised = self._installed = False
         self._chained = signal.getsignal(signal.SIGTERM)
         self._active = True
 
-    def install(self) -> None:
-        """During a run, replace a SIGTERM handler registered since :meth:`before_run` (Lightning's) with ours."""
+    def at_barrier(self, takeover: bool) -> None:
+        """During a run, at a barrier: before ``takeover``, remember the handler in place (a callback's ``setup`` may
+        have registered one; Lightning will restore it); at ``takeover`` (the first barrier after Lightning
+        registered its handler) replace Lightning's with ours."""
         # Python only lets the main thread set handlers (Lightning skips its own elsewhere, too).
-        if not self._active or threading.current_thread() is not threading.main_thread():
+        if not self._active or self._installed or threading.current_thread() is not threading.main_thread():
             return
-        current = signal.getsignal(signal.SIGTERM)
-        # Bound methods compare equal, never identical. The handler from before the run is not Lightning's.
-        if current == self._handle or current is self._chained:
+        if not takeover:
+            self._chained = signal.getsignal(signal.SIGTERM)
             return
-        self._replaced = current
+        self._replaced = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, self._handle)
         self._installed = True
 
     def uninstall(self, redeliver: bool = True) -> None:
-        """Put back the handler :meth:`install` replaced (Lightning's teardown then restores the one from before the
-        run). A signal that came after the last :meth:`check` is not dropped: with ``redeliver`` and the default
-        action before the run, it is raised again, so the process ends as the signal asked."""
+        """Put back Lightning's handler (Lightning's teardown then restores the one from before it). A signal that
+        came after the last :meth:`check` is not dropped: with ``redeliver`` and the default action before the run,
+        it is raised again here, at the end of the strategy's teardown, and ends the process as the default action
+        would have (before Lightning's own teardown and the ``teardown``/``on_fit_end`` hooks)."""
         self._active = False
         if self._installed:
             self._installed = False
