@@ -177,11 +177,12 @@ def _failure(error: BaseException, partial: Path, path: Path, lock: WriterLock) 
     """``OSError`` naming the failed save's cause; rank 0 removes its ``.partial`` directory and lock."""
     causes = [*_causes(error), *_writer_errors(partial)]
     no_space = any("No space left" in cause or f"Errno {errno.ENOSPC}]" in cause for cause in causes)
+    free = "unknown"
     with contextlib.suppress(OSError):
-        free = shutil.disk_usage(partial.parent).free
-        no_space = no_space or free < (1 << 20)
+        free_bytes = shutil.disk_usage(partial.parent).free
+        no_space, free = no_space or free_bytes < (1 << 20), f"{free_bytes / 2**30:.2f} GiB"
     if no_space:
-        reason = f"no space left on the device of {partial.parent} ({_gib(partial.parent)} free after the attempt)"
+        reason = f"no space left on the device of {partial.parent} ({free} free after the attempt)"
     else:
         reason = "; ".join(dict.fromkeys(causes)) or f"{type(error).__name__}: {error}"
     if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
@@ -217,13 +218,6 @@ def _writer_errors(partial: Path) -> list[str]:
         with contextlib.suppress(OSError):
             lines += [f"rank {rank}: {line}" for line in file.read_text().splitlines() if line]
     return lines
-
-
-def _gib(directory: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB"
-    except OSError:
-        return "unknown"
 
 
 class WriterLock:

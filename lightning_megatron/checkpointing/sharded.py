@@ -211,11 +211,11 @@ def _plan(
 
 
 def _stored_items(metadata: Any, state: dict[str, Any]) -> list[Any]:
-    """The entries of ``metadata.storage_data`` a load of ``state`` reads (and the common state)."""
+    """The entries of ``metadata.storage_data`` a load of ``state`` reads (the common state is checked apart)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    keys = {item.key for item in nested_values(state) if isinstance(item, ShardedBase)} | {"common_state"}
+    keys = {item.key for item in nested_values(state) if isinstance(item, ShardedBase)}
     # A sharded object is stored as "<key>/shard_<offset>_<shape>".
     return [index for index in metadata.storage_data if index.fqn.split("/shard_")[0] in keys]
 
@@ -271,12 +271,6 @@ def _read_common(path: Path, metadata: Any) -> dict[str, Any]:
         ) from error
 
 
-def _rank_and_world() -> tuple[int, int]:
-    if torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 def _raise_on_every_rank(check: Callable[[], None]) -> None:
     """Run a local check on every rank; if it fails anywhere, raise on every rank (no rank left in a collective),
     with the failing rank's message."""
@@ -285,7 +279,9 @@ def _raise_on_every_rank(check: Callable[[], None]) -> None:
         check()
     except (Exception, CheckpointException) as caught:  # whatever it hit, no rank may go on into the load
         error = caught
-    rank, world = _rank_and_world()
+    rank, world = (0, 1)
+    if torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     messages: list[str | None] = [None if error is None else f"{type(error).__name__}: {error}"] * world
     if world > 1:
         torch.distributed.all_gather_object(messages, messages[rank])

@@ -12,8 +12,8 @@ all-reduce of a flag over a gloo group, so no accelerator synchronisation), and 
 :class:`Preempted` there, outside any collective. Lightning then runs the ``on_exception`` hooks on every rank:
 an ``OnExceptionCheckpoint`` or ``ModelCheckpoint(save_on_exception=True)`` writes a final checkpoint (a collective
 save that works because every rank is at the same point), and the process exits with status 143 (128 + SIGTERM),
-as a process killed by the signal would. A signal after the last check (during teardown) is raised again once the
-run is torn down, where the process had the default action, so it ends the process as it would have.
+as a process killed by the signal would. A signal after the last check (during teardown) is raised again at the
+end of the strategy's teardown where the process had the default action, so it ends the process as it would have.
 """
 
 from __future__ import annotations
