@@ -103,6 +103,10 @@ def parse() -> argparse.Namespace:
         help="pageable batches (default: pinned, so that the host-to-device copy does not wait for the GPU)",
     )  # fmt: skip
     p.add_argument(
+        "--no-check-batches", dest="check_batches", action="store_false",
+        help="variant a: MegatronStrategy(check_batches=False) (no per-step batch fingerprint over each replica)",
+    )  # fmt: skip
+    p.add_argument(
         "--sync-debug", action="store_true",
         help="count the host-GPU synchronisations of the timed steps by call site (slows the run: no timing)",
     )  # fmt: skip
@@ -255,7 +259,7 @@ def variant_a(args: argparse.Namespace) -> dict:
     module = MegatronLMModule(config, lr=1e-4, decay_steps=1000, lora=lora)
     strategy = MegatronStrategy(
         tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, sequence_parallel=args.sp,
-        micro_batch_size=args.micro_batch_size,
+        micro_batch_size=args.micro_batch_size, check_batches=args.check_batches,
     )  # fmt: skip
     result = run_lightning(args, module, strategy, dataset(args, dp), dp)
     params = sum(p.numel() for c in module.chunks for p in c.parameters())
@@ -374,6 +378,7 @@ def child(args: argparse.Namespace) -> None:
             "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(),
             "pinned_batches": args.pin_memory, "fused_wgrad": result.get("fused_wgrad", False),
             "fp8": result.get("fp8", False), "fp8_format": args.fp8 if result.get("fp8") else None,
+            "check_batches": args.check_batches if args.variant == "a" else None,
             "weight_cast_reuse": args.weight_cast_reuse, "cuda_graphs": args.cuda_graphs and args.variant in ("a", "b"),
             "first_losses": result.get("first_losses", []), "gc_in_timed_steps": result.get("gc"),
             **(sync_report(result["syncs"], args.steps) if args.sync_debug else {}),

@@ -10,6 +10,7 @@ with quiet.importing():  # megatron-core's import-time notices about Transformer
     from lightning_megatron.contract import ChunkSpec, OptimizerSpec, StepStats
     from lightning_megatron.data.modules import ByteCorpusDataModule, TokenFileDataModule
     from lightning_megatron.data.packing import pack_sequences
+    from lightning_megatron.data.sharding import DataParallelShard
     from lightning_megatron.lora.config import LoRAConfig
     from lightning_megatron.modules.base import MegatronLightningModule
     from lightning_megatron.modules.hf_finetune import MegatronLMFromHF
@@ -22,6 +23,7 @@ with quiet.importing():  # megatron-core's import-time notices about Transformer
 __all__ = [
     "ByteCorpusDataModule",
     "ChunkSpec",
+    "DataParallelShard",
     "LoRAConfig",
     "MegatronLMFromHF",
     "MegatronLMModule",

@@ -1,5 +1,6 @@
-"""Callbacks for Megatron training: :class:`MegatronThroughput` (tokens/s, TFLOP/s per GPU, MFU) and
-:class:`SaveHF` (write the trained model as a Hugging Face directory).
+"""Callbacks for Megatron training: :class:`MegatronThroughput` (tokens/s, TFLOP/s per GPU, MFU),
+:class:`SaveHF` (write the trained model as a Hugging Face directory) and :class:`MegatronModelSummary` (Lightning's
+model summary counting the whole model, which the strategy puts in place of Lightning's own).
 
 Lightning's own ``ThroughputMonitor`` counts every rank as a data-parallel replica (wrong under TP/PP, where the
 ranks of a model replica see the same samples), needs a ``flops_per_batch`` and synchronises the GPU each step.
@@ -19,9 +20,12 @@ from typing import Any, Literal, override
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 
 from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.modules.lm import MegatronLMModule
+from lightning_megatron.parallel.counts import whole_model_counts
 from lightning_megatron.schedule import as_batch, global_batch_size
 
 
@@ -178,3 +182,88 @@ class SaveHF(L.Callback):
         if not isinstance(pl_module, MegatronLMModule):
             raise TypeError(f"SaveHF saves a MegatronLMModule, got {type(pl_module).__name__}")
         pl_module.save_hf(self.path, dtype=self.dtype, adapter=self.adapter)  # every rank: gathers over TP and PP
+
+
+class WholeModelSummary(Summary):
+    """Lightning's ``ModelSummary`` of a module trained by MegatronStrategy, counting the whole model rather than this
+    rank's shard: every tensor-parallel shard, pipeline stage and expert-parallel rank, a tied embedding once.
+
+    Collective: build it on every rank. The totals (and the model size derived from them) and the top-level rows
+    are of the whole model; rows below the top level describe the modules of this rank's pipeline stage (Megatron
+    numbers layers per stage), each whole (all its tensor- and expert-parallel shards).
+    """
+
+    def __init__(self, model: L.LightningModule, max_depth: int = 1) -> None:
+        super().__init__(model, max_depth)
+        modules = dict(self.named_modules)
+        params = list(model.parameters())
+        sets = [list(modules[name].parameters()) for name in self.layer_names]
+        sets += [params, [p for p in params if p.requires_grad]]
+        every_stage = ["." not in name for name in self.layer_names] + [True, True]
+        *self.whole_rows, self.whole_total, self.whole_trainable = whole_model_counts(sets, every_stage)
+
+    @property
+    @override
+    def param_nums(self) -> list[int]:
+        return list(self.whole_rows)
+
+    @property
+    @override
+    def total_parameters(self) -> int:
+        return self.whole_total
+
+    @property
+    @override
+    def trainable_parameters(self) -> int:
+        return self.whole_trainable
+
+
+class MegatronModelSummary(ModelSummary):
+    """Lightning's ``ModelSummary`` callback printing a :class:`WholeModelSummary` (its settings, its table).
+
+    MegatronStrategy puts it in place of the Trainer's ``ModelSummary`` (the default one included) at ``connect``:
+    Lightning's counts only the parameters of rank 0's shard. :attr:`summary` is the last fit's summary.
+    """
+
+    def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
+        super().__init__(max_depth, **summarize_kwargs)
+        self.max_depth = max_depth
+        self.summarize_kwargs = summarize_kwargs
+        self.summary: WholeModelSummary | None = None
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.max_depth:
+            return
+        self.summary = summary = WholeModelSummary(pl_module, max_depth=self.max_depth)  # collective: every rank
+        if trainer.is_global_zero:
+            self.summarize(
+                summary._get_summary_data(),  # Lightning's own table columns (as its on_fit_start builds them)
+                summary.total_parameters,
+                summary.trainable_parameters,
+                summary.model_size,
+                summary.total_training_modes,
+                total_flops=summary.total_flops,
+                **self.summarize_kwargs,
+            )
+
+
+class MegatronRichModelSummary(MegatronModelSummary, RichModelSummary):
+    """:class:`MegatronModelSummary` printed as Lightning's ``RichModelSummary`` prints."""
+
+
+_WHOLE_MODEL: dict[type, type[MegatronModelSummary]] = {
+    ModelSummary: MegatronModelSummary,
+    RichModelSummary: MegatronRichModelSummary,
+}
+
+
+def count_whole_model(trainer: L.Trainer) -> None:
+    """Replace the Trainer's ``ModelSummary``/``RichModelSummary`` callbacks (the default one included; a subclass is
+    the user's own and stays) by :class:`MegatronModelSummary`/:class:`MegatronRichModelSummary` with the same
+    settings. Called by MegatronStrategy at ``connect``."""
+    for index, callback in enumerate(trainer.callbacks):
+        whole = _WHOLE_MODEL.get(type(callback))
+        if whole is not None:
+            # Lightning keeps a summary callback's settings in private attributes (README "Lightning features").
+            trainer.callbacks[index] = whole(callback._max_depth, **callback._summarize_kwargs)

@@ -108,9 +108,10 @@ class ModelConfig:
     """Which kernels build the layers. 'torch': the torch-native fast path (SDPA/flash core attention, a fused
     vocabulary-parallel cross entropy, and on GPU Megatron's torch.compile'd SwiGLU/GeGLU and bias-dropout-add);
     'te': Megatron's Transformer Engine spec (GPU, needs transformer_engine); 'local': Megatron's reference
-    torch spec (unfused attention); 'auto': 'te' if Transformer Engine imports, else 'torch', on GPU, and
-    'local' on CPU -- and 'torch' for models imported with from_hf, whose weight mapping targets the torch-native
-    layer names. All give the same model and the same checkpoints."""
+    torch spec (unfused attention; no packed batches, no context parallelism); 'auto': 'te' if Transformer Engine
+    imports, else 'torch', on GPU, and 'torch' on CPU (uncompiled there) -- and 'torch' for models imported with
+    from_hf, whose weight mapping targets the torch-native layer names. All give the same model and the same
+    checkpoints."""
     gradient_accumulation_fusion: bool | None = None
     """Accumulate each parallel linear's weight gradient straight into its fp32 ``main_grad`` with one
     fp32-output GEMM (what Megatron's flag of this name does with apex, here without it). None: on with the

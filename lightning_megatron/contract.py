@@ -76,6 +76,11 @@ class OptimizerSpec:
     (``trainer.estimated_stepping_batches``)."""
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
     """Shape of the decay."""
+    override_lr_schedule: bool = False
+    """On resume (``trainer.fit(ckpt_path=...)``): ``False`` raises if the checkpoint's schedule (lr, min_lr,
+    warm-up, decay steps and style, weight decay) differs from this one; ``True`` follows this spec's schedule,
+    continuing from the checkpoint's step count -- to train longer or change the warm-up or decay (Megatron's
+    ``override_opt_param_scheduler``). Weights and optimizer state resume as saved either way."""
 
 
 @dataclass(frozen=True)

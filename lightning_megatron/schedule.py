@@ -243,7 +243,13 @@ def _names_hash(names: list[str]) -> int:
 
 
 def step_logs(step: StepLoss, known: LogNames, device: torch.device) -> dict[str, Tensor]:
-    """The step's ``loss_fn`` logs, ``{name: sum / count}`` as host tensors, on every rank.
+    """The step's ``loss_fn`` logs, ``{name: sum / count}`` as host tensors, on every rank (collective like
+    :func:`step_log_totals`)."""
+    return {name: (pair[0] / pair[1]).float() for name, pair in step_log_totals(step, known, device).items()}
+
+
+def step_log_totals(step: StepLoss, known: LogNames, device: torch.device) -> dict[str, Tensor]:
+    """The step's ``loss_fn`` logs, ``{name: [sum, count]}`` as host float64 tensors, on every rank.
 
     Reads the header's host copy, which waits only for the step's own reduction. Only when the names are new to the
     other pipeline stages (the first step with logs, or a change) does it broadcast them and the values, a
@@ -274,7 +280,14 @@ def step_logs(step: StepLoss, known: LogNames, device: torch.device) -> dict[str
             torch.distributed.broadcast(totals, src=src, group=group)
             values = totals.cpu()
         names = known.names
-    return {name: (values[i, 0] / values[i, 1]).float() for i, name in enumerate(names)}
+    return {name: values[i] for i, name in enumerate(names)}
+
+
+def evaluation(records: list[dict[str, Any]], device: torch.device, known: LogNames) -> dict[str, Any]:
+    """Collective: ``{"loss", "num_tokens", "logs"}`` of a forward-only run's records, identical on every rank
+    (:func:`reduce_step`, then :func:`step_logs`)."""
+    step = reduce_step(records, device, known)
+    return {"loss": step.loss, "num_tokens": step.num_tokens, "logs": step_logs(step, known, device)}
 
 
 def gather_predictions(records: list[dict[str, Any]], device: torch.device) -> Tensor | dict[str, Tensor]:
@@ -307,31 +320,48 @@ def gather_predictions(records: list[dict[str, Any]], device: torch.device) -> T
 
 @dataclass(frozen=True)
 class TrainStep:
-    """One training step between the strategy's ``training_step`` and its logging after the optimizer step."""
+    """One optimizer step between the strategy's ``training_step`` and its logging after the optimizer step: one
+    DataLoader batch, or the k batches of a gradient-accumulation window."""
 
-    loss: StepLoss
-    start: float
-    """``time.perf_counter()`` when the step began."""
-    tokens: int
-    """Input tokens of the global batch."""
+    losses: tuple[StepLoss, ...] = ()
+    """Each batch's reduced loss."""
+    start: float = 0.0
+    """``time.perf_counter()`` when the step's last batch so far began."""
+    tokens: int = 0
+    """Input tokens of the step's global batches."""
+    earlier: float = 0.0
+    """Seconds of the step's earlier batches' own work (their ``training_step``s, not what ran between them)."""
+
+    def add(self, loss: StepLoss, tokens: int, start: float, done: bool) -> TrainStep:
+        """This step with one more batch, begun at ``start``; ``done``: the batch ends here (an accumulated batch,
+        whose step comes with a later one), so its time is counted now."""
+        earlier = self.earlier + (time.perf_counter() - start if done else 0.0)
+        return TrainStep((*self.losses, loss), start, self.tokens + tokens, earlier)
 
 
 def train_metrics(step: TrainStep, stats: StepStats, skipped_steps: int, known: LogNames) -> dict[str, Tensor]:
     """What a training step logs (identical on every rank but ``tokens_per_s``, each rank's clock): ``train_loss``,
-    ``lr``, ``grad_norm``, ``skipped_steps``, ``tokens_per_s`` and the loss_fn logs. Host tensors, but for
-    ``grad_norm``: a device tensor, as Megatron's optimizer left it, since its host copy would wait for the whole
-    optimizer step (Lightning reads it only when a logger writes). Collective like :func:`step_logs`."""
-    header = step.loss.header.get()  # host copy: waits for the reduction only, not for the optimizer's kernels
+    ``lr``, ``grad_norm``, ``skipped_steps``, ``tokens_per_s`` and the loss_fn logs, token-weighted over the step's
+    batches. Host tensors, but for ``grad_norm``: a device tensor, as Megatron's optimizer left it, since its host
+    copy would wait for the whole optimizer step (Lightning reads it only when a logger writes). Collective like
+    :func:`step_logs`."""
+    # Host copies: each waits for its batch's reduction only, not for the optimizer's kernels.
+    loss_sum = sum(float(loss.header.get()[0]) for loss in step.losses)
+    num_tokens = sum(float(loss.header.get()[1]) for loss in step.losses)
     # Input tokens of the global batch per second of the step's own work (schedule and optimizer, this rank's clock),
     # not of the callbacks around it.
-    elapsed = max(time.perf_counter() - step.start, 1e-9)
-    metrics = {"train_loss": header[0] / header[1].clamp(min=1), "lr": _host(stats.lr)}
+    elapsed = max(step.earlier + time.perf_counter() - step.start, 1e-9)
+    metrics = {"train_loss": _host(loss_sum / max(num_tokens, 1.0)), "lr": _host(stats.lr)}
     if stats.grad_norm is not None:
         norm = stats.grad_norm
         metrics["grad_norm"] = norm if isinstance(norm, Tensor) else _host(norm)
     metrics["skipped_steps"] = _host(skipped_steps)
     metrics["tokens_per_s"] = _host(step.tokens / elapsed)
-    metrics.update(step_logs(step.loss, known, step.loss.loss.device))
+    totals: dict[str, Tensor] = {}
+    for loss in step.losses:
+        for name, pair in step_log_totals(loss, known, loss.loss.device).items():
+            totals[name] = totals[name] + pair if name in totals else pair
+    metrics.update({name: pair[0] / pair[1] for name, pair in totals.items()})
     return {name: value.float() for name, value in metrics.items()}
 
 

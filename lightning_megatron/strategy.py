@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, override
 
@@ -18,10 +18,12 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_megatron import cpu, quiet, schedule
+from lightning_megatron.callbacks import count_whole_model
 from lightning_megatron.checkpointing import sharded
 from lightning_megatron.checkpointing.resume import ResumableLoader
 from lightning_megatron.checkpointing.writer import CheckpointWriter
 from lightning_megatron.contract import ChunkSpec, MegatronRuntime, StepStats
+from lightning_megatron.data import consistency, sharding
 from lightning_megatron.kernels import fp8
 from lightning_megatron.micro_batches import micro_batching
 from lightning_megatron.modules.base import MegatronLightningModule, check_overrides, megatron_module
@@ -29,10 +31,11 @@ from lightning_megatron.parallel import ddp, state
 from lightning_megatron.parallel import precision as mixed
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.training import clip_grads, graphs, guards, optim
-from lightning_megatron.training.grad_norms import grad_norms
+from lightning_megatron.training.accumulation import GradientAccumulation
+from lightning_megatron.training.grad_norms import GradNormReads, grad_norms
 from lightning_megatron.training.offload import Offloader
 from lightning_megatron.training.preemption import Preempted, SigtermStop
-from lightning_megatron.training.retained import Retained, run_all
+from lightning_megatron.training.retained import Retained, keep_after_run, run_all
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -69,6 +72,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             once every rank has written it, at the latest before the next save and at the end of training.
         nonfinite: what a non-finite loss or gradient does: ``"error"`` (default) stops with an error naming the
             step, ``"skip"`` leaves the weights unchanged for that step and counts it in ``skipped_steps``.
+        check_batches: compare a fingerprint of every batch over each model replica's ranks (tensor x pipeline x
+            context parallel) before the step's first forward: ``ValueError`` when they differ.
     """
 
     strategy_name = "megatron"
@@ -90,6 +95,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         process_group_backend: str | None = None,
         async_save: bool = False,
         nonfinite: guards.NonFinite = "error",
+        check_batches: bool = True,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = ParallelSizes(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
@@ -103,9 +109,9 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._run_chunks: list[nn.Module] | None = None  # what the schedule runs: chunks, precision/DDP-wrapped
         self._megatron_optimizer: Any | None = None
         self._scheduler: Any | None = None
-        self._last_step: StepStats | None = None
         self._offload = Offloader()
         self._guard = guards.StepGuard(nonfinite)
+        self._grad_reads = GradNormReads()  # warns once if on_before_optimizer_step hooks never read grad_norms()
         self._writer = CheckpointWriter(async_save)
         self._failed = False
         self._collective_timeout = timeout
@@ -116,6 +122,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._retained: Retained | None = None  # what a finished run keeps for trainer.save_checkpoint
         self._quiet = quiet.RunFilters()
         self._sigterm = SigtermStop()  # SIGTERM stops every rank at the same step (training/preemption.py)
+        self._batches = consistency.BatchCheck(check_batches)
+        self._accumulation = GradientAccumulation()  # Trainer(accumulate_grad_batches) (training/accumulation.py)
 
     # ------------------------------------------------------------------ state
     @property
@@ -134,9 +142,9 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def last_step(self) -> StepStats:
         """LR and gradient norm of the last optimizer step."""
-        if self._last_step is None:
+        if self._guard.last_step is None:
             raise RuntimeError("MegatronStrategy.last_step is only available after the first optimizer step")
-        return self._last_step
+        return self._guard.last_step
 
     @property
     @override
@@ -163,25 +171,39 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         return mixed.PRECISIONS[mixed.lightning_precision(self.precision_plugin)]
 
     @property
+    def data_parallel_rank(self) -> int:
+        """Megatron's data-parallel rank: shard data by it (a model replica's ranks share it); 0 before setup."""
+        return state.data_parallel_rank_and_size()[0]
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Megatron's data-parallel size: the number of model replicas reading different data; 1 before setup."""
+        return state.data_parallel_rank_and_size()[1]
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Tensor-, pipeline- and context-parallel peers must see the same samples.
-        rank, size = state.data_parallel_rank_and_size()
-        return {"num_replicas": size, "rank": rank}
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         self._batching.check_loader(dataloader)
+        sharding.bind_data_parallel(dataloader, self.data_parallel_rank, self.data_parallel_size, self.num_nodes)
         if not self.module.trainer.training:
             return dataloader
         guards.check_dataloader(dataloader, "training")
-        return ResumableLoader.of_training(dataloader, self.module.trainer, state.data_parallel_rank_and_size()[1])
+        return ResumableLoader.of_training(dataloader, self.module.trainer, self.data_parallel_size)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        self._batches.record(batch, self._groups)  # the host batch, as loaded (data/consistency.py)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @property
     @override
     def launcher(self) -> _Launcher | None:
-        # One process started by hand needs no launcher (Lightning's refuses to run in a notebook). Under torchrun
-        # (processes created externally) the launcher stays: it checks the world size against the Trainer's.
+        # One process started by hand needs none (Lightning's refuses notebooks); under torchrun it checks the world.
         environment = self.cluster_environment
         if self.num_nodes * self.num_processes == 1 and not (environment and environment.creates_processes_externally):
             return None
@@ -197,10 +219,10 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def lightning_restore_optimizer(self) -> bool:
         return False  # loaded together with the model in load_checkpoint
 
-    @property
     @override
-    def handles_gradient_accumulation(self) -> bool:
-        return True  # micro-batching is the accumulation
+    def block_backward_sync(self) -> AbstractContextManager[None]:  # type: ignore[override]
+        # Trainer(accumulate_grad_batches): the batch run in here does not step (training/accumulation.py).
+        return self._accumulation.defer()
 
     # ------------------------------------------------------------------ setup
     @override
@@ -210,6 +232,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         guards.check_trainer(model.trainer)
         mixed.lightning_precision(self.precision_plugin)  # raises for precisions Megatron is not set up for here
         check_overrides(module, model.trainer.callbacks)
+        count_whole_model(model.trainer)  # the Trainer's ModelSummary counts every shard (callbacks.py)
         module.validate_parallel(self._sizes)
 
     @override
@@ -252,38 +275,26 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         assert self._ddp_chunks is not None
         if self._retained is not None:  # an earlier fit's optimizer, kept for save_checkpoint, is replaced
             self._retained.forget_optimizer()
-        self._megatron_optimizer, self._scheduler = optim.build(
+        self._megatron_optimizer, self._scheduler, adapter = optim.setup(
             spec, self._ddp_chunks, trainer, dtype=self.compute_dtype, distributed=self.use_distributed_optimizer,
-            fused=self.root_device.type == "cuda",
+            fused=self.root_device.type == "cuda", nonfinite=self._guard.policy,
+            # StepGuard: under "error", raises before any callback could save a non-finite step
+            on_step=lambda stats: self._guard.record(stats, self.module.trainer.global_step),
         )  # fmt: skip
-        should_step = self._should_step if self._guard.policy == "skip" else None
-        adapter = optim.lightning_adapter(
-            self._megatron_optimizer, self._scheduler, self._ddp_chunks, self._record_step, should_step
-        )
-        ddp.set_schedule_hooks(self._ddp_chunks, self._megatron_optimizer)
-        self.optimizers = [adapter]
-        self.lr_scheduler_configs = []
-
-    def _record_step(self, stats: StepStats) -> None:
-        self._last_step = stats  # and under "error", raise before any callback could save a bad step (StepGuard)
-        self._guard.record(stats, self.module.trainer.global_step)
-
-    def _should_step(self, loss: Tensor | None) -> bool:
-        # nonfinite="skip": decide before the update, which costs one GPU synchronisation per step.
-        assert self._ddp_chunks is not None
-        fp16 = self.compute_dtype == torch.float16  # loss-scaled gradients: Megatron's scaler handles overflow
-        return guards.step_is_finite(loss, self._ddp_chunks, check_grads=not fp16)
+        self.optimizers, self.lr_scheduler_configs = [adapter], []
 
     # ------------------------------------------------------------------ steps
     @override
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]
-        assert self._ddp_chunks is not None
         start = time.perf_counter()
-        ddp.zero_grads(self._ddp_chunks, self.megatron_optimizer)
-        with self.module.running_schedule():
+        self._batches.verify(self._groups, "training")
+        if self._accumulation.begin(batch_idx % self.module.trainer.accumulate_grad_batches == 0):
+            ddp.zero_grads(self._ddp_chunks, self.megatron_optimizer)  # the first batch of an optimizer step
+            self._step = schedule.TrainStep()
+        with self.module.running_schedule(), self._accumulation.schedule_hooks(self._ddp_chunks):
             micro_batches = self._batching.split(schedule.as_batch(batch))
             loss = schedule.train(self.module, self._ddp_chunks, micro_batches, self.root_device, self._log_names)
-        self._step = schedule.TrainStep(loss, start, schedule.global_batch_size(batch)[1])
+        self._step = self._step.add(loss, schedule.global_batch_size(batch)[1], start, self._accumulation.deferring)
         return {"loss": loss.loss, "num_tokens": loss.num_tokens}
 
     @override
@@ -296,37 +307,39 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         # loss scale, so run the plain precision step: the closure, on_before_optimizer_step, our optimizer's step.
         plugin = self.precision_plugin
         result = Precision.optimizer_step(plugin, optimizer, model or self.lightning_module, closure, **kwargs)
+        self._grad_reads.after_hooks(self.module)  # after on_before_optimizer_step: were gradients read?
         # Logged here, before any callback's on_train_batch_end of this step reads trainer.callback_metrics.
         assert self._step is not None
         metrics = schedule.train_metrics(self._step, self.last_step, self.skipped_steps, self._log_names)
         self.module.log_train_step(metrics)
         self._step = None  # grad_norms() outside a step raises instead of reading stale buffers
+        self._accumulation.close()
         return result
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:  # type: ignore[override]
-        return self._evaluation_step("val", batch)
+        return self._evaluation_step("val", batch, dataloader_idx)
 
     @override
     def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:  # type: ignore[override]
-        return self._evaluation_step("test", batch)
+        return self._evaluation_step("test", batch, dataloader_idx)
 
-    def _evaluation_step(self, stage: str, batch: Any) -> dict[str, Tensor]:
+    def _evaluation_step(self, stage: str, batch: Any, dataloader_idx: int) -> dict[str, Tensor]:
         self._stop_if_signalled()
+        self._batches.verify(self._groups, stage)
         loss = self.forward_loss(batch)
-        self.module.log_eval_step(stage, loss["loss"], loss["num_tokens"], loss["logs"])
+        self.module.log_eval_step(stage, loss["loss"], loss["num_tokens"], loss["logs"], dataloader_idx=dataloader_idx)
         return {"loss": loss["loss"], "num_tokens": loss["num_tokens"]}
 
     def forward_loss(self, batch: Any) -> dict[str, Any]:
         """Collective: ``{"loss", "num_tokens", "logs"}`` of ``batch`` forward-only, as validation computes them
         (identical on every rank), without logging anything: for any hook while the strategy is set up."""
-        step = schedule.reduce_step(self._forward_only(batch, predict=False), self.root_device, self._log_names)
-        logs = schedule.step_logs(step, self._log_names, self.root_device)
-        return {"loss": step.loss, "num_tokens": step.num_tokens, "logs": logs}
+        return schedule.evaluation(self._forward_only(batch, predict=False), self.root_device, self._log_names)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:  # type: ignore[override]
         self._stop_if_signalled()
+        self._batches.verify(self._groups, "predict")
         return schedule.gather_predictions(self._forward_only(batch, predict=True), self.root_device)
 
     def _forward_only(self, batch: Any, *, predict: bool) -> list[dict[str, Any]]:
@@ -339,11 +352,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """``self.log(..., sync_dist=True)`` and ``strategy.reduce`` reduce over the data-parallel (x context-parallel)
         group by default: tensor- and pipeline-parallel peers hold copies of the same values, not more samples."""
-        from megatron.core import parallel_state
-
-        if group is None and parallel_state.model_parallel_is_initialized():
-            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        return super().reduce(tensor, group=group or state.data_parallel_group(), reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -354,7 +363,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def grad_norms(self) -> dict[str, Tensor]:
         """Collective, in ``on_before_optimizer_step``: the step's gradient norms, named as Lightning's
         ``grad_norm(module, 2)`` does, from Megatron's gradient buffers (``p.grad`` is None under Megatron)."""
-        return grad_norms(self._ddp_chunks if self._step is not None else None, self.module)
+        in_step = self._step is not None and not self._accumulation.deferring  # not between accumulated batches
+        return grad_norms(self._ddp_chunks if in_step else None, self.module, self._grad_reads)
 
     @override
     def sync_params(self) -> None:
@@ -395,25 +405,16 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         after_run = self._run_chunks is None and self._retained is not None  # set up from setup to teardown
         with self._retained.restored(self.module.chunks, self._megatron_optimizer) if after_run else nullcontext():
             self.sync_params()  # with overlapped param gather the last step's update may be pending
-            # The unwrapped chunks: the DDP wrappers' state-dict keys carry a "module." prefix.
-            state_to_save = sharded.checkpoint_state(
-                checkpoint, list(self.module.chunks), self._megatron_optimizer, self._scheduler,
-                sharded.model_config_dict(self.module), frozen_base=self.module.frozen_base(),
-            )  # fmt: skip
+            state_to_save = sharded.module_state(checkpoint, self.module, self._megatron_optimizer, self._scheduler)
             # After fit/validate no later hook would publish an async save: published right away then.
             self._writer.save(state_to_save, filepath, publish=self._ddp_chunks is None)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._writer.finalize()  # a checkpoint still being written by this run is published first
-        chunks, config = list(self.module.chunks), sharded.model_config_dict(self.module)
-        loaded = sharded.load(
-            chunks, self._megatron_optimizer, checkpoint_path, config, scheduler=self._scheduler,
-            frozen_base=self.module.frozen_base(),
-        )  # fmt: skip
+        loaded = sharded.load_module(self.module, self._megatron_optimizer, checkpoint_path, self._scheduler)
         if self._megatron_optimizer is not None:  # the loaded param groups carry the writer's fused/foreach flags
             optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
-        loaded.setdefault("state_dict", {})
         return loaded
 
     @override
@@ -483,8 +484,9 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     def _drop_step_state(self) -> None:
         ddp_chunks, run_chunks = self._ddp_chunks, self._run_chunks
-        self._ddp_chunks = self._run_chunks = self._last_step = self._step = None
+        self._ddp_chunks = self._run_chunks = self._step = None
         self._guard.forget()
+        self._accumulation.close()
         if ddp_chunks:
             ddp.clear_hooks(ddp_chunks[0].config)
         graphs.release(run_chunks or ())  # ModelConfig.cuda_graphs: Megatron's process-wide graph state
@@ -492,9 +494,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     def _keep_for_saving(self, failed: bool) -> None:
         # After a run its groups and optimizer stay for trainer.save_checkpoint (training/retained.py); not a failure's.
-        if failed or self._groups is None:
-            self._megatron_optimizer = self._scheduler = self._groups = self._retained = None
-            state.destroy()
-            return
-        self._retained = self._retained or Retained(self._groups, self.root_device.type)
-        self._retained.keep(self.module.chunks, self._megatron_optimizer)
+        groups, optimizer = None if failed else self._groups, self._megatron_optimizer
+        self._retained = keep_after_run(self._retained, groups, self.root_device.type, self.module, optimizer)
+        if self._retained is None:
+            self._megatron_optimizer = self._scheduler = self._groups = None

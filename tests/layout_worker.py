@@ -7,11 +7,12 @@ Lightning's launcher re-runs this command once per extra process; rank 0 writes 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from logged_module import Logged  # tests/ is this script's directory
 from torch.utils.data import DataLoader
 
@@ -76,6 +77,26 @@ def _save_predictions(preds: list, path: str, rank: int) -> None:
         torch.save(torch.cat(preds), f"{path}.rank{rank}.pt")
 
 
+class Printed(logging.Handler):
+    """The lines a logger printed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _summary(trainer: L.Trainer) -> dict:
+    """What the Trainer's model summary counted in this fit: its class, totals and rows."""
+    (callback,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+    summary = callback.summary
+    rows = dict(zip(summary.layer_names, summary.param_nums, strict=True))
+    return {"class": type(callback).__name__, "total": summary.total_parameters, "rows": rows,
+            "trainable": summary.trainable_parameters, "size_mb": summary.model_size}  # fmt: skip
+
+
 def main(args: dict) -> None:
     devices = args.get("devices", 1)
     tp, pp, vpp, cp = args.get("tp", 1), args.get("pp", 1), args.get("vpp"), args.get("cp", 1)
@@ -115,6 +136,10 @@ def main(args: dict) -> None:
         callbacks.append(
             ModelCheckpoint(dirpath=args["ckpt_dir"], every_n_train_steps=args.get("ckpt_every", 2), save_top_k=-1)
         )
+    printed, summary_log = Printed(), logging.getLogger("lightning.pytorch.callbacks.model_summary")
+    if args.get("summary"):  # the strategy puts a whole-model summary in its place (callbacks.MegatronModelSummary)
+        callbacks.append(ModelSummary(max_depth=2))
+        summary_log.addHandler(printed)  # its table (rank 0); removed after fit (run_here runs in the test process)
     ddp_config = None
     if args.get("overlap"):  # grad reduce and param gather overlapped with compute (distributed optimizer)
         from megatron.core.distributed import DistributedDataParallelConfig
@@ -155,12 +180,17 @@ def main(args: dict) -> None:
     result: dict = {}
     mode = args.get("mode", "fit")
     if mode == "fit":
-        trainer.fit(model, train_loader, val_loader, ckpt_path=args.get("resume"))
+        try:
+            trainer.fit(model, train_loader, val_loader, ckpt_path=args.get("resume"))
+        finally:
+            summary_log.removeHandler(printed)
         result["train"] = recorder.train
         result["val"] = recorder.val
         result["contract"] = recorder.contract
         result["shapes"] = shapes
         result["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        if args.get("summary"):
+            result["summary"] = {**_summary(trainer), "printed": "\n".join(printed.lines)}
     elif mode in ("validate", "validate+predict"):
         out = trainer.validate(model, val_loader, ckpt_path=args.get("resume"))
         result["val"] = out[0]["val_loss"]

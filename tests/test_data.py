@@ -198,3 +198,17 @@ def test_synthetic_tokens_leaves_global_rng_untouched() -> None:
     torch.manual_seed(0)
     synthetic_tokens(4, 32, 1000, seed=1)
     torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_data_parallel_shard_deals_whole_rounds() -> None:
+    from lightning_megatron import DataParallelShard
+
+    # 11 samples over 2 ranks: both get 5 (the 11th would give rank 0 a batch more, alone in its collectives)
+    assert [list(DataParallelShard(range(11), rank, 2)) for rank in range(2)] == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    # DataLoader workers split a rank's share again, disjointly, each as many samples
+    from torch.utils.data import DataLoader
+
+    seen = [sorted(int(x) for x in DataLoader(DataParallelShard(range(20), rank, 2), num_workers=2)) for rank in (0, 1)]
+    assert seen == [[0, 2, 4, 6, 8, 10, 12, 14, 16, 18], [1, 3, 5, 7, 9, 11, 13, 15, 17, 19]]
+    with pytest.raises(ValueError, match=r"rank=1, size=None"):
+        DataParallelShard(range(4), rank=1)

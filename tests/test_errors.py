@@ -76,13 +76,6 @@ def test_model_does_not_fit_layout(strategy: dict, config: dict, match: str) -> 
     _assert_nothing_built(model)
 
 
-def test_accumulate_grad_batches() -> None:
-    model = MegatronLMModule(tiny_gpt())
-    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2"):
-        _fit(_trainer(MegatronStrategy(), accumulate_grad_batches=2), model)
-    _assert_nothing_built(model)
-
-
 def test_gradient_clip_val_goes_to_the_optimizer() -> None:
     model = MegatronLMModule(tiny_gpt())
     with pytest.raises(ValueError, match=r"gradient_clip_val=1.0.*clip_grad"):

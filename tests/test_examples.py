@@ -57,5 +57,5 @@ def test_main_job_loss_falls(runs: dict[str, subprocess.CompletedProcess]) -> No
         "CUDA_DEVICE_MAX_CONNECTIONS",
     ):
         assert noise not in console, console[-4000:]
-    assert console.count("lightning_megatron: kernels: local") == 1, console[-4000:]
+    assert console.count("lightning_megatron: kernels: torch") == 1, console[-4000:]
     assert "Warning" not in proc.stderr, proc.stderr[-4000:]

@@ -196,9 +196,11 @@ def test_llama3_rope_frequencies_match_transformers(one_process: dict, models: d
     # At 16 tokens the scaled low frequencies barely move the logits: compare the frequencies themselves.
     hf = transformers.AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
     chunk = one_process["llama"]["module"].chunks[0]
-    torch.testing.assert_close(chunk.rotary_pos_emb.inv_freq, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    # The torch-native attention (kernels "auto" on CPU too) applies RoPE inside: its table's RotaryEmbedding.
+    inv_freq = chunk.decoder.layers[0].self_attention.core_attention.rope.embedding.inv_freq
+    torch.testing.assert_close(inv_freq, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
     unscaled = 1.0 / 500000 ** (torch.arange(0, 8, 2).float() / 8)  # head_dim 8
-    assert not torch.allclose(chunk.rotary_pos_emb.inv_freq, unscaled)  # the scaling is in effect
+    assert not torch.allclose(inv_freq, unscaled)  # the scaling is in effect
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

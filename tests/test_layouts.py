@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
 from tests.conftest import run_here, run_worker, run_workers
 
@@ -24,13 +25,19 @@ LAYOUTS = {
     # grad reduce / param gather overlapped, several buckets; loss_fn logs and grad norms over data-parallel shards;
     # weight gradients fused into main_grad (kernels/linear.py) here, at PP=2, TP=2 and TP=2+SP x CP=2
     "dp2": {"devices": 2, "overlap": True, "logs": True, "model": {"gradient_accumulation_fusion": True}},
-    # the GPU default path: SDPA, fused CE, weight gradients accumulated into main_grad in the GEMM, at TP=2
-    "tp2": {"devices": 2, "tp": 2, "model": {"kernels": "torch", "gradient_accumulation_fusion": True}},
+    # the GPU default path: SDPA, fused CE, weight gradients accumulated into main_grad in the GEMM, at TP=2; the
+    # Trainer's ModelSummary counts both shards
+    "tp2": {
+        "devices": 2,
+        "tp": 2,
+        "model": {"kernels": "torch", "gradient_accumulation_fusion": True},
+        "summary": True,
+    },
     "pp2": {"devices": 2, "pp": 2, "model": {"gradient_accumulation_fusion": True}},
     "pp2_vpp2": {"devices": 2, "pp": 2, "vpp": 2},
     "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2, "logs": True},  # logs and grad norms over TP shards and stages
     "tp2_sp": {"devices": 2, "tp": 2, "sp": True},
-    # context parallelism (kernels='auto' picks the torch-native attention on CPU under CP): K/V all-gathered;
+    # context parallelism (kernels='auto' is the torch-native attention, on CPU too): K/V all-gathered;
     # with SP each CP shard's tokens split over TP. (CP=2 alone, unpacked: tests/test_hf.py against transformers.)
     "tp2_sp_cp2": {"devices": 4, "tp": 2, "cp": 2, "sp": True, "model": {"gradient_accumulation_fusion": True}},
     "cp2": {"devices": 2, "cp": 2},  # GPU only here (NCCL); on CPU, CP=2 alone runs in tests/test_hf.py
@@ -38,6 +45,7 @@ LAYOUTS = {
 # On CPU, tp2_sp_cp2 covers sequence parallelism (tp2_sp runs on GPUs).
 CPU_LAYOUTS = [name for name in LAYOUTS if name not in ("tp2_sp", "cp2")]
 # Packed rows (documents of 3-20 tokens in rows of 32, attention and loss per document) from the same checkpoint.
+# The reference names kernels='torch'; kernels='auto' must pick kernels that take such rows (test_torchrun_launch).
 PACKED = {"packed": True, "model": {"kernels": "torch"}}
 # (CP=2 alone on packed rows: tests/test_hf.py, against transformers per document.)
 PACKED_LAYOUTS = {
@@ -53,7 +61,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ckpt_dir = tmp / "ckpt"
     saving = {"devices": 1, "max_steps": CKPT_STEP, "ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}
     run_here(saving, tmp)
-    full = run_here({"devices": 1, "max_steps": MAX_STEPS, **VAL}, tmp)
+    full = run_here({"devices": 1, "max_steps": MAX_STEPS, **VAL, "summary": True}, tmp)
     ckpt = ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt"
     assert (ckpt / "metadata.json").is_file(), sorted(p.name for p in ckpt_dir.iterdir())
     return {"ckpt": str(ckpt), "full": full, "tmp": tmp}
@@ -110,6 +118,17 @@ def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_p
             assert seen["mean_loss"] == pytest.approx(seen["train_loss"], rel=1e-6)  # reduced over DP ranks too
             assert seen["ones"] == 1.0
             assert seen["norm_total"] == pytest.approx(seen["grad_norm"], rel=1e-5)  # Megatron's own norm
+    if LAYOUTS[name].get("summary"):
+        _assert_whole_model_summary(resumed["summary"], full["summary"])
+
+
+def _assert_whole_model_summary(summary: dict, one_process: dict) -> None:
+    """The Trainer's ModelSummary of a multi-process run counts what one process counts of the same ModelConfig."""
+    assert summary["class"] == "MegatronModelSummary"  # the strategy replaced Lightning's at connect
+    for key in ("total", "trainable", "size_mb"):
+        assert summary[key] == one_process[key], key
+    assert summary["rows"]["chunks"] == one_process["rows"]["chunks"] == one_process["total"]
+    assert f"{get_human_readable_count(one_process['total']):<10}Total params" in summary["printed"]  # rank 0's table
 
 
 @pytest.fixture(scope="module")
@@ -159,20 +178,32 @@ def test_tied_embeddings_across_pipeline_stages(tmp_path: Path) -> None:
     # One process runs to MAX_STEPS, checkpointing at CKPT_STEP on the way (checkpointing does not change the run:
     # test_resume_is_exact_at_one_layout).
     saves = {"ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}
-    full = run_here({**tied, "devices": 1, "max_steps": MAX_STEPS, **saves}, tmp_path)
+    full = run_here({**tied, "devices": 1, "max_steps": MAX_STEPS, **saves, "summary": True}, tmp_path)
     ckpt = str(ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt")
     pp2 = {**LAYOUTS["pp2"], "model": {**LAYOUTS["pp2"]["model"], **tied["model"]}}  # the fused LM head too
-    resumed = run_worker({**pp2, "max_steps": MAX_STEPS, "resume": ckpt}, tmp_path)
+    resumed = run_worker({**pp2, "max_steps": MAX_STEPS, "resume": ckpt, "summary": True}, tmp_path)
     _assert_close(resumed["train"], {k: v for k, v in full["train"].items() if int(k) > CKPT_STEP}, "tied train_loss")
+    # The Trainer's ModelSummary on rank 0 (the first stage) counts both stages, the tied embedding once.
+    _assert_whole_model_summary(resumed["summary"], full["summary"])
+    assert resumed["summary"]["rows"]["chunks.0"] < full["summary"]["total"]  # a row below: the first stage's chunk
+
+
+def test_auto_kernels_take_packed_rows_at_one_process(packed_reference: dict, reference: dict, tmp_path: Path) -> None:
+    # ModelConfig(kernels='auto') on CPU: the packed run of kernels='torch', step for step ('auto' must never pick
+    # kernels that refuse the batch, as Megatron's local attention refuses packed rows).
+    auto = run_here(_resume_args({"devices": 1, "packed": True}, reference), tmp_path)
+    assert auto["train"] == packed_reference["train"]
+    assert auto["val"] == packed_reference["val"]
 
 
 @pytest.mark.multiprocess
-def test_torchrun_launch(reference: dict, tmp_path: Path) -> None:
-    """The same script under torchrun (processes started outside Lightning) continues the same curve."""
-    resumed = run_worker(
-        {**LAYOUTS["tp2"], "max_steps": MAX_STEPS, "resume": reference["ckpt"]}, tmp_path, launcher="torchrun"
-    )
-    _assert_close(resumed["train"], {k: v for k, v in reference["full"]["train"].items() if int(k) > CKPT_STEP}, "loss")
+def test_torchrun_launch(packed_reference: dict, reference: dict, tmp_path: Path) -> None:
+    """The same script under torchrun (processes started outside Lightning) continues the same curve: packed rows at
+    TP=2 with kernels='auto', which must take them, following the one-process run of kernels='torch'."""
+    auto = {"devices": 2, "tp": 2, "packed": True}  # no kernels named: 'auto'
+    resumed = run_worker(_resume_args(auto, reference), tmp_path, launcher="torchrun")
+    _assert_close(resumed["train"], packed_reference["train"], "packed train_loss")
+    _assert_close(resumed["val"], packed_reference["val"], "packed val_loss")
 
 
 @pytest.mark.multiprocess

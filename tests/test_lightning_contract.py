@@ -25,8 +25,10 @@ from lightning_megatron import (
     MegatronStrategy,
     MegatronValueModule,
     SaveHF,
+    schedule,
     tiny_gpt,
 )
+from lightning_megatron import strategy as strategy_module
 from lightning_megatron.callbacks import peak_flops
 from lightning_megatron.data.corpus import synthetic_tokens
 from lightning_megatron.modules.base import UNSUPPORTED_HOOKS
@@ -34,7 +36,9 @@ from lightning_megatron.parallel import ddp
 from tests.logged_module import Logged
 
 STEPS = 3
-SLEEP = 0.5  # seconds a callback sleeps per step; the logged throughput must not include it
+# Virtual seconds (Clock): what the step's own work takes, and what each callback hook around it takes.
+STEP_SECONDS = 0.25
+CALLBACK_SECONDS = 1000.0
 
 
 def _data(n: int = 24) -> Tensor:
@@ -59,26 +63,50 @@ def _trainer(max_steps: int = STEPS, **kwargs: object) -> L.Trainer:
     return L.Trainer(**settings)
 
 
+class Clock:
+    """A stand-in for the ``time`` module that the strategy and ``lightning_megatron.schedule`` time a step with:
+    ``perf_counter`` reads virtual seconds that only :class:`Seen` advances, so the throughput test states exactly
+    what the step's interval holds, whatever the machine's speed or load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)  # the rest of the time module as it is
+
+
 class Seen(L.Callback):
-    """What a callback sees of each step: callback_metrics at its on_train_batch_end, grad norms before the step."""
+    """What a callback sees of each step: callback_metrics at its on_train_batch_end, grad norms before the step.
+
+    On its ``clock``: each hook around the step is slow (``CALLBACK_SECONDS``, e.g. a checkpoint save), and the step's
+    own work takes ``STEP_SECONDS`` (advanced in on_before_optimizer_step, which runs inside the step, between the
+    backward pass and the optimizer step)."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
         self.norms: list[dict[str, Tensor]] = []
+        self.clock = Clock()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.clock.now += CALLBACK_SECONDS
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
         self.norms.append(trainer.strategy.grad_norms())
+        self.clock.now += STEP_SECONDS
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         metrics = trainer.callback_metrics
         names = ("train_loss", "lr", "grad_norm", "skipped_steps", "tokens_per_s", "mean_loss", "ones")
         self.rows.append({"loss": float(outputs["loss"]), **{name: float(metrics[name]) for name in names}})
-        time.sleep(SLEEP)  # a slow callback (e.g. a checkpoint save)
+        self.clock.now += CALLBACK_SECONDS
 
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One fit with a slow callback, a ModelCheckpoint and loss_fn logs; then saves after fit."""
+    """One fit with a slow callback (on a virtual clock), a ModelCheckpoint and loss_fn logs; then saves after fit."""
     tmp = tmp_path_factory.mktemp("contract")
     seen = Seen()
     model = Logged(tiny_gpt(), lr=3e-3, decay_steps=16)
@@ -86,7 +114,9 @@ def fitted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     trainer = _trainer(callbacks=[seen, every_step], enable_checkpointing=True)
     # Lightning's own DDP setup re-seeds from seed_everything's seed when one was set (PL_GLOBAL_SEED, left by
     # earlier tests): that is Lightning's behaviour, not the strategy's seeding, so none is set here.
-    with mock.patch.dict(os.environ):
+    # The step is timed where the strategy begins it and where the schedule logs it: both read the virtual clock.
+    clocks = [mock.patch.object(module, "time", seen.clock) for module in (strategy_module, schedule)]
+    with mock.patch.dict(os.environ), clocks[0], clocks[1]:
         os.environ.pop("PL_GLOBAL_SEED", None)
         rng_before = torch.random.get_rng_state()
         trainer.fit(model, _same_batch())
@@ -113,9 +143,11 @@ def test_callbacks_see_the_metrics_of_their_own_step(fitted: dict) -> None:
 
 
 def test_throughput_times_the_step_not_the_callbacks(fitted: dict) -> None:
+    # On the virtual clock the step's interval holds its own work only: STEP_SECONDS, not the callbacks' seconds
+    # before and after it (an interval from the previous step's end, or to this step's callbacks' end, would).
     tokens_per_step = 4 * 32
     for row in fitted["seen"].rows:
-        assert tokens_per_step / row["tokens_per_s"] < SLEEP - 0.1  # the callback's sleep is not in it
+        assert tokens_per_step / row["tokens_per_s"] == pytest.approx(STEP_SECONDS, rel=1e-6)
 
 
 def test_loss_fn_logs_are_reduced_and_logged_each_step(fitted: dict) -> None:

@@ -13,29 +13,36 @@ MOE = {"model": {"num_moe_experts": 4, "moe_router_topk": 2}}
 
 
 @pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+def moe_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process: 2 steps, checkpointed (``ckpt``); what its ModelSummary counted (``summary``)."""
     tmp = tmp_path_factory.mktemp("moe")
-    run_here({**MOE, "devices": 1, "max_steps": 2, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2}, tmp)
-    return str(tmp / "ckpt" / "epoch=0-step=2.ckpt")
+    run = {**MOE, "devices": 1, "max_steps": 2, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 2, "summary": True}
+    result = run_here(run, tmp)
+    return {"ckpt": str(tmp / "ckpt" / "epoch=0-step=2.ckpt"), "summary": result["summary"]}
 
 
 @pytest.mark.multiprocess
-def test_expert_parallel_matches_one_process(moe_checkpoint: str, tmp_path: Path) -> None:
+def test_expert_parallel_matches_one_process(moe_run: dict, tmp_path: Path) -> None:
     """The same MoE weights give the same validation loss with all experts on one rank and split over two, on
     packed rows (documents attending only to themselves; the plain rows' EP run: test_expert_parallel_trains)."""
     packed = {"model": {**MOE["model"], "kernels": "torch"}, "packed": True}
-    args = {**packed, "mode": "validate", "limit_val_batches": 2, "resume": moe_checkpoint}
+    args = {**packed, "mode": "validate", "limit_val_batches": 2, "resume": moe_run["ckpt"]}
     one = run_here({**args, "devices": 1}, tmp_path)
     ep2 = run_worker({**args, "devices": 2, "ep": 2}, tmp_path)
     assert ep2["val"] == pytest.approx(one["val"], rel=2e-5)
 
 
 @pytest.mark.multiprocess
-def test_expert_parallel_trains(tmp_path: Path) -> None:
+def test_expert_parallel_trains(moe_run: dict, tmp_path: Path) -> None:
     fused = {"model": {**MOE["model"], "gradient_accumulation_fusion": True}}  # expert linears fused too
-    result = run_worker({**fused, "devices": 2, "ep": 2, "max_steps": 3}, tmp_path)
+    result = run_worker({**fused, "devices": 2, "ep": 2, "max_steps": 3, "summary": True}, tmp_path)
     assert len(result["train"]) == 3
     assert len(set(result["train"].values())) == 3  # weights move
+    # The Trainer's ModelSummary counts the experts of both ranks, the dense weights (data-parallel copies) once.
+    summary, one_process = result["summary"], moe_run["summary"]
+    assert summary["class"] == "MegatronModelSummary"
+    assert (summary["total"], summary["trainable"]) == (one_process["total"], one_process["trainable"])
+    assert summary["rows"] == one_process["rows"]  # at EP=2 both ranks hold every layer: each row whole
 
 
 def test_expert_parallel_errors() -> None:
@@ -69,6 +76,6 @@ def test_optimizer_split_mismatch_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_resume_at_another_optimizer_split_raises(moe_checkpoint: str, tmp_path: Path) -> None:
+def test_resume_at_another_optimizer_split_raises(moe_run: dict, tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match=r"holds the state of 1 optimizer\(s\) and this run builds 2"):
-        run_worker({**MOE, "devices": 2, "ep": 2, "max_steps": 3, "resume": moe_checkpoint}, tmp_path)
+        run_worker({**MOE, "devices": 2, "ep": 2, "max_steps": 3, "resume": moe_run["ckpt"]}, tmp_path)

@@ -1,4 +1,5 @@
-"""The torch Adam inside Megatron's optimizer uses the implementation that fits the device, also after a resume."""
+"""The torch Adam inside Megatron's optimizer uses the implementation that fits the device, also after a resume; a
+resume follows another LR schedule only when asked to."""
 
 from __future__ import annotations
 
@@ -29,14 +30,14 @@ class MarkFused(L.Callback):
             group["fused"], group["foreach"] = True, None
 
 
-def _fit(tmp_path: Path, max_steps: int, callbacks: list, resume: str | None = None) -> L.Trainer:
+def _fit(tmp_path: Path, max_steps: int, callbacks: list, resume: str | None = None, **module: object) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), max_steps=max_steps,
         default_root_dir=tmp_path,
         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )  # fmt: skip
     data = DataLoader(synthetic_tokens(16, 32, 256), batch_size=4)
-    trainer.fit(MegatronLMModule(tiny_gpt(), decay_steps=4), data, ckpt_path=resume)
+    trainer.fit(MegatronLMModule(tiny_gpt(), **{"decay_steps": 4, **module}), data, ckpt_path=resume)
     return trainer
 
 
@@ -65,6 +66,57 @@ def test_resume_of_a_gpu_checkpoint_on_cpu_uses_the_cpu_adam(tmp_path: Path) -> 
 
     assert inspect.l2_norm_impl is foreach_clip._foreach_l2_norm  # while fitting (no TE/apex here)
     assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm  # Megatron's own again after teardown
+
+
+class Schedule(L.Callback):
+    """The LR each optimizer step uses (read before it), and the weights and Adam state as the fit starts and ends."""
+
+    def __init__(self) -> None:
+        self.lrs: dict[int, float] = {}
+        self.states: dict[str, list[torch.Tensor]] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.states["start"] = self._state(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.lrs[trainer.global_step + 1] = _torch_groups(trainer)[0]["lr"]
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.states["end"] = self._state(trainer)
+
+    @staticmethod
+    def _state(trainer: L.Trainer) -> list[torch.Tensor]:
+        optimizer = trainer.strategy.megatron_optimizer
+        tensors = [p.detach().clone() for p in trainer.lightning_module.parameters()]
+        for inner in optimizer.chained_optimizers:
+            for group in inner.optimizer.param_groups:
+                for param in group["params"]:  # the optimizer's (main) parameters and their Adam state (none yet
+                    state = inner.optimizer.state[param]  # before a fresh run's first step)
+                    tensors += [param.detach().clone(), *(torch.as_tensor(state[k]).clone() for k in sorted(state))]
+        return tensors
+
+
+def test_resume_with_another_lr_schedule_only_when_asked(tmp_path: Path) -> None:
+    """Training longer (max_steps 3 -> 6, the decay over the run: decay_steps=None) with a longer warm-up: strict
+    resume raises naming the switch; with it the LR is a fresh 6-step run's from the saved step on, and the weights
+    and Adam state resume as saved."""
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    first = Schedule()
+    _fit(tmp_path, 3, [saver, first], decay_steps=None, warmup_steps=1)
+    ckpt = str(tmp_path / "epoch=0-step=3.ckpt")
+    longer = {"decay_steps": None, "warmup_steps": 2}
+    with pytest.raises(ValueError, match=r"LR schedule saved in .* differs.*override_lr_schedule=True"):
+        _fit(tmp_path, 6, [], resume=ckpt, **longer)
+    resumed, fresh = Schedule(), Schedule()
+    trainer = _fit(tmp_path, 6, [resumed], resume=ckpt, override_lr_schedule=True, **longer)
+    _fit(tmp_path, 6, [fresh], **longer)
+    assert trainer.global_step == 6
+    assert sorted(resumed.lrs) == [4, 5, 6]  # the step count went on from 3
+    assert resumed.lrs == {step: fresh.lrs[step] for step in (4, 5, 6)}
+    assert min(resumed.lrs.values()) > 0  # the saved 3-step schedule would have given min_lr=0 from step 4 on
+    for saved, loaded in zip(first.states["end"], resumed.states["start"], strict=True):
+        assert torch.equal(saved, loaded)
+    assert "override_lr_schedule" not in trainer.lightning_module.hparams  # the next resume is strict again
 
 
 def _params_with_grads() -> list[torch.nn.Parameter]:

@@ -210,7 +210,7 @@ def test_public_api() -> None:
     import lightning_megatron
 
     expected = {
-        "ByteCorpusDataModule", "ChunkSpec", "LoRAConfig", "MegatronLMFromHF", "MegatronLMModule",
+        "ByteCorpusDataModule", "ChunkSpec", "DataParallelShard", "LoRAConfig", "MegatronLMFromHF", "MegatronLMModule",
         "MegatronLightningModule", "MegatronStrategy", "MegatronThroughput", "MegatronValueModule", "ModelConfig",
         "OptimizerSpec",
         "ParallelSizes", "Preempted", "SaveHF", "StepStats", "TokenFileDataModule", "pack_sequences", "tiny_gpt",

@@ -15,10 +15,12 @@ from lightning_megatron.training.optim import torch_adams, torch_optimizers
 
 
 def init_adam_state(optimizer: Any) -> None:
-    """Give a fresh torch Adam the state it has after a step, so ``sharded_state_dict(is_loading=True)`` works.
+    """Give a fresh torch Adam the state it has after a step (zero moments, step 0), so that its sharded state dict
+    can be loaded into, or saved before the first optimizer step.
 
     megatron-core 0.19's ``DistributedOptimizer.state_dict`` asserts exactly one ``step`` value among the torch
-    optimizer's per-parameter states, which a fresh torch Adam does not have yet.
+    optimizer's per-parameter states, which a fresh torch Adam does not have yet (a bare ``AssertionError``).
+    torch's Adam starts from exactly these values when it finds no state, so the first step is unchanged.
     """
     for torch_optimizer in torch_adams(optimizer):
         for group in torch_optimizer.param_groups:

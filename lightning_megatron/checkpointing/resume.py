@@ -34,10 +34,14 @@ class ResumableLoader:
         self._skip = 0
 
     @classmethod
-    def of_training(cls, loader: Any, trainer: Any, data_parallel_size: int) -> ResumableLoader:
+    def of_training(cls, loader: Any, trainer: Any, data_parallel_size: int) -> Any:
         """``loader`` as the training loader of ``trainer``, whose loop counts the batches trained on (Lightning's
         loop progress: public attributes, though not a documented API). ``processed``, not ``ready``: a save in
-        ``on_exception`` (e.g. on SIGTERM) comes after the next batch was fetched but before it was trained on."""
+        ``on_exception`` (e.g. on SIGTERM) comes after the next batch was fetched but before it was trained on.
+        A loader with its own ``state_dict``/``load_state_dict`` (LitData's ``StreamingDataLoader``, torchdata's
+        ``StatefulDataLoader``) is returned as it is: Lightning saves and restores its state itself."""
+        if callable(getattr(loader, "load_state_dict", None)) and callable(getattr(loader, "state_dict", None)):
+            return loader
         progress = trainer.fit_loop.epoch_loop.batch_progress
         batch_size = _batch_size(loader)
         global_batch = batch_size * data_parallel_size if batch_size else None

@@ -60,8 +60,9 @@ def sharded_state_dict(
             chunk_state = {k: v for k, v in chunk_state.items() if (k in trainable) == (weights == "trainable")}
         state[chunk_key(i)] = chunk_state
     if optimizer is not None:
-        if is_loading:
-            mcore_fixes.init_adam_state(optimizer)
+        # Loading into a fresh optimizer, or saving before its first step: the state it has after a step, all zeros
+        # (Adam's first step from it is the same as from no state at all).
+        mcore_fixes.init_adam_state(optimizer)
         state[_OPTIMIZER_KEY] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_METADATA)
     return state
 
@@ -90,6 +91,22 @@ def checkpoint_state(
     weights: Weights = "trainable" if frozen_base else "all"
     state.update(sharded_state_dict(chunks, optimizer if with_optimizer else None, weights=weights))
     return state
+
+
+def module_state(checkpoint: dict[str, Any], module: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """:func:`checkpoint_state` of a MegatronLightningModule: its unwrapped chunks (the DDP wrappers' state-dict
+    keys carry a "module." prefix), its ``ModelConfig`` and where its frozen weights can be read again."""
+    chunks, config = list(module.chunks), model_config_dict(module)
+    return checkpoint_state(checkpoint, chunks, optimizer, scheduler, config, frozen_base=module.frozen_base())
+
+
+def load_module(module: Any, optimizer: Any | None, path: str | Path, scheduler: Any | None) -> dict[str, Any]:
+    """Collective: :func:`load` into a MegatronLightningModule's chunks (and ``optimizer``, ``scheduler``); the
+    checkpoint's non-tensor entries, with the empty ``state_dict`` Lightning expects."""
+    config, frozen = model_config_dict(module), module.frozen_base()
+    loaded = load(list(module.chunks), optimizer, path, config, scheduler=scheduler, frozen_base=frozen)
+    loaded.setdefault("state_dict", {})
+    return loaded
 
 
 def model_config_dict(module: object) -> dict[str, Any] | None:
@@ -148,8 +165,11 @@ def load(
             scheduler.load_state_dict(scheduler_state)
         except AssertionError as error:  # Megatron asserts that the schedule settings match
             raise ValueError(
-                f"the LR schedule saved in {path} differs from this run's ({error}); keep lr, min_lr, warmup_steps "
-                "and decay_steps (or Trainer(max_steps) when decay_steps=None) as they were"
+                f"the LR schedule saved in {path} differs from this run's ({error}); keep lr, min_lr, warmup_steps, "
+                "decay_steps and decay_style (and Trainer(max_steps) when decay_steps=None) as they were, or, to "
+                "train longer or change the schedule, pass MegatronLMModule(..., override_lr_schedule=True) "
+                "(OptimizerSpec(override_lr_schedule=True) from your own configure_optimizers): this run's schedule "
+                "then continues from the saved step"
             ) from error
     return loaded
 

@@ -34,16 +34,18 @@ def triton_available() -> bool:
     return True
 
 
-def resolve(kernels: Kernels, device_type: str, cp: int = 1) -> Resolved:
-    """The concrete kernel set for ``kernels`` on ``device_type`` ("cuda" or "cpu") and context-parallel size ``cp``.
+def resolve(kernels: Kernels, device_type: str) -> Resolved:
+    """The concrete kernel set for ``kernels`` on ``device_type`` ("cuda" or "cpu").
 
-    ``"auto"``: Transformer Engine's spec when it imports, else the torch-native fast path, on GPU; Megatron's
-    reference local spec on CPU, where compiled kernels buy nothing and only cost compile time -- except under
-    context parallelism, which the reference attention cannot split (the torch-native path then, on CPU too).
+    ``"auto"``: Transformer Engine's spec when it imports, else the torch-native path, on GPU; the torch-native path
+    on CPU, where it compiles nothing (:func:`~lightning_megatron.kernels.compile.for_device`) and runs the tiny
+    test models as fast as Megatron's reference local spec. Not the local spec there: its attention takes neither
+    packed batches (no document masks) nor context parallelism, and "auto" must never pick kernels that refuse the
+    user's batch.
     """
     if kernels == "auto":
         if device_type != "cuda":
-            return "torch" if cp > 1 else "local"
+            return "torch"
         return "te" if te_available() else "torch"
     if kernels == "te":
         if not te_available():
@@ -120,7 +122,7 @@ def use_cuda_graphs(requested: bool, device_type: str) -> bool:
 
 _DESCRIPTIONS = {
     "torch": "torch (SDPA attention with RoPE inside, fused vocab-parallel cross entropy)",
-    "local": "local (Megatron's reference torch spec: unfused attention; the default on CPU)",
+    "local": "local (Megatron's reference torch spec: unfused attention)",
     "te": "te (Transformer Engine)",
 }
 

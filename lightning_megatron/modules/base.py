@@ -160,10 +160,11 @@ class MegatronLightningModule(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         return self._not_called("training_step")
 
-    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+    # dataloader_idx: Lightning checks the module's step signature before it runs several val/test loaders.
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self._not_called("validation_step")
 
-    def test_step(self, batch: Any, batch_idx: int) -> Any:
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self._not_called("test_step")
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
@@ -202,9 +203,13 @@ class MegatronLightningModule(L.LightningModule):
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name in _PROGRESS_BAR)
 
-    def log_eval_step(self, stage: str, loss: Tensor, num_tokens: Tensor, logs: Mapping[str, Tensor]) -> None:
+    def log_eval_step(
+        self, stage: str, loss: Tensor, num_tokens: Tensor, logs: Mapping[str, Tensor], dataloader_idx: int = 0
+    ) -> None:
         """Log one validation/test batch (``stage`` is ``"val"`` or ``"test"``): ``{stage}_loss``, the loss_fn logs
-        as ``{stage}_{name}``, and ``{stage}_ppl`` at the epoch's end. Called by the strategy in its step."""
+        as ``{stage}_{name}``, and ``{stage}_ppl`` at the epoch's end; with several loaders Lightning appends
+        ``/dataloader_idx_N`` to each name, and each loader (``dataloader_idx``) has its own perplexity. Called by the
+        strategy in its step."""
         # Weighting by tokens makes the epoch mean the token-weighted mean over the whole set.
         # sync_dist: the values are identical on every rank already; the mean over the data-parallel group at the
         # epoch's end changes nothing and keeps Lightning's reminder to sync epoch-level values quiet.
@@ -213,8 +218,9 @@ class MegatronLightningModule(L.LightningModule):
         for name, value in logs.items():  # host values; the epoch-end sync wants them where the loss is
             self.log(f"{stage}_{name}", value.to(loss.device), batch_size=weight, sync_dist=True)
         # Perplexity of the whole set (exp of that same token-weighted mean); the values are already global and
-        # identical on every rank, so the metric needs no sync. Lightning computes and resets it.
-        attribute = f"{stage}_perplexity"
+        # identical on every rank, so the metric needs no sync. Lightning computes and resets it. One metric per
+        # loader: a shared one would mix the loaders' tokens into every loader's value.
+        attribute = f"{stage}_perplexity" + (f"_{dataloader_idx}" if dataloader_idx else "")
         if not hasattr(self, attribute):  # a child module once created: moves with the LightningModule
             setattr(self, attribute, TokenPerplexity().to(loss.device))
         metric = getattr(self, attribute)
@@ -266,7 +272,9 @@ def megatron_module(module: object) -> MegatronLightningModule:
 
 def check_overrides(module: MegatronLightningModule, callbacks: Iterable[L.Callback] = ()) -> None:
     """Raise ``TypeError`` naming each hook in :data:`UNSUPPORTED_HOOKS` that ``module``'s class overrides, or a
-    callback's backward hook (Lightning would call it at the wrong time or not at all), or manual optimization."""
+    callback's backward hook (Lightning would call it at the wrong time or not at all), or manual optimization, or
+    ``torch.compile(module)``."""
+    check_not_compiled(module)
     cls, base = type(module), MegatronLightningModule
     overridden = [name for name in UNSUPPORTED_HOOKS if getattr(cls, name) is not getattr(base, name)]
     for callback in callbacks:
@@ -284,3 +292,23 @@ def check_overrides(module: MegatronLightningModule, callbacks: Iterable[L.Callb
             f"{cls.__name__}.automatic_optimization=False: manual optimization is not supported by MegatronStrategy "
             "(Megatron's schedule runs forward and backward, its optimizer steps); leave it True"
         )
+
+
+def check_not_compiled(module: MegatronLightningModule) -> None:
+    """Raise ``TypeError`` for ``trainer.fit(torch.compile(module))``: Lightning unwraps the compiled module and
+    compiles its ``forward`` and ``*_step`` methods, which MegatronStrategy never calls (Megatron's schedule runs the
+    chunks through ``forward_step``), so the run would be eager without a word."""
+    # Lightning's own marker of a module it unwrapped from torch.compile (lightning.pytorch.utilities.compile).
+    if getattr(module, "_compiler_ctx", None) is None:
+        return
+    name = type(module).__name__
+    raise TypeError(
+        f"trainer.fit(torch.compile({name}(...))): Lightning compiles only the module's forward and *_step methods, "
+        "which MegatronStrategy never calls (Megatron's schedule runs the model chunks), so nothing would be "
+        f"compiled; pass the {name} itself, uncompiled (the object torch.compile was given: Lightning marked it as "
+        "compiled; lightning.pytorch.utilities.compile.to_uncompiled(module) unmarks it), and choose compiled "
+        "kernels in its ModelConfig: "
+        "kernels='torch' (compiled RoPE attention, cross entropy, SwiGLU and bias-dropout-add fusions on GPU; what "
+        "kernels='auto' picks on a GPU without Transformer Engine) and cuda_graphs=True for small models whose steps "
+        "wait on the host"
+    )

@@ -80,6 +80,9 @@ class MegatronLMModule(MegatronLightningModule):
         warmup_steps: linear LR warm-up steps.
         decay_steps: LR decay steps; ``None`` decays over the Trainer's total steps.
         decay_style: LR decay shape.
+        override_lr_schedule: on resume, follow this module's LR schedule (train longer, another warm-up or decay)
+            from the checkpoint's step instead of raising when it differs from the saved one
+            (:attr:`OptimizerSpec.override_lr_schedule`); a switch for that resume, not saved with the model.
         prediction: what ``trainer.predict`` returns per batch on every rank: full-vocabulary ``logits``
             [B, S, V], or ``{"logprobs": [B, S]}`` (and ``"entropy"``), computed without gathering the vocabulary.
         temperature: softmax temperature of predicted log-probs and entropy.
@@ -146,6 +149,7 @@ class MegatronLMModule(MegatronLightningModule):
         warmup_steps: int = 0,
         decay_steps: int | None = None,
         decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine",
+        override_lr_schedule: bool = False,
         prediction: Literal["logits", "logprobs", "logprobs+entropy"] = "logits",
         temperature: float = 1.0,
         lora: LoRAConfig | dict[str, Any] | None = None,
@@ -168,13 +172,14 @@ class MegatronLMModule(MegatronLightningModule):
         self.lora = LoRAConfig(**lora) if isinstance(lora, dict) else lora
         if self.lora is not None:
             check_lora(self.lora, config)
-        self.save_hyperparameters(ignore=["config", "lora"])
+        # override_lr_schedule is not saved: a module loaded from a checkpoint resumes strictly again.
+        self.save_hyperparameters(ignore=["config", "lora", "override_lr_schedule"])
         if self.lora is not None:  # a plain dict: checkpoints unpickle only tensors, containers and numbers
             self.hparams["lora"] = dataclasses.asdict(self.lora)
         self.optimizer_settings: dict[str, Any] = {
             "lr": lr, "min_lr": min_lr, "weight_decay": weight_decay, "betas": betas, "eps": eps,
             "clip_grad": clip_grad, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
-            "decay_style": decay_style,
+            "decay_style": decay_style, "override_lr_schedule": override_lr_schedule,
         }  # fmt: skip
 
     def validate_parallel(self, sizes: ParallelSizes) -> None:
@@ -241,7 +246,7 @@ class MegatronLMModule(MegatronLightningModule):
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
         from megatron.core.models.gpt import GPTModel
 
-        self.kernels = resolve(self.config.kernels, spec.device_type, spec.parallel.get("context_parallel_size", 1))
+        self.kernels = resolve(self.config.kernels, spec.device_type)
         if self.hf_checkpoint is not None and self.kernels == "te":
             if self.config.kernels == "te":
                 raise ValueError(
@@ -402,7 +407,7 @@ class MegatronLMModule(MegatronLightningModule):
             raise ValueError(
                 f"a packed batch (position_ids) needs attention that stays inside each document; the chunks were "
                 f"built with kernels={self.kernels!r} (Megatron's {'reference' if self.kernels == 'local' else 'TE'} "
-                "attention, no document masks); use ModelConfig(kernels='torch') -- 'auto' picks 'local' on CPU"
+                "attention, no document masks); use ModelConfig(kernels='torch')"
             )
         return tokens
 
@@ -462,7 +467,8 @@ class MegatronLMModule(MegatronLightningModule):
     def configure_optimizers(self) -> OptimizerSpec:  # type: ignore[override]
         from megatron.core.optimizer import OptimizerConfig
 
-        s = self.optimizer_settings
+        # hparams win: Lightning's Tuner.lr_find (update_attr=True) writes its suggestion into hparams.lr.
+        s = {**self.optimizer_settings, **{k: v for k, v in self.hparams.items() if k in self.optimizer_settings}}
         config = OptimizerConfig(
             optimizer="adam", lr=s["lr"], min_lr=s["min_lr"], weight_decay=s["weight_decay"],
             adam_beta1=s["betas"][0], adam_beta2=s["betas"][1], adam_eps=s["eps"], clip_grad=s["clip_grad"],
@@ -472,4 +478,5 @@ class MegatronLMModule(MegatronLightningModule):
             lr_warmup_steps=s["warmup_steps"],
             lr_decay_steps=s["decay_steps"],
             lr_decay_style=s["decay_style"],
+            override_lr_schedule=s["override_lr_schedule"],
         )

@@ -24,13 +24,17 @@ _created: list[Any] = []
 class Groups:
     """A handle on the Megatron process groups one :func:`initialize` call built."""
 
-    def __init__(self, sizes: ParallelSizes, control: Any | None) -> None:
+    def __init__(self, sizes: ParallelSizes, control: Any | None, replica: Any | None = None) -> None:
         from megatron.core import parallel_state
 
         self.sizes = sizes
         self.control = control
         """A gloo group of every rank for the run's control flags (SIGTERM), so that agreeing on them never waits
         for the accelerator; ``None`` for a single process."""
+        self.replica = replica
+        """A gloo group of this rank's model replica (the ranks of its data-parallel rank: tensor x pipeline x
+        context parallel), which must all see the same batch (``data/consistency.py``); ``None`` when the replica
+        is this rank alone."""
         self._marker = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     def alive(self) -> bool:
@@ -62,12 +66,32 @@ def initialize(sizes: ParallelSizes, timeout: timedelta | None = None) -> Groups
             expert_model_parallel_size=sizes.ep,
             **kwargs,
         )
-        control = None
+        control = replica = None
         if torch.distributed.get_world_size() > 1:
             control = torch.distributed.new_group(backend="gloo", timeout=timeout)
+            replica = _replica_group(control, timeout)
     finally:  # a build that failed halfway has groups to release too
         _created[:] = [group for group in _registered_groups() if group not in before]
-    return Groups(sizes, control)
+    return Groups(sizes, control, replica)
+
+
+def _replica_group(control: Any, timeout: timedelta | None) -> Any | None:
+    """A gloo group of the ranks sharing this rank's data-parallel rank (every rank creates every such group, in
+    the same order, as ``new_group`` requires); ``None`` when each replica is one rank (pure data parallelism)."""
+    from megatron.core import parallel_state
+
+    world = torch.distributed.get_world_size()
+    dp_ranks = [0] * world
+    torch.distributed.all_gather_object(dp_ranks, parallel_state.get_data_parallel_rank(), group=control)
+    if len(set(dp_ranks)) == world:
+        return None
+    mine = None
+    for dp_rank in sorted(set(dp_ranks)):
+        ranks = [rank for rank, r in enumerate(dp_ranks) if r == dp_rank]
+        group = torch.distributed.new_group(ranks, backend="gloo", timeout=timeout)
+        if dp_rank == dp_ranks[torch.distributed.get_rank()]:
+            mine = group
+    return mine
 
 
 def seed(base: int) -> dict[str, Any]:
@@ -164,6 +188,16 @@ def data_parallel_rank_and_size() -> tuple[int, int]:
     if not parallel_state.model_parallel_is_initialized():
         return 0, 1
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def data_parallel_group() -> Any | None:
+    """Megatron's data-parallel (x context-parallel) group: the ranks holding different samples; ``None`` when no
+    parallel state exists."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def chunk_specs(

@@ -13,17 +13,21 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_megatron.parallel import ddp
 
 
-def grad_norms(ddp_chunks: list[Any] | None, module: nn.Module) -> dict[str, Tensor]:
+def grad_norms(
+    ddp_chunks: list[Any] | None, module: nn.Module, reads: GradNormReads | None = None
+) -> dict[str, Tensor]:
     """Collective: L2 norms of the reduced gradients, named like Lightning's ``grad_norm(module, 2)``:
     ``grad_2.0_norm/<parameter>`` for the parameters of this rank's pipeline stage and ``grad_2.0_norm_total`` for
     the whole model (identical on every rank; equal to the norm Megatron's optimizer clips, before clipping).
-    ``ddp_chunks`` is ``None`` outside a training step."""
+    ``ddp_chunks`` is ``None`` outside a training step; ``reads`` is told that this step's gradients were read."""
     from megatron.core import parallel_state as ps
 
     if ddp_chunks is None:
@@ -47,6 +51,8 @@ def grad_norms(ddp_chunks: list[Any] | None, module: nn.Module) -> dict[str, Ten
     _sum_over(tp_sharded, squares)  # the tensor-parallel shards
     norms = {f"grad_2.0_norm/{names[p]}": value.sqrt() for p, value in squares.items()}
     norms["grad_2.0_norm_total"] = _total(squares).sqrt()
+    if reads is not None:
+        reads.mark_read()
     return norms
 
 
@@ -103,3 +109,60 @@ def _total(squares: dict[nn.Parameter, Tensor]) -> Tensor:
     if ps.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
     return total
+
+
+_HOOK = "on_before_optimizer_step"
+
+
+class GradNormReads:
+    """Warns once (rank zero) when overridden ``on_before_optimizer_step`` hooks (the LightningModule's or a
+    callback's) have run :data:`PATIENCE` training steps and none of the run's steps read the gradients through
+    ``strategy.grad_norms()``. Under Megatron ``p.grad`` is None (gradients accumulate in ``main_grad`` buffers), so
+    Lightning's ``grad_norm(self, 2)`` recipe there returns ``{}`` and ``self.log_dict`` of it logs nothing, without
+    an error. One read in the run is enough (periodic logging, ``if step % 100 == 0``, reads at step 0).
+
+    The strategy calls :meth:`after_hooks` after each step's hooks and passes this object to :func:`grad_norms`.
+    """
+
+    def __init__(self) -> None:
+        self._read = False
+        self._unread_steps = 0
+        self._warned = False
+
+    def mark_read(self) -> None:
+        """The gradients were read (:func:`grad_norms` ran)."""
+        self._read = True
+
+    def after_hooks(self, module: L.LightningModule) -> None:
+        """After a training step's ``on_before_optimizer_step`` hooks: warn once after :data:`PATIENCE` steps of
+        overridden hooks without any read. (The hooks are looked up here, not at connect, so that the callbacks of
+        the module's ``configure_callbacks`` count too.)"""
+        if self._read or self._warned:
+            return
+        hooks = overridden_hooks(module, module.trainer.callbacks)
+        self._unread_steps += bool(hooks)
+        if self._unread_steps >= PATIENCE:
+            self._warned = True
+            rank_zero_warn(
+                f"{', '.join(hooks)} ran {PATIENCE} training steps and none read the gradients through "
+                "self.trainer.strategy.grad_norms(). If they read gradients: under MegatronStrategy parameters have "
+                "no .grad (Megatron keeps gradients in main_grad buffers), so Lightning's grad_norm(self, 2) or "
+                "p.grad there see nothing (grad_norm returns {}, log_dict logs nothing). To log gradient norms, call "
+                "self.trainer.strategy.grad_norms() in on_before_optimizer_step (trainer.strategy.grad_norms() in a "
+                "callback), on every rank: Lightning's grad_norm names, from Megatron's reduced buffers"
+            )
+
+
+PATIENCE = 4
+"""Training steps of overridden ``on_before_optimizer_step`` hooks, none reading the gradients, before the warning."""
+
+
+def overridden_hooks(module: L.LightningModule, callbacks: list[L.Callback]) -> list[str]:
+    """``"<class>.on_before_optimizer_step"`` for ``module`` and each callback whose class overrides that hook."""
+    owners: list[object] = [module, *callbacks]
+    bases = [L.LightningModule] + [L.Callback] * len(callbacks)
+    return [
+        f"{type(owner).__name__}.{_HOOK}"
+        for owner, base in zip(owners, bases, strict=True)
+        if getattr(type(owner), _HOOK) is not getattr(base, _HOOK)
+    ]

@@ -181,14 +181,17 @@ class StepGuard:
         check_policy(policy)
         self.policy = policy
         self.skipped_steps = 0
+        self.last_step: StepStats | None = None
+        """LR and gradient norm of the last optimizer step (``None`` before the first, and after :meth:`forget`)."""
         self._warn_at = 1  # skipped-step counts that warn: 1, 2, 4, 8, ... (the metric has every step)
         self._pending: tuple[HostScalar, int] | None = None  # (the norm's host copy, its optimizer step)
         # A non-finite step found: every later check raises again (an on-exception save must not write it either).
         self._failed: tuple[float, int] | None = None
 
     def record(self, stats: StepStats, step: int) -> None:
-        """After optimizer step ``step``: count a skipped step; under ``"error"`` check the previous step's norm
-        and queue this one's host copy."""
+        """After optimizer step ``step``: keep its stats, count a skipped step; under ``"error"`` check the previous
+        step's norm and queue this one's host copy."""
+        self.last_step = stats
         if stats.skipped:
             self._skipped(step)
         if self.policy != "error":
@@ -233,8 +236,8 @@ class StepGuard:
             rank_zero_warn(f"{error} (found while handling {type(exception).__name__}: {exception})")
 
     def forget(self) -> None:
-        """Drop an unchecked norm and a found failure (the run failed or ended)."""
-        self._pending = self._failed = None
+        """Drop an unchecked norm, a found failure and the last step's stats (the run failed or ended)."""
+        self._pending = self._failed = self.last_step = None
 
 
 def step_is_finite(loss: Tensor | None, chunks: Sequence[nn.Module], check_grads: bool = True) -> bool:
@@ -252,13 +255,7 @@ def step_is_finite(loss: Tensor | None, chunks: Sequence[nn.Module], check_grads
 
 
 def check_trainer(trainer: Any) -> None:
-    """Trainer settings that MegatronStrategy handles itself (accumulation, clipping) must stay at their defaults."""
-    if trainer.accumulate_grad_batches != 1:
-        raise ValueError(
-            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported by MegatronStrategy: "
-            "one DataLoader batch is one optimizer step, split into micro-batches of micro_batch_size. Keep "
-            "accumulate_grad_batches=1 and raise the DataLoader batch size to accumulate more samples per step"
-        )
+    """Trainer settings that MegatronStrategy handles itself (clipping) must stay at their defaults."""
     if trainer.gradient_clip_val is not None:
         raise ValueError(
             f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported by MegatronStrategy: Megatron's "

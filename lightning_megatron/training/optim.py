@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_megatron.contract import OptimizerSpec, StepStats
 from lightning_megatron.parallel import ddp
 from lightning_megatron.parallel.precision import megatron_dtype_fields
-from lightning_megatron.training import clip_grads
+from lightning_megatron.training import clip_grads, guards
 
 
 class LightningOptimizerAdapter(torch.optim.Optimizer):
@@ -135,10 +135,35 @@ def build_scheduler(optimizer: Any, spec: OptimizerSpec, trainer: L.Trainer) -> 
         end_wd=config.weight_decay,
         wd_incr_steps=max(decay_steps, 1),
         wd_incr_style="constant",
-        # A resumed run must continue the saved schedule; a mismatch raises instead of being overridden.
+        # A resumed run continues the saved schedule and a mismatch raises, unless the spec asks for its own schedule
+        # (then the checkpoint gives only the step count).
         use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=False,
+        override_opt_param_scheduler=spec.override_lr_schedule,
     )
+
+
+def setup(
+    spec: OptimizerSpec,
+    ddp_chunks: list[Any],
+    trainer: L.Trainer,
+    *,
+    dtype: torch.dtype,
+    distributed: bool,
+    fused: bool,
+    on_step: Callable[[StepStats], None],
+    nonfinite: guards.NonFinite,
+) -> tuple[Any, Any, LightningOptimizerAdapter]:
+    """Megatron's optimizer and LR schedule for ``spec`` (:func:`build`), the adapter Lightning steps
+    (:func:`lightning_adapter`), and the schedule's hooks on the chunks' config (``parallel/ddp.py``).
+    ``nonfinite="skip"`` decides before each update whether to step, at one GPU synchronisation per step."""
+    optimizer, scheduler = build(spec, ddp_chunks, trainer, dtype=dtype, distributed=distributed, fused=fused)
+    should_step = None
+    if nonfinite == "skip":  # with fp16, gradients are loss-scaled: Megatron's scaler handles their overflow
+        check_grads = dtype != torch.float16
+        should_step = lambda loss: guards.step_is_finite(loss, ddp_chunks, check_grads=check_grads)  # noqa: E731
+    adapter = lightning_adapter(optimizer, scheduler, ddp_chunks, on_step, should_step)
+    ddp.set_schedule_hooks(ddp_chunks, optimizer)
+    return optimizer, scheduler, adapter
 
 
 def lightning_adapter(

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from lightning_megatron import cpu
+from lightning_megatron.parallel import state
 from lightning_megatron.parallel.state import Groups
 from lightning_megatron.training.offload import Offloaded, offload, reload
 
@@ -58,6 +59,20 @@ class Retained:
                 yield
             finally:
                 self.keep(chunks, optimizer)
+
+
+def keep_after_run(
+    retained: Retained | None, groups: Groups | None, device_type: str, module: Any, optimizer: Any
+) -> Retained | None:
+    """At a run's teardown: what it keeps for a later ``save_checkpoint`` (its groups, and the optimizer of
+    ``module``'s chunks moved off the GPU), or, without ``groups`` (a failed run, whose peers may be gone, or one that
+    failed before its chunks existed), nothing: Megatron's state is destroyed."""
+    if groups is None:
+        state.destroy()
+        return None
+    retained = retained or Retained(groups, device_type)
+    retained.keep(module.chunks, optimizer)
+    return retained
 
 
 def run_all(*steps: Callable[[], object], raise_errors: bool = True) -> None:
