@@ -197,8 +197,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        self._batches.record(batch, self._groups)  # the host batch, as loaded (data/consistency.py)
-        return super().batch_to_device(batch, device, dataloader_idx)
+        moved = super().batch_to_device(batch, device, dataloader_idx)
+        return self._batches.record(batch, moved, self._groups)  # the host batch's fingerprint (data/consistency.py)
 
     @property
     @override
@@ -287,7 +287,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]
         start = time.perf_counter()
-        self._batches.verify(self._groups, "training")
+        self._batches.verify(self._groups, "training", batch)
         if self._accumulation.begin(batch_idx % self.module.trainer.accumulate_grad_batches == 0):
             ddp.zero_grads(self._ddp_chunks, self.megatron_optimizer)  # the first batch of an optimizer step
             self._step = schedule.TrainStep()
@@ -326,7 +326,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     def _evaluation_step(self, stage: str, batch: Any, dataloader_idx: int) -> dict[str, Tensor]:
         self._stop_if_signalled()
-        self._batches.verify(self._groups, stage)
+        self._batches.verify(self._groups, stage, batch)
         loss = self.forward_loss(batch)
         self.module.log_eval_step(stage, loss["loss"], loss["num_tokens"], loss["logs"], dataloader_idx=dataloader_idx)
         return {"loss": loss["loss"], "num_tokens": loss["num_tokens"]}
@@ -339,7 +339,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:  # type: ignore[override]
         self._stop_if_signalled()
-        self._batches.verify(self._groups, "predict")
+        self._batches.verify(self._groups, "predict", batch)
         return schedule.gather_predictions(self._forward_only(batch, predict=True), self.root_device)
 
     def _forward_only(self, batch: Any, *, predict: bool) -> list[dict[str, Any]]:

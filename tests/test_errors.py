@@ -103,3 +103,12 @@ def test_wrong_module_type() -> None:
 
     with pytest.raises(TypeError, match=r"MegatronLightningModule"):
         _fit(_trainer(MegatronStrategy()), Plain())
+
+
+def test_a_run_failing_while_its_chunks_are_built_leaves_no_megatron_state(caplog: pytest.LogCaptureFixture) -> None:
+    # The groups exist, the chunks do not: teardown must still release Megatron's state, and fail in nothing.
+    model = MegatronLMModule(tiny_gpt(kernels="te"))  # Transformer Engine: refused on CPU when the chunks are built
+    with pytest.raises(ValueError, match=r"kernels='te'"):
+        _fit(_trainer(MegatronStrategy()), model)
+    _assert_nothing_built(model)
+    assert "teardown after a failed run also failed" not in caplog.text

@@ -148,3 +148,27 @@ def test_accumulation_equals_the_doubled_batch(accelerator: str, precision: str,
     assert accumulated.norms == pytest.approx(single.norms, rel=1e-5 if accelerator == "cpu" else 1e-2)
     for a, b in zip(weights_acc, weights, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class SkipsRestOfFirstEpoch(MegatronLMModule):
+    """Lightning's documented way to cut an epoch short: ``on_train_batch_start`` returning -1 (here mid-window)."""
+
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> int | None:
+        return -1 if self.trainer.current_epoch == 0 and batch_idx == 1 else None
+
+
+def test_a_window_cut_short_leaves_nothing_to_the_next_step() -> None:
+    """The first epoch's lone accumulated batch is dropped as Lightning drops it (its next window zeroes the
+    gradients), so the first optimizer step is that of the next epoch's two batches alone."""
+    runs = []
+    for cls in (SkipsRestOfFirstEpoch, MegatronLMModule):
+        seen = Record()
+        trainer = _trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[seen], use_distributed_sampler=False)
+        model = cls(tiny_gpt(), lr=3e-3, warmup_steps=1, decay_steps=8)
+        trainer.fit(model, DataLoader(MASKED[:8], batch_size=2))  # the same order every epoch
+        runs.append((seen, [p.detach().clone() for p in model.parameters()]))
+    (cut, weights_cut), (plain, weights) = runs
+    assert cut.losses == plain.losses
+    assert cut.norms == plain.norms
+    for a, b in zip(weights_cut, weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -53,31 +53,36 @@ def _update(digest: Any, value: Any) -> None:
 class BatchCheck:
     """The strategy's per-batch check (``MegatronStrategy(check_batches=True)``, the default).
 
-    :meth:`record` keeps the fingerprint of the batch moved to the device; :meth:`verify`, collective over the
-    replica and called in the step before any forward, raises ``ValueError`` on every rank of a replica whose ranks
-    disagree. Without a replica group (one rank per replica) or when disabled, both do nothing.
+    :meth:`record` keeps the fingerprint of a host batch as the strategy moves it to the device, keyed by the moved
+    batch; :meth:`verify`, collective over the replica and called in the step before any forward, compares the
+    step's batch (recorded, or fingerprinted there: a step called directly, not by Lightning's loop) and raises
+    ``ValueError`` on every rank of a replica whose ranks disagree. Without a replica group (one rank per replica)
+    or when disabled, both do nothing.
     """
 
     def __init__(self, enabled: bool) -> None:
         if not isinstance(enabled, bool):
-            raise ValueError(f"check_batches={enabled!r} must be True (compare every batch over the model replica) "
-                             "or False (skip the check)")  # fmt: skip
+            raise ValueError(
+                f"check_batches={enabled!r} must be True (compare every batch over the model replica) or False "
+                "(skip the check)"
+            )
         self.enabled = enabled
-        self._pending: int | None = None
+        self._recorded: tuple[int, int] | None = None  # (id of the moved batch, fingerprint of its host batch)
 
-    def record(self, batch: Any, groups: Groups | None) -> None:
-        """Keep the fingerprint of ``batch``, the host batch as loaded (the strategy's ``batch_to_device``)."""
-        self._pending = fingerprint(batch) if self.enabled and groups and groups.replica else None
+    def record(self, host_batch: Any, moved: Any, groups: Groups | None) -> Any:
+        """Keep the fingerprint of ``host_batch`` (as loaded) for the step that gets ``moved``; return ``moved``."""
+        if self.enabled and groups and groups.replica:
+            self._recorded = (id(moved), fingerprint(host_batch))
+        return moved
 
-    def verify(self, groups: Groups | None, stage: str) -> None:
-        """Collective over the model replica, before any forward of the step: raise ``ValueError`` unless every
-        rank of the replica recorded the same fingerprint."""
+    def verify(self, groups: Groups | None, stage: str, batch: Any) -> None:
+        """Collective over the model replica, before any forward of the step on ``batch``: raise ``ValueError``
+        unless every rank of the replica has the same fingerprint."""
         group = groups.replica if groups else None
         if not self.enabled or group is None:
             return
-        mine, self._pending = self._pending, None
-        if mine is None:
-            raise RuntimeError(f"no batch was recorded for this {stage} step (MegatronStrategy.batch_to_device)")
+        recorded, self._recorded = self._recorded, None
+        mine = recorded[1] if recorded is not None and recorded[0] == id(batch) else fingerprint(batch)
         both = torch.tensor([mine, -mine], dtype=torch.int64)
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
         if int(both[0]) != -int(both[1]):
