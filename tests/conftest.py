@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,6 +196,22 @@ def run_workers(runs: list[dict], tmp_path: Path, timeout: float = 600) -> list[
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
         futures = [pool.submit(run_worker, args, tmp_path, timeout) for args in runs]
         return [future.result() for future in futures]
+
+
+def one_process_trainer(max_steps: int, **kwargs: object) -> Any:
+    """The one-process CPU Trainer of the Lightning-contract tests: ``MegatronStrategy(micro_batch_size=2)``, no
+    logger, checkpointing, progress bar, summary or sanity check, and no injected sampler (every rank and epoch reads
+    the rows in order); ``kwargs`` override."""
+    import lightning as L
+
+    from lightning_megatron import MegatronStrategy
+
+    settings: dict = {
+        "accelerator": "cpu", "devices": 1, "strategy": MegatronStrategy(micro_batch_size=2), "max_steps": max_steps,
+        "logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+        "num_sanity_val_steps": 0, "use_distributed_sampler": False, **kwargs,
+    }  # fmt: skip
+    return L.Trainer(**settings)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,6 @@ from lightning_megatron import (
     ChunkSpec,
     MegatronLightningModule,
     MegatronLMModule,
-    MegatronStrategy,
     MegatronValueModule,
     SaveHF,
     schedule,
@@ -33,6 +32,7 @@ from lightning_megatron.callbacks import peak_flops
 from lightning_megatron.data.corpus import synthetic_tokens
 from lightning_megatron.modules.base import UNSUPPORTED_HOOKS
 from lightning_megatron.parallel import ddp
+from tests.conftest import one_process_trainer
 from tests.logged_module import Logged
 
 STEPS = 3
@@ -55,12 +55,7 @@ def _same_batch() -> DataLoader:
 
 
 def _trainer(max_steps: int = STEPS, **kwargs: object) -> L.Trainer:
-    settings: dict = {
-        "accelerator": "cpu", "devices": 1, "strategy": MegatronStrategy(micro_batch_size=2), "max_steps": max_steps,
-        "logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-        "num_sanity_val_steps": 0, "use_distributed_sampler": False, **kwargs,
-    }  # fmt: skip
-    return L.Trainer(**settings)
+    return one_process_trainer(max_steps, **kwargs)
 
 
 class Clock:

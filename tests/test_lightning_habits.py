@@ -15,19 +15,15 @@ from lightning.pytorch.utilities import grad_norm
 from lightning.pytorch.utilities.model_summary import summarize
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron import MegatronLMModule, tiny_gpt
 from lightning_megatron.callbacks import MegatronModelSummary, MegatronRichModelSummary
 from lightning_megatron.data.corpus import synthetic_tokens
 from lightning_megatron.training.grad_norms import PATIENCE
+from tests.conftest import one_process_trainer
 
 
 def _trainer(max_steps: int = 1, **kwargs: object) -> L.Trainer:
-    settings: dict = {
-        "accelerator": "cpu", "devices": 1, "strategy": MegatronStrategy(micro_batch_size=2), "max_steps": max_steps,
-        "logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-        "num_sanity_val_steps": 0, "use_distributed_sampler": False, **kwargs,
-    }  # fmt: skip
-    return L.Trainer(**settings)
+    return one_process_trainer(max_steps, **kwargs)
 
 
 def _loaders() -> tuple[DataLoader, DataLoader]:
