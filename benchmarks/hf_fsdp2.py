@@ -21,12 +21,13 @@ def run(args: Any, hf_config: Any, data: torch.Tensor) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
     from benchmarks.recorders import GcPauses, SyncCounter
-    from benchmarks.throughput import start_profiler, write_profile
+    from benchmarks.throughput import hf_counts, start_profiler, write_profile
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     torch.manual_seed(0)
     model = LlamaForCausalLM(hf_config).cuda()  # fp32 parameters: FSDP2 keeps them as the master copy
+    counts = hf_counts(model)  # before sharding: whether the head is tied is a question about plain parameters
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         layer.compile()
@@ -66,8 +67,6 @@ def run(args: Any, hf_config: Any, data: torch.Tensor) -> dict[str, Any]:
             pauses.start()  # after the profiler's start, as in variant a
     if profiler is not None:
         write_profile(profiler, f"{args.profile}.d")
-    params = sum(p.numel() for p in model.parameters())  # DTensor numel: the full size
     return {
-        "elapsed": stamps[1] - stamps[0], "steps": args.steps, "params": params, "syncs": syncs.counts,
-        "gc": pauses.report(),
+        "elapsed": stamps[1] - stamps[0], "steps": args.steps, "syncs": syncs.counts, "gc": pauses.report(), **counts,
     }  # fmt: skip

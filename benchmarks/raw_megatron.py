@@ -1,8 +1,14 @@
-"""Variant (b) of benchmarks/throughput.py: a plain Megatron-Core training loop, no Lightning.
+"""Variants (b) and (b0) of benchmarks/throughput.py: a plain Megatron-Core training loop, no Lightning.
 
-The same model (``ModelConfig`` -> the same TransformerConfig and layer spec as MegatronLMModule builds), the same
-bf16 + fp32-main-weights setup (Float16Module, Megatron DDP with fp32 grad reduce, distributed Adam), the same
-micro-batching and loss, driven by Megatron's ``get_forward_backward_func`` directly. Run under torchrun.
+(b): the same model (``ModelConfig`` -> the same TransformerConfig and layer spec as MegatronLMModule builds, the
+project's torch-native kernels included), the same bf16 + fp32-main-weights setup (Float16Module, Megatron DDP with
+fp32 grad reduce, distributed Adam), the same micro-batching and loss, driven by Megatron's
+``get_forward_backward_func`` directly. (b0), "stock": the same loop and model shape built from Megatron-Core alone:
+its local layer spec (``get_gpt_layer_local_spec``: ``DotProductAttention``, Megatron's norms) and final norm, its
+own loss (``GPTModel(..., labels=...)``: Megatron's vocab-parallel cross entropy) and its optimizer as it builds it
+without Transformer Engine or apex (torch's AdamW, foreach; Megatron's gradient clipping), no torch.compile'd
+fusions; only the TransformerConfig flags that select the local implementations (``kernels/specs.py:LOCAL_BACKEND``)
+come from the project. Run under torchrun.
 """
 
 from __future__ import annotations
@@ -14,17 +20,38 @@ from typing import Any
 import torch
 
 
-def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
+def stock_layer_spec(config: Any) -> Any:
+    """Variant (b0)'s layer spec: Megatron-Core's own local spec for ``config``, unmodified."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )  # fmt: skip
+
+
+def build_chunk(config: Any, tc: Any, first: bool, last: bool, vp: int | None, kernels: str, stock: bool) -> Any:
+    """One model chunk: (b)'s as MegatronLMModule builds it, or (b0)'s from Megatron-Core's local spec alone."""
+    from megatron.core.models.gpt import GPTModel
+
+    from lightning_megatron.kernels.specs import block_spec
+
+    spec = stock_layer_spec(config) if stock else block_spec(config, tc, vp, kernels)
+    return GPTModel(
+        config=tc, transformer_layer_spec=spec, pre_process=first, post_process=last, vp_stage=vp,
+        **config.gpt_model_kwargs("local" if stock else kernels),
+    )  # fmt: skip
+
+
+def run(args: Any, config: Any, data: torch.Tensor, stock: bool = False) -> dict[str, Any]:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
     from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
     from lightning_megatron.kernels.resolve import resolve
-    from lightning_megatron.kernels.specs import block_spec
     from lightning_megatron.parallel.sizes import ParallelSizes
     from lightning_megatron.parallel.state import chunk_stages, graph_safe_rng, initialize, seed
 
@@ -36,20 +63,17 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
     seed(1234)
     if config.cuda_graphs:
         graph_safe_rng()  # as MegatronLMModule does: Megatron's graphs need a graph-safe RNG tracker
-    kernels = resolve(config.kernels, "cuda")
+    kernels = "local" if stock else resolve(config.kernels, "cuda")
     p2p = {"batch_p2p_comm": not (args.pp == 2 and args.vpp is not None)}  # see MegatronStrategy
     chunks = []
     for vp_stage, (first, last) in enumerate(chunk_stages(sizes.num_chunks)):
         vp = vp_stage if args.vpp else None
         tc = config.to_transformer_config(
-            kernels=kernels, compile_fusions=True, bf16=True, params_dtype=torch.bfloat16,
+            kernels=kernels, compile_fusions=not stock, bf16=True, params_dtype=torch.bfloat16,
             pipeline_dtype=torch.bfloat16, **sizes.megatron_kwargs(), **p2p,
         )  # fmt: skip
         tc.calculate_per_token_loss = True
-        model = GPTModel(
-            config=tc, transformer_layer_spec=block_spec(config, tc, vp, kernels), pre_process=first,
-            post_process=last, vp_stage=vp, **config.gpt_model_kwargs(kernels),
-        ).cuda()  # fmt: skip
+        model = build_chunk(config, tc, first, last, vp, kernels, stock).cuda()
         chunks.append(Float16Module(tc, model))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     chunks = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
@@ -61,9 +85,9 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
     from lightning_megatron.training.clip_grads import use_foreach_clip_grads
     from lightning_megatron.training.optim import use_fused_adam
 
-    # What MegatronStrategy does on GPU: torch's fused AdamW kernel, multi-tensor gradient-norm kernels.
-    use_fused_adam(optimizer, fused=args.fused_adam)
-    use_foreach_clip_grads()
+    if not stock:  # What MegatronStrategy does on GPU: torch's fused AdamW kernel, multi-tensor gradient-norm kernels.
+        use_fused_adam(optimizer, fused=args.fused_adam)
+        use_foreach_clip_grads()
     chunks[0].config.finalize_model_grads_func = finalize_model_grads
     chunks[0].config.grad_scale_func = optimizer.scale_loss
 
@@ -77,10 +101,12 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
         targets = torch.roll(tokens, -1, dims=1)
         mask = torch.ones_like(tokens, dtype=torch.float32)
         mask[:, -1] = 0
-        output = model(tokens, positions, None)
+        # (b0): Megatron's own loss, the last stage returns the per-token cross entropy; (b): the logits.
+        output = model(tokens, positions, None, labels=targets) if stock else model(tokens, positions, None)
 
-        def loss_fn(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-            loss = (vocab_parallel_cross_entropy(logits, targets).float() * mask).sum()
+        def loss_fn(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            per_token = output if stock else vocab_parallel_cross_entropy(output, targets)
+            loss = (per_token.float() * mask).sum()
             return loss, mask.sum().to(torch.int), {"loss": loss.detach()}
 
         return output, loss_fn
@@ -138,11 +164,12 @@ def run(args: Any, config: Any, data: torch.Tensor) -> dict[str, Any]:
     if args.profile:
         from benchmarks.throughput import write_profile
 
-        write_profile(profiler, f"{args.profile}.b")
-    params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        write_profile(profiler, f"{args.profile}.{args.variant}")
+    from benchmarks.throughput import megatron_counts
+
     return {
-        "elapsed": stamps[1] - stamps[0], "steps": args.steps, "params": params, "syncs": syncs.counts,
-        "timeline": summary, "gc": pauses.report(),
+        "elapsed": stamps[1] - stamps[0], "steps": args.steps, "syncs": syncs.counts, "timeline": summary,
+        "gc": pauses.report(), **megatron_counts(chunks),
     }  # fmt: skip
 
 

@@ -1,13 +1,16 @@
 """Training throughput: Lightning + MegatronStrategy vs a raw Megatron-Core loop vs Lightning + HF Llama.
 
     python benchmarks/throughput.py                                   # 1 GPU, 1.0B Llama shape, variants a,b,c,d
+    python benchmarks/throughput.py --variants a,b,b0                 # ... and stock Megatron-Core (b0)
     python benchmarks/throughput.py --devices 2 --tp 2 --sp --variants a,b
     python benchmarks/throughput.py --devices 2 --pp 2 --vpp 2 --micro-batch-size 2 --micro-batches 16
     python benchmarks/throughput.py --devices 2 --cp 2 --seq-length 32768 --micro-batch-size 1 --variants a
 
 Prints one JSON line per variant, each measured in its own torchrun job on the same GPUs:
 (a) ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule``; (b) a raw Megatron-Core loop with the same model,
-optimizer, batch and loss (benchmarks/raw_megatron.py); (c) ``Trainer`` + ``transformers`` ``LlamaForCausalLM``
+optimizer, batch and loss (benchmarks/raw_megatron.py); (b0) "stock Megatron-Core": that loop with Megatron-Core's
+own local layer spec (``get_gpt_layer_local_spec``, unfused ``DotProductAttention``), loss and optimizer, none of
+the project's kernels (benchmarks/raw_megatron.py); (c) ``Trainer`` + ``transformers`` ``LlamaForCausalLM``
 of the same shape (SDPA attention, ``precision="bf16-mixed"``, fused AdamW; 1 GPU or DDP only; it takes a step's
 sequences as one batch, where a and b run ``--micro-batches`` micro-batches); (d) the recipe a strong user would
 pick without us: ``transformers`` Llama with FSDP2 ``fully_shard`` per block (fp32 master weights, bf16 compute,
@@ -18,9 +21,13 @@ call site (``torch.cuda.set_sync_debug_mode``) instead of measuring speed. ``--h
 ``--timeline-steps`` more steps after the timed ones (benchmarks/host_timeline.py) and prints, per variant, the GPU's
 idle time per step and what the host ran meanwhile (named ranges around Lightning's hooks, the adapter, Megatron's
 schedule and optimizer), a short form of it last.
-MFU = tokens/s x (6 N + 6 layers hidden seq) / (989e12 x GPUs): N all parameters, 989 TFLOP/s the dense bf16
-peak of an H100/H200. Timing: wall clock over ``--steps`` steps after ``--warmup`` steps, the GPU drained at
-both ends only.
+MFU = tokens/s x (6 N + 6 layers hidden seq) / (989e12 x GPUs), the standard count
+(lightning_megatron/parallel/counts.py:model_flops_per_token): N the parameters without the input embedding table
+(a tied embedding counted once, as the output head; a frozen one, LoRA's base, 4 FLOPs instead of 6), the attention
+term for causal attention (torchtitan counts 12 layers hidden seq: the full matrix), 989 TFLOP/s the dense bf16
+peak of an H100/H200. Each line records ``params`` (every parameter of the whole model, the model summary's count),
+``flops_params`` and ``flops_frozen_params`` (N, trainable and frozen) and ``commit``. Timing: wall clock over
+``--steps`` steps after ``--warmup`` steps, the GPU drained at both ends only.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.parallel.counts import model_flops_per_token
+
 SHAPES = {
     "125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=2048),
     "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632),
@@ -44,6 +53,7 @@ VOCAB = 32000
 VARIANTS = {
     "a": "lightning_megatron",
     "b": "raw_megatron_core",
+    "b0": "raw_megatron_core_stock",
     "c": "lightning_hf_llama",
     "d": "hf_llama_fsdp2_compile",
 }
@@ -52,7 +62,12 @@ PEAK_FLOPS = 989e12
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="a,b,c,d", help="comma-separated, in order, repeats allowed: a,b,a,b")
+    p.add_argument(
+        "--variants", default="a,b,c,d",
+        help="comma-separated, in order, repeats allowed (a,b,a,b): a (Trainer + MegatronStrategy), b (raw "
+        "Megatron-Core loop with the project's kernels), b0 (raw Megatron-Core, stock local spec, no project "
+        "kernels), c (Trainer + HF Llama), d (HF Llama + FSDP2 + torch.compile)",
+    )  # fmt: skip
     p.add_argument("--variant", help=argparse.SUPPRESS)  # set for the per-variant child job
     p.add_argument("--shape", default="1b", choices=list(SHAPES))
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "local"])
@@ -142,13 +157,6 @@ def data_parallel(args: argparse.Namespace) -> int:
     return args.devices // (args.tp * args.pp * args.cp)
 
 
-def replica_ranks(args: argparse.Namespace) -> list[int]:
-    """The global ranks of the first model replica (data-parallel rank 0, CP rank 0) in Megatron's default rank
-    order, tp-cp-ep-dp-pp: tensor-parallel ranks adjacent, pipeline stages ``tp * cp * dp`` apart."""
-    stride = args.tp * args.cp * data_parallel(args)
-    return [t + stage * stride for stage in range(args.pp) for t in range(args.tp)]
-
-
 def total_steps(args: argparse.Namespace) -> int:
     """Warm-up, timed steps, and the host timeline's profiled steps after them."""
     return args.warmup + args.steps + (args.timeline_steps if args.host_timeline else 0)
@@ -178,8 +186,11 @@ def make_clock(args: argparse.Namespace) -> Any:
             self.timeline: Any = None
             self.timeline_summary: dict | None = None
             self.losses: list[float] = []
+            self.counts: dict[str, int] = {}
 
         def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            if hasattr(pl_module, "chunks"):  # variant a: the whole model's counts (collective: every rank)
+                self.counts = megatron_counts(list(pl_module.chunks))
             if args.host_timeline and hasattr(trainer.strategy, "megatron_optimizer"):
                 from benchmarks import host_timeline
 
@@ -241,7 +252,7 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
     trainer.fit(module, DataLoader(data, batch_size=batch, pin_memory=args.pin_memory))
     return {
         "elapsed": clock.stamps[1] - clock.stamps[0], "steps": args.steps, "syncs": clock.syncs.counts,
-        "timeline": clock.timeline_summary, "first_losses": clock.losses, "gc": clock.gc.report(),
+        "timeline": clock.timeline_summary, "first_losses": clock.losses, "gc": clock.gc.report(), **clock.counts,
     }  # fmt: skip
 
 
@@ -262,9 +273,28 @@ def variant_a(args: argparse.Namespace) -> dict:
         micro_batch_size=args.micro_batch_size, check_batches=args.check_batches,
     )  # fmt: skip
     result = run_lightning(args, module, strategy, dataset(args, dp), dp)
-    params = sum(p.numel() for c in module.chunks for p in c.parameters())
-    frozen = sum(p.numel() for c in module.chunks for p in c.parameters() if not p.requires_grad)
-    return {**result, "params": params, "frozen": frozen, "fused_wgrad": module.fused_wgrad, "fp8": module.fp8}
+    return {**result, "fused_wgrad": module.fused_wgrad, "fp8": module.fp8}
+
+
+def megatron_counts(chunks: list) -> dict[str, int]:
+    """Collective over all ranks: the whole model's parameters (every one, and the frozen ones) and the standard MFU
+    count's N (trainable, frozen), from this rank's Megatron chunks (bare or wrapped)."""
+    from lightning_megatron.parallel.counts import flops_parameters, whole_model_counts
+
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    total, frozen = whole_model_counts([params, [p for p in params if not p.requires_grad]], [True, True])
+    flops_trainable, flops_frozen = flops_parameters(chunks)
+    return {"params": total, "frozen": frozen, "flops_params": flops_trainable, "flops_frozen": flops_frozen}
+
+
+def hf_counts(model: torch.nn.Module) -> dict[str, int]:
+    """:func:`megatron_counts` of a ``transformers`` model (all of it trained): N is every parameter but the input
+    embedding table, unless it is tied to the output head (then one parameter, counted once as the head)."""
+    total = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter: counted once
+    table = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is table
+    return {"params": total, "frozen": 0, "flops_params": total if tied else total - table.numel(), "flops_frozen": 0}
 
 
 def hf_llama_config(args: argparse.Namespace) -> Any:
@@ -302,8 +332,8 @@ def variant_c(args: argparse.Namespace) -> dict:
             return torch.optim.AdamW(self.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
 
     module = HFLlama()
-    result = run_lightning(args, module, "auto", dataset(args, args.devices), args.devices)
-    return {**result, "params": sum(p.numel() for p in module.parameters())}
+    counts = hf_counts(module.model)
+    return {**run_lightning(args, module, "auto", dataset(args, args.devices), args.devices), **counts}
 
 
 def start_profiler() -> Any:
@@ -335,22 +365,16 @@ def write_profile(profiler: Any, path: str) -> None:
 
 
 def child(args: argparse.Namespace) -> None:
-    if args.variant == "b":
+    if args.variant in ("b", "b0"):
         from benchmarks.raw_megatron import run
 
-        result = run(args, model_config(args), dataset(args, data_parallel(args)))
+        result = run(args, model_config(args), dataset(args, data_parallel(args)), stock=args.variant == "b0")
     elif args.variant == "d":
         from benchmarks.hf_fsdp2 import run
 
         result = run(args, hf_llama_config(args), dataset(args, args.devices))
     else:
         result = {"a": variant_a, "c": variant_c}[args.variant](args)
-    params = torch.tensor([float(result["params"]), float(result.get("frozen", 0))], device="cuda")
-    if args.variant in ("a", "b") and args.tp * args.pp > 1:  # each rank holds 1/(tp*pp): sum over one replica
-        ranks = replica_ranks(args)
-        group = torch.distributed.new_group(ranks)
-        if torch.distributed.get_rank() in ranks:
-            torch.distributed.all_reduce(params, group=group)
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
     distributed = torch.distributed.is_initialized()  # not with Lightning's single-device strategy (c, 1 GPU)
     if distributed:
@@ -361,21 +385,22 @@ def child(args: argparse.Namespace) -> None:
     tokens *= data_parallel(args)  # c and d run only where it is all the GPUs (main skips them under TP/PP/CP)
     tokens_per_s = tokens / result["elapsed"]
     shape = SHAPES[args.shape]
-    total, frozen = params.tolist()  # a frozen parameter (LoRA's base) gets no weight-gradient GEMM: 4 FLOPs, not 6
-    flops_per_token = (
-        6 * (total - frozen) + 4 * frozen + 6 * shape["num_layers"] * shape["hidden_size"] * args.seq_length
+    flops_per_token = model_flops_per_token(
+        result["flops_params"], result["flops_frozen"], shape["num_layers"], shape["hidden_size"], args.seq_length
     )
+    kernels = {"a": args.kernels, "b": args.kernels, "b0": "megatron_local_spec"}.get(args.variant, "hf_sdpa")
     print(
         "RESULT " + json.dumps({
             "variant": VARIANTS[args.variant],
             "shape": args.shape, "devices": args.devices, "tp": args.tp, "pp": args.pp, "vpp": args.vpp,
-            "cp": args.cp, "sp": args.sp, "kernels": args.kernels if args.variant in ("a", "b") else "hf_sdpa",
+            "cp": args.cp, "sp": args.sp, "kernels": kernels,
             "micro_batch": f"{args.micro_batch_size}x{args.micro_batches}", "seq": args.seq_length,
-            "recompute": args.recompute, "params": int(total), "frozen_params": int(frozen),
+            "recompute": args.recompute, "params": result["params"], "frozen_params": result["frozen"],
+            "flops_params": result["flops_params"], "flops_frozen_params": result["flops_frozen"],
             "lora_rank": args.lora_rank if args.variant == "a" else 0, "tokens_per_s": round(tokens_per_s),
             "step_time_s": round(result["elapsed"] / args.steps, 4),
             "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
-            "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(),
+            "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(), "commit": commit(),
             "pinned_batches": args.pin_memory, "fused_wgrad": result.get("fused_wgrad", False),
             "fp8": result.get("fp8", False), "fp8_format": args.fp8 if result.get("fp8") else None,
             "check_batches": args.check_batches if args.variant == "a" else None,
@@ -387,6 +412,21 @@ def child(args: argparse.Namespace) -> None:
     )  # fmt: skip
     if result.get("timeline"):
         print("TIMELINE " + json.dumps({"variant": VARIANTS[args.variant], **result["timeline"]}), flush=True)
+
+
+def commit() -> str | None:
+    """The checked-out commit (short hash, ``+uncommitted`` with local changes), or ``None`` outside a git tree."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
 
 
 def sync_report(counts: dict[str, int], steps: int) -> dict[str, Any]:
@@ -405,7 +445,12 @@ def main() -> None:
     for index, variant in enumerate(args.variants.split(",")):
         if variant in ("c", "d") and args.tp * args.pp * args.cp > 1:
             continue  # the HF model runs data-parallel only (DDP / FSDP2)
-        if variant == "b" and args.cp > 1:  # Megatron-Core's context parallelism needs Transformer Engine's attention
+        if variant not in VARIANTS:
+            print(json.dumps({"variant": variant, "error": f"unknown variant: one of {', '.join(VARIANTS)}"}))
+            continue
+        if (
+            variant in ("b", "b0") and args.cp > 1
+        ):  # Megatron-Core's context parallelism needs Transformer Engine's attention
             print(json.dumps({"variant": variant, "skipped": "--cp > 1: raw Megatron-Core's CP needs TE"}), flush=True)
             continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.devices}"]

@@ -6,9 +6,8 @@ Lightning's own ``ThroughputMonitor`` counts every rank as a data-parallel repli
 ranks of a model replica see the same samples), needs a ``flops_per_batch`` and synchronises the GPU each step.
 This callback logs the same metric names (``train/samples_per_sec``, ``train/items_per_sec`` (tokens),
 ``train/device/items_per_sec``, ``train/device/flops_per_sec``, ``train/device/mfu``, ``train/batches_per_sec``)
-computed from the parallel layout, with model FLOPs per token ``6 N + 6 layers hidden seq`` (N: parameters,
-the attention term counting the causal score and value matmuls in full, as the usual MFU figures do); a frozen
-parameter (LoRA's base) counts 4 instead of 6: forward and input gradient, no weight gradient.
+computed from the parallel layout, with the standard count of model FLOPs per token
+(:func:`~lightning_megatron.parallel.counts.model_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -25,12 +24,19 @@ from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 
 from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.modules.lm import MegatronLMModule
-from lightning_megatron.parallel.counts import whole_model_counts
+from lightning_megatron.parallel.counts import flops_parameters, model_flops_per_token, whole_model_counts
 from lightning_megatron.schedule import as_batch, global_batch_size
 
 
 class MegatronThroughput(L.Callback):
     """Log training throughput over a sliding window of steps (rank 0, to every logger).
+
+    MFU = tokens/s x (6 N + 6 layers hidden seq) / (peak FLOP/s x GPUs), ``N`` the parameters without the input
+    embedding table (a tied embedding counted once, as the output head; a frozen parameter, LoRA's base, counts 4
+    FLOPs instead of 6: no weight gradient), ``6 layers hidden seq`` the attention scores and values for causal
+    attention, the whole model counted across tensor, pipeline and expert parallelism. NeMo/Megatron-Bridge count
+    the same; torchtitan also leaves the embedding out of ``6 N`` but counts the full attention matrix
+    (``12 layers hidden seq``), which gives a higher MFU for the same run.
 
     Args:
         window: steps the rates are averaged over (timings are host clocks between step ends; each step's
@@ -50,7 +56,7 @@ class MegatronThroughput(L.Callback):
         self._ends: deque[float] = deque(maxlen=window)
         self._tokens: deque[int] = deque(maxlen=window)
         self._samples: deque[int] = deque(maxlen=window)
-        self._params = (0, 0)  # trainable, frozen
+        self._params = (0, 0)  # trainable, frozen (flops_parameters)
         self._shape = (0, 0)  # layers, hidden
         self.last: dict[str, float] = {}
         """The metrics logged last."""
@@ -64,7 +70,7 @@ class MegatronThroughput(L.Callback):
                 f"FLOPs per token; {type(pl_module).__name__} has none"
             )
         self._shape = (config.num_layers, config.hidden_size)
-        self._params = model_parameters(pl_module)
+        self._params = flops_parameters(list(pl_module.chunks))  # collective: every rank
         strategy = trainer.strategy
         if self.peak_flops is None and strategy.root_device.type == "cuda" and isinstance(strategy, MegatronRuntime):
             self.peak_flops = peak_flops(torch.cuda.get_device_name(strategy.root_device), strategy.compute_dtype)
@@ -95,7 +101,7 @@ class MegatronThroughput(L.Callback):
         samples = sum(list(self._samples)[1:])
         layers, hidden = self._shape
         trainable, frozen = self._params
-        flops_per_token = 6 * trainable + 4 * frozen + 6 * layers * hidden * seq_length
+        flops_per_token = model_flops_per_token(trainable, frozen, layers, hidden, seq_length)
         device_flops = tokens * flops_per_token / elapsed / gpus
         metrics = {
             "train/batches_per_sec": steps / elapsed,
@@ -132,23 +138,6 @@ def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
     if key == "fp32" and torch.get_float32_matmul_precision() != "highest":
         key = "tf32"
     return _PEAK_FLOPS[chip][key]
-
-
-def model_parameters(module: Any) -> tuple[int, int]:
-    """Trainable and frozen parameters of the whole model: this rank's chunks, tensor-parallel shards summed once,
-    replicated parameters (norms) counted once, pipeline stages summed. Collective over the model-parallel group."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    local = [0.0, 0.0]
-    for chunk in module.chunks:
-        for param in chunk.parameters():
-            sharded = getattr(param, "tensor_model_parallel", False)
-            local[0 if param.requires_grad else 1] += param.numel() if sharded else param.numel() / tp
-    total = torch.tensor(local, dtype=torch.float64, device=module.trainer.strategy.root_device)
-    if parallel_state.get_model_parallel_group().size() > 1:
-        torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    return round(total[0].item()), round(total[1].item())
 
 
 class SaveHF(L.Callback):

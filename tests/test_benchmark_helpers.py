@@ -2,23 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
-
-
-@pytest.mark.parametrize(("devices", "tp", "pp", "cp"), [(2, 2, 1, 1), (4, 2, 2, 1), (4, 2, 1, 2), (16, 2, 2, 2)])
-def test_replica_ranks_follow_megatron_rank_order(devices: int, tp: int, pp: int, cp: int) -> None:
-    from megatron.core.parallel_state import RankGenerator
-
-    from benchmarks.throughput import data_parallel, replica_ranks
-
-    args = argparse.Namespace(devices=devices, tp=tp, pp=pp, cp=cp)
-    dp = data_parallel(args)
-    assert dp * tp * pp * cp == devices
-    # Megatron's default order (initialize_model_parallel's): the first tensor x pipeline group is one replica.
-    groups = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp").get_ranks("tp-pp")
-    assert replica_ranks(args) == groups[0]
 
 
 def test_gc_pauses_records_the_collections_of_its_window_only() -> None:
@@ -38,3 +22,72 @@ def test_gc_pauses_records_the_collections_of_its_window_only() -> None:
     assert report["collections"][2] == 1
     assert len(report["gen2_ms"]) == 1
     assert report["ms"] >= report["gen2_ms"][0]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_hf_counts_leave_the_input_embedding_out(tied: bool) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.throughput import hf_counts
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=100, tie_word_embeddings=tied)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    counts = hf_counts(model)
+    total = sum(p.numel() for p in model.parameters())
+    assert counts["params"] == total
+    assert counts["flops_params"] == (total if tied else total - 100 * 32)  # a tied matrix counts once, as the head
+
+
+def test_stock_variant_builds_megatron_core_alone() -> None:
+    """Variant b0's chunk: Megatron-Core's local spec and modules only, the same parameters and count as b's."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from benchmarks.raw_megatron import build_chunk
+    from benchmarks.throughput import megatron_counts
+    from lightning_megatron import tiny_gpt
+    from tests.conftest import one_process_megatron
+
+    config = tiny_gpt()
+    with one_process_megatron(port=29673):
+        stock = build_chunk(config, config.to_transformer_config(kernels="local"), True, True, None, "local", True)
+        ours = build_chunk(config, config.to_transformer_config(kernels="torch"), True, True, None, "torch", False)
+        assert {type(m).__module__.split(".")[0] for m in stock.modules()} <= {"megatron", "torch"}
+        assert any(isinstance(m, DotProductAttention) for m in stock.modules())
+        assert any(type(m).__module__.startswith("lightning_megatron") for m in ours.modules())
+        assert megatron_counts([stock]) == megatron_counts([ours])
+        assert megatron_counts([stock])["flops_params"] == megatron_counts([stock])["params"] - 256 * 64
+
+
+def test_tables_print_the_current_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import tables
+
+    tables.main([])
+    out = capsys.readouterr().out
+    one_b = [line for line in out.splitlines() if line.startswith("| (a) Trainer + MegatronStrategy | 1b | 1 GPU |")]
+    assert one_b, out
+    assert "MFU" in out
+
+
+def test_tables_block_in_the_readme_is_current() -> None:
+    from benchmarks import tables
+
+    text = tables.README.read_text()
+    block = text[text.index(tables.START) + len(tables.START) : text.index(tables.END)]
+    assert block == "\n" + tables.render(), "run: python benchmarks/tables.py --write"
+
+
+def test_tables_count_as_the_package() -> None:
+    from benchmarks import tables
+    from lightning_megatron.parallel.counts import model_flops_per_token
+
+    assert tables.flops_per_token(900, 100, 16, 2048, 2048) == model_flops_per_token(900, 100, 16, 2048, 2048)
+    total, n = tables.llama_parameters(**tables.SHAPES["1b"])
+    assert total == 953_223_168  # what throughput.py's 1.0B rows record as params
+    assert n == total - 32000 * 2048
+    assert tables.llama_parameters(**tables.SHAPES["1b"], tied=True) == (n, n)
+    assert tables.llama_parameters(**tables.SHAPES["125m"])[0] == 134_105_856
+    assert tables.llama_parameters(**tables.SHAPES["3b"])[0] == 3_141_172_224
+    row = {"shape": "1b", "seq": 2048, "tokens_per_s": 85_072, "params": total}
+    assert tables.standard_mfu(row) == pytest.approx(0.4928, abs=1e-4)  # N = params - V x H
+    assert tables.standard_mfu({**row, "flops_params": n, "flops_frozen_params": 0}) == tables.standard_mfu(row)

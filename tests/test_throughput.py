@@ -1,4 +1,4 @@
-"""MegatronThroughput logs Lightning's ThroughputMonitor metric names with the model-FLOPs formula."""
+"""MegatronThroughput logs Lightning's ThroughputMonitor metric names with the standard model-FLOPs count."""
 
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ def test_throughput_callback_logs_lightning_metric_names(lora: bool) -> None:
     rows = [m for _, m in logger.rows if "train/items_per_sec" in m]
     assert [s for s, m in logger.rows if "train/items_per_sec" in m] == [2, 4, 6]
     last = rows[-1]
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # LoRA's base: no weight gradient
+    table = model.chunks[0].embedding.word_embeddings.weight  # the input embedding: a lookup, not counted
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad and p is not table)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and p is not table)  # LoRA's base
     assert (frozen > 0) == lora
+    assert table.numel() == 256 * 64
     flops_per_token = 6 * trainable + 4 * frozen + 6 * 4 * 64 * 32  # tiny_gpt: 4 layers, hidden 64, seq 32
     assert last["train/items_per_sec"] == pytest.approx(32 * last["train/samples_per_sec"])
     assert last["train/samples_per_sec"] == pytest.approx(4 * last["train/batches_per_sec"])

@@ -1,4 +1,4 @@
-"""Parameter counts of the whole model from the shards every rank holds (for model summaries).
+"""Parameter counts of the whole model from the shards every rank holds (for model summaries and the MFU count).
 
 Megatron marks how a parameter is split: ``tensor_model_parallel`` (a tensor-parallel shard), ``allreduce=False``
 (an expert's: expert-parallel ranks hold different experts), ``shared`` (the last pipeline stage's copy of a tied
@@ -54,3 +54,49 @@ def whole_model_counts(sets: Sequence[Iterable[nn.Parameter]], every_stage: Sequ
         torch.distributed.all_reduce(across, group=ps.get_pipeline_model_parallel_group())
         counts = torch.where(whole, across, counts)
     return [round(value) for value in counts.tolist()]
+
+
+def input_embedding_parameters(chunks: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The input embedding tables among this rank's ``chunks`` (Megatron ``GPTModel``s, bare or wrapped): a lookup,
+    no matmul. The token table tied to the output head (``share_embeddings_and_output_weights``) is not among them:
+    it is the head's weight, counted once on the first stage (the last stage's copy is ``shared``)."""
+    tables: list[nn.Parameter] = []
+    for chunk in chunks:
+        for model in chunk.modules():
+            embedding = getattr(model, "embedding", None)
+            if not hasattr(model, "share_embeddings_and_output_weights") or embedding is None:
+                continue  # not a Megatron language model, or a stage without the embedding
+            tied = model.share_embeddings_and_output_weights
+            head = embedding.word_embeddings.weight if tied else None
+            tables += [p for p in embedding.parameters() if p is not head]
+    return tables
+
+
+def flops_parameter_sets(chunks: Sequence[nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """This rank's trainable and frozen parameters that the standard MFU count counts: all but the input embedding
+    tables (:func:`input_embedding_parameters`)."""
+    tables = {id(p) for p in input_embedding_parameters(chunks)}
+    params = [p for chunk in chunks for p in chunk.parameters() if id(p) not in tables]
+    return [p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]
+
+
+def flops_parameters(chunks: Sequence[nn.Module]) -> tuple[int, int]:
+    """Collective over all ranks (as :func:`whole_model_counts`): the trainable and the frozen parameters of the
+    whole model that the standard MFU count counts, i.e. every parameter but the input embedding tables (a tied
+    embedding counted once, as the output head); tensor-, pipeline- and expert-parallel shards and virtual stages
+    summed as in the model summary."""
+    trainable, frozen = whole_model_counts(list(flops_parameter_sets(chunks)), [True, True])
+    return trainable, frozen
+
+
+def model_flops_per_token(trainable: int, frozen: int, num_layers: int, hidden_size: int, seq_length: int) -> int:
+    """Training FLOPs per token by the standard count: ``6 N + 6 layers hidden seq``.
+
+    ``N`` (``trainable + frozen``): the parameters without the input embedding table (:func:`flops_parameters`):
+    each does one multiply-add (2 FLOPs) per token in the forward pass and two in the backward (input and weight
+    gradients); a frozen one (LoRA's base) 4 FLOPs, not 6 (no weight gradient). ``6 layers hidden seq``: the
+    attention scores and the weighted values, per token and layer a multiply-add with ``seq x hidden`` keys and one
+    with as many values (``4 seq hidden`` FLOPs forward), halved for causal attention (a token sees the keys before
+    it), times 3 for forward and backward; counting the full matrix gives ``12 layers hidden seq``.
+    """
+    return 6 * trainable + 4 * frozen + 6 * num_layers * hidden_size * seq_length

@@ -1,0 +1,320 @@
+"""Markdown tables of the current benchmark figures, from the committed rows in benchmarks/results/*.jsonl.
+
+    python benchmarks/tables.py            # print the tables
+    python benchmarks/tables.py --write    # rewrite the block between the markers in benchmarks/README.md
+
+Throughput rows (benchmarks/throughput.py's JSON lines): the latest row of each configuration (variant, shape,
+layout, sequence length, micro-batches and the options that change the step: fp8, CUDA graphs, LoRA, recompute,
+kernels); "latest" by the date in the file name, then file name, then line. MFU is the standard count
+(lightning_megatron/parallel/counts.py:model_flops_per_token) recomputed from the row's own fields: N from
+``flops_params``/``flops_frozen_params`` where the row records them, else ``params`` less the input embedding
+table (V x H; every shape of throughput.py has untied embeddings), else from the shape's dimensions
+(:func:`llama_parameters`). Rows timed under a profiler, beside other jobs on the same GPU, with
+``--sync-debug``, or marked discarded are left out, and so are rows without the fields the count needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+README = HERE / "README.md"
+START, END = "<!-- tables:start -->", "<!-- tables:end -->"
+
+# The shapes of benchmarks/throughput.py (SHAPES, VOCAB), repeated so that this script imports neither torch nor
+# the package (it runs in CI in milliseconds).
+SHAPES = {
+    "125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=2048),
+    "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632),
+    "3b": dict(num_layers=26, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=8192),
+}
+VOCAB = 32000
+PEAK_FLOPS = 989e12  # dense bf16 of one H100/H200, as throughput.py
+VARIANTS = {
+    "lightning_megatron": "(a) Trainer + MegatronStrategy",
+    "raw_megatron_core": "(b) raw Megatron-Core, the project's kernels",
+    "raw_megatron_core_stock": "(b0) raw Megatron-Core, stock local spec",
+    "lightning_hf_llama": "(c) Trainer + HF Llama",
+    "hf_llama_fsdp2_compile": "(d) HF Llama + FSDP2 + compile",
+}
+# Words in a row's "code" note that say its timing is not the configuration's: left out.
+NOT_COMPARABLE = ("discarded", "not kept", "profiler", "at once", "experimental")
+
+
+def llama_parameters(
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    ffn_hidden_size: int,
+    vocab_size: int = VOCAB,
+    num_query_groups: int | None = None,
+    tied: bool = False,
+) -> tuple[int, int]:
+    """(all parameters, N of the MFU count) of a Llama-shaped model: RMSNorm, SwiGLU, no biases, RoPE.
+
+    Per layer: Q and output projections ``2 H^2``, K and V ``2 H kv`` (``kv = H groups / heads``: GQA), the MLP's
+    gate, up and down projections ``3 H F``, two norms ``2 H``; a final norm ``H``; the embedding table and the
+    output head ``V H`` each, one matrix when tied. N leaves the input table out (a tied one counts once, as the
+    head)."""
+    groups = num_query_groups or num_attention_heads
+    kv = hidden_size * groups // num_attention_heads
+    layer = 2 * hidden_size * hidden_size + 2 * hidden_size * kv + 3 * hidden_size * ffn_hidden_size + 2 * hidden_size
+    body = num_layers * layer + hidden_size + vocab_size * hidden_size  # the layers, the final norm, the head
+    return (body if tied else body + vocab_size * hidden_size), body
+
+
+def flops_per_token(trainable: int, frozen: int, num_layers: int, hidden_size: int, seq_length: int) -> int:
+    """lightning_megatron.parallel.counts.model_flops_per_token (checked equal by tests/test_benchmark_helpers.py)."""
+    return 6 * trainable + 4 * frozen + 6 * num_layers * hidden_size * seq_length
+
+
+@dataclass
+class Row:
+    data: dict[str, Any]
+    file: str
+    line: int
+    header_code: str | None = None  # a "code at <commit>" in the file's comment lines before the row
+
+    @property
+    def date(self) -> str:
+        return self.file[:10]
+
+    @property
+    def machine(self) -> str:
+        if self.data.get("machine"):
+            return self.data["machine"]
+        match = re.match(r"\d{4}-\d{2}-\d{2}-(h200(?:x\d+)?)-", self.file)
+        if not match:
+            return "?"
+        chip, _, count = match.group(1).partition("x")
+        return f"nvidia-{chip}" + (f"-x{count}" if count else "")
+
+    @property
+    def code(self) -> str:
+        if self.data.get("commit"):
+            return str(self.data["commit"])
+        match = re.search(r"\b([0-9a-f]{7,40})\b", str(self.data.get("code", "")))
+        return match.group(1) if match else (self.header_code or "")
+
+
+def rows(results: Path = RESULTS) -> Iterator[Row]:
+    """Every JSON object line of the result files, in date, file-name and line order (comments and other lines
+    skipped)."""
+    for path in sorted(results.glob("*.jsonl")):
+        header_code = None
+        for number, text in enumerate(path.read_text().splitlines(), 1):
+            text = text.strip()
+            if text.startswith("#"):
+                match = re.search(r"code at ([0-9a-f]{7,40})", text)
+                header_code = match.group(1) if match else header_code
+                continue
+            if not text.startswith("{"):
+                continue
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(data, dict):
+                yield Row(data, path.name, number, header_code)
+
+
+@dataclass
+class Throughput:
+    """The throughput table's rows and the notes on what was left out or derived."""
+
+    latest: dict[tuple, Row] = field(default_factory=dict)
+    left_out: dict[str, int] = field(default_factory=dict)
+    from_params: int = 0
+    from_shape: int = 0
+
+    def skip(self, why: str) -> None:
+        self.left_out[why] = self.left_out.get(why, 0) + 1
+
+
+def configuration(data: dict[str, Any]) -> tuple:
+    fp8 = data.get("fp8_format") or ("hybrid" if data.get("fp8") else None)
+    return (
+        data["variant"], data["shape"], data.get("devices", 1), data.get("tp", 1), data.get("pp", 1),
+        data.get("vpp"), data.get("cp") or 1, bool(data.get("sp")), data["seq"], data["micro_batch"],
+        data.get("recompute"), fp8, bool(data.get("cuda_graphs")), data.get("lora_rank") or 0,
+        data.get("weight_cast_reuse", True), kernels(data), data.get("check_batches") is not False,
+    )  # fmt: skip
+
+
+def kernels(data: dict[str, Any]) -> str:
+    value = data.get("kernels") or "auto"
+    return "hf_sdpa" if value == "sdpa" else value  # the HF variants' early rows wrote "sdpa"
+
+
+def throughput(all_rows: list[Row]) -> Throughput:
+    table = Throughput()
+    for row in all_rows:
+        data = row.data
+        if "tokens_per_s" not in data or "variant" not in data:
+            continue
+        if "timing" in data:
+            table.skip("timed with --sync-debug")
+            continue
+        if any(word in str(data.get("code", "")) for word in NOT_COMPARABLE):
+            table.skip("timed under a profiler, beside other jobs, or discarded (their `code` note)")
+            continue
+        if not all(key in data for key in ("seq", "micro_batch")) or data.get("shape") not in SHAPES:
+            table.skip("without the sequence length, micro-batches or a known shape (the MFU cannot be recomputed)")
+            continue
+        table.latest[configuration(data)] = row
+    return table
+
+
+def standard_mfu(data: dict[str, Any], table: Throughput | None = None) -> float:
+    """The standard-count MFU of a throughput row, from its own fields (see the module docstring)."""
+    shape = SHAPES[data["shape"]]
+    if "flops_params" in data:
+        trainable, frozen = data["flops_params"], data.get("flops_frozen_params", 0)
+    elif "params" in data:
+        table_size = VOCAB * shape["hidden_size"]
+        frozen_all = data.get("frozen_params") or 0  # LoRA freezes the whole base, the embedding table included
+        trainable = data["params"] - frozen_all - (0 if frozen_all else table_size)
+        frozen = frozen_all - table_size if frozen_all else 0
+        if table is not None:
+            table.from_params += 1
+    else:
+        trainable, frozen = llama_parameters(**shape)[1], 0
+        if table is not None:
+            table.from_shape += 1
+    flops = flops_per_token(trainable, frozen, shape["num_layers"], shape["hidden_size"], data["seq"])
+    return data["tokens_per_s"] * flops / (PEAK_FLOPS * data.get("devices", 1))
+
+
+def variant_label(data: dict[str, Any]) -> str:
+    label = VARIANTS.get(data["variant"], data["variant"])
+    fp8 = data.get("fp8_format") or ("hybrid" if data.get("fp8") else None)
+    extras = [f"fp8 {fp8}"] if fp8 else []
+    extras += ["CUDA graphs"] if data.get("cuda_graphs") else []
+    extras += [f"LoRA r{data['lora_rank']}"] if data.get("lora_rank") else []
+    extras += [f"recompute {data['recompute']}"] if data.get("recompute") else []
+    extras += ["weights cast per micro-batch"] if data.get("weight_cast_reuse") is False else []
+    extras += (
+        [f"kernels={data['kernels']}"] if data.get("kernels") not in ("auto", "hf_sdpa", "megatron_local_spec") else []
+    )
+    extras += ["no batch check"] if data.get("check_batches") is False else []
+    return label + (" + " + ", ".join(extras) if extras else "")
+
+
+def layout(data: dict[str, Any]) -> str:
+    parts = [f"{name}{data[key]}" for key, name in (("tp", "TP"), ("pp", "PP"), ("vpp", "VPP"), ("cp", "CP"))
+             if (data.get(key) or 1) > 1]  # fmt: skip
+    parts += ["SP"] if data.get("sp") else []
+    devices = data.get("devices", 1)
+    return f"{devices} GPU{'s' if devices > 1 else ''}" + (f" ({' x '.join(parts)})" if parts else "")
+
+
+def _order(row: Row) -> tuple:
+    data = row.data
+    shapes = list(SHAPES)
+    return (data.get("devices", 1), data["seq"], shapes.index(data["shape"]), list(VARIANTS).index(data["variant"])
+            if data["variant"] in VARIANTS else 99, variant_label(data), data["micro_batch"])  # fmt: skip
+
+
+def throughput_tables(table: Throughput) -> list[str]:
+    head = [
+        "| variant | shape | GPUs | seq | micro-batch | tokens/s | MFU | MFU as recorded | date | code | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[str, list[str]] = {
+        "one GPU, 2,048 tokens per sequence": [],
+        "longer sequences": [],
+        "several GPUs": [],
+    }
+    for row in sorted(table.latest.values(), key=_order):
+        data = row.data
+        mfu = standard_mfu(data, table)
+        line = (
+            f"| {variant_label(data)} | {data['shape']} | {layout(data)} | {data['seq']:,} | {data['micro_batch']} | "
+            f"{data['tokens_per_s']:,} | {mfu:.1%} | {data['mfu']:.1%} | {row.date} | {row.code or '-'} | "
+            f"{row.machine} |"
+        )
+        group = "several GPUs" if data.get("devices", 1) > 1 else "one GPU, 2,048 tokens per sequence"
+        if data.get("devices", 1) == 1 and data["seq"] != 2048:
+            group = "longer sequences"
+        groups[group].append(line)
+    out = []
+    for title, lines in groups.items():
+        if lines:
+            out += [f"#### Throughput: {title}", "", *head, *lines, ""]
+    notes = [
+        "MFU: the standard count, tokens/s x (6 N + 6 layers hidden seq) / (989 TFLOP/s x GPUs), N the parameters "
+        "without the input embedding table; recomputed from each row's fields. \"MFU as recorded\": the row's own "
+        "`mfu` field (before the standard count, rows counted 6 x all parameters, the input table included).",
+    ]
+    if table.from_params:
+        notes.append(
+            f"{table.from_params} rows record all parameters only (`params`): N = params - V x H (V = {VOCAB:,}; the "
+            "benchmark shapes have untied embeddings; a LoRA run's frozen base includes the table)."
+        )
+    if table.from_shape:
+        notes.append(f"{table.from_shape} rows record no parameter count: N from the shape (Llama, untied).")
+    notes += [f"Left out: {count} rows {why}." for why, count in table.left_out.items()]
+    return out + [f"- {note}" for note in notes] + [""]
+
+
+def checkpoint_table(all_rows: list[Row]) -> list[str]:
+    found = [r for r in all_rows if "-checkpoint-" in r.file and r.data.get("mode") in ("sync", "async", "resume")]
+    if not found:
+        return []
+    out = [
+        "#### Checkpoints (benchmarks/checkpoint.py)",
+        "",
+        "| shape | mode | size GB | step blocked s | published after s | resume load s | date | code | machine |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    latest = {(r.data.get("shape"), r.data["mode"]): r for r in found}
+    size = next((r.data["checkpoint_bytes"] for r in found if "checkpoint_bytes" in r.data), None)
+
+    def number(value: Any) -> str:
+        return f"{value:.1f}" if isinstance(value, int | float) else "-"
+
+    for (shape, mode), row in latest.items():
+        data = row.data
+        out.append(
+            f"| {shape} | {mode} | {number((data.get('checkpoint_bytes') or size or 0) / 1e9)} | "
+            f"{number(data.get('save_blocked_s'))} | {number(data.get('published_after_s'))} | "
+            f"{number(data.get('resume_load_s'))} | {row.date} | {row.code or '-'} | {row.machine} |"
+        )
+    return [*out, ""]
+
+
+def render(results: Path = RESULTS) -> str:
+    all_rows = list(rows(results))
+    lines = [*throughput_tables(throughput(all_rows)), *checkpoint_table(all_rows)]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write(readme: Path = README, results: Path = RESULTS) -> bool:
+    """Rewrite the block between the markers of ``readme``; whether it changed."""
+    text = readme.read_text()
+    start, end = text.index(START) + len(START), text.index(END)
+    new = text[:start] + "\n" + render(results) + text[end:]
+    readme.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--write", action="store_true", help=f"rewrite the tables between {START} and {END} in README")
+    args = p.parse_args(argv)
+    if args.write:
+        print(f"{README}: {'rewritten' if write() else 'unchanged'}")
+    else:
+        sys.stdout.write(render())
+
+
+if __name__ == "__main__":
+    main()
