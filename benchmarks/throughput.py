@@ -91,7 +91,7 @@ def parse() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--no-weight-cast-reuse", dest="weight_cast_reuse", action="store_false",
-        help="variant a with --fp8: cast the weights on every micro-batch (kernels/fp8.py:reuse_weight_casts off)",
+        help="variant a with --fp8: cast weights on every micro-batch (linear.quantize_weight -> fp8.quantize_pair)",
     )  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=0, help="variant a: LoRA of this rank on every linear, alpha 2r")
     p.add_argument(
@@ -262,10 +262,9 @@ def variant_a(args: argparse.Namespace) -> dict:
     config = model_config(args)
     dp = data_parallel(args)
     if not args.weight_cast_reuse:
-        from lightning_megatron.kernels import fp8
+        from lightning_megatron.kernels import fp8, linear
 
-        reuse = fp8.reuse_weight_casts
-        fp8.reuse_weight_casts = lambda weights: reuse(frozenset())  # every micro-batch casts again
+        linear.quantize_weight = lambda weight, dtype: fp8.quantize_pair(weight, dtype)  # every micro-batch casts
     lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
     module = MegatronLMModule(config, lr=1e-4, decay_steps=1000, lora=lora)
     strategy = MegatronStrategy(

@@ -13,8 +13,9 @@ needs a GPU to be *correct*; it only needs to run. This module makes it run with
   device, streams, events and synchronisation are no-ops, and the CUDA RNG is the CPU generator.
 
 The layer is process-wide and reversible: :func:`enable` installs it, :func:`disable` restores every original.
-:class:`~lightning_megatron.MegatronStrategy` installs it only for ``accelerator="cpu"`` and removes it at
-teardown. It is written against megatron-core 0.19 (see ``SUPPORTED_MEGATRON``); tests pin that.
+:class:`~lightning_megatron.MegatronStrategy` installs it only for ``accelerator="cpu"`` (as
+:class:`lightning_megatron.patches.CpuMode`) and removes it at teardown. It is written against megatron-core 0.19
+(see ``SUPPORTED_MEGATRON``); tests pin that.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def _backward_in_mode(original: Callable[..., Any]) -> Callable[..., Any]:
     return apply
 
 
-def _patches() -> list[tuple[Any, str, Any]]:
+def stand_ins() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, CPU stand-in) for every CUDA entry point Megatron-Core 0.19 reaches in training."""
 
     from megatron.core.tensor_parallel import random as mcore_random
@@ -217,7 +218,7 @@ def enable() -> None:
     if _State.mode is not None:
         return
     _check_megatron_version()
-    patches = _patches()
+    patches = stand_ins()
     _State.originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, replacement in patches:
         setattr(owner, name, replacement)

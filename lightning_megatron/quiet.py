@@ -6,7 +6,7 @@ Falling back to Torch Norm", GPTModel's deprecation notice, MimoModelConfig's "e
 deprecation of the collectives Megatron calls, and on CPU CUDA advice. None of them asks the user to do anything;
 the kernel set chosen is stated once instead (``MegatronLMModule.configure_model``). The filters apply only while
 our package imports megatron-core (:func:`importing`) and while a run of the strategy is set up
-(:class:`RunFilters`, removed at teardown); warnings outside those and any other warning stay.
+(:func:`run_filters`, removed at teardown); warnings outside those and any other warning stay.
 """
 
 from __future__ import annotations
@@ -76,21 +76,11 @@ def _records_dropped() -> Iterator[None]:
             logger.removeFilter(_RECORD_FILTERS[logger.name])
 
 
-class RunFilters:
-    """The filters of one run: entered at the strategy's ``setup_environment``, left at its ``teardown``."""
-
-    def __init__(self) -> None:
-        self._stack: contextlib.ExitStack | None = None
-
-    def enter(self, device_type: str) -> None:
-        self.exit()
-        stack = contextlib.ExitStack()
-        stack.enter_context(warnings.catch_warnings())
+@contextlib.contextmanager
+def run_filters(device_type: str) -> Iterator[None]:
+    """The filters of one run on ``device_type`` (installed by the strategy as
+    :class:`lightning_megatron.patches.QuietRun`, from ``setup_environment`` to ``teardown``)."""
+    with warnings.catch_warnings():
         _ignore(_EVERYWHERE + (_ON_CPU if device_type == "cpu" else ()))
-        stack.enter_context(_records_dropped())
-        self._stack = stack
-
-    def exit(self) -> None:
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            stack.close()
+        with _records_dropped():
+            yield

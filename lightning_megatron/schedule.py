@@ -19,7 +19,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_megatron.contract import Batch, LossFn, StepModule, StepStats
-from lightning_megatron.kernels import fp8
 from lightning_megatron.parallel.state import data_parallel_rank_and_size
 from lightning_megatron.training.host import HostScalar
 
@@ -61,14 +60,7 @@ def run(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    started: dict[int, frozenset[int]] = {}
-
     def forward_step(data_iterator: Iterator[Batch], model: nn.Module) -> tuple[Tensor, Callable]:
-        # fp8 casts of a chunk's weights: made on its first micro-batch, reused after (the weights do not change
-        # before the schedule returns; also not under overlapped parameter gathers, which finish in the first one).
-        fp8.reuse_weight_casts(started.get(id(model), frozenset()))
-        if id(model) not in started:
-            started[id(model)] = fp8.weight_ids(model)
         micro_batch = next(data_iterator)
         if predict:
             return module.forward_predict(micro_batch, model), _prediction_fn(module, micro_batch)
@@ -77,20 +69,16 @@ def run(
 
     # Every chunk walks the same micro-batches: the first chunk needs the inputs, the last the labels.
     iterators = [iter(micro_batches) for _ in chunks]
-    fp8.weights_may_change()
-    try:
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks,
-            num_microbatches=len(micro_batches),
-            # Shapes of the p2p activations (ignored under variable_seq_lengths, where micro-batches differ).
-            seq_length=micro_batches[0]["input_ids"].shape[1],
-            micro_batch_size=micro_batches[0]["input_ids"].shape[0],
-            forward_only=forward_only,
-        )
-    finally:
-        fp8.weights_may_change()  # the optimizer, or the caller, may change the weights now
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks,
+        num_microbatches=len(micro_batches),
+        # Shapes of the p2p activations (ignored under variable_seq_lengths, where micro-batches differ).
+        seq_length=micro_batches[0]["input_ids"].shape[1],
+        micro_batch_size=micro_batches[0]["input_ids"].shape[0],
+        forward_only=forward_only,
+    )
 
 
 def train(

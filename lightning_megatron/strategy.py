@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_megatron import cpu, quiet, schedule
+from lightning_megatron import patches, schedule
 from lightning_megatron.callbacks import count_whole_model
 from lightning_megatron.checkpointing import sharded
 from lightning_megatron.checkpointing.resume import ResumableLoader
@@ -30,7 +30,7 @@ from lightning_megatron.modules.base import MegatronLightningModule, check_overr
 from lightning_megatron.parallel import ddp, state
 from lightning_megatron.parallel import precision as mixed
 from lightning_megatron.parallel.sizes import ParallelSizes
-from lightning_megatron.training import clip_grads, graphs, guards, optim
+from lightning_megatron.training import graphs, guards, optim
 from lightning_megatron.training.accumulation import GradientAccumulation
 from lightning_megatron.training.grad_norms import GradNormReads, grad_norms
 from lightning_megatron.training.offload import Offloader
@@ -120,7 +120,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._step: schedule.TrainStep | None = None
         self._log_names = schedule.LogNames()
         self._retained: Retained | None = None  # what a finished run keeps for trainer.save_checkpoint
-        self._quiet = quiet.RunFilters()
+        self._patches = patches.PatchStack()  # every third-party patch of a run, removed at teardown (patches.py)
         self._sigterm = SigtermStop()  # SIGTERM stops every rank at the same step (training/preemption.py)
         self._batches = consistency.BatchCheck(check_batches)
         self._accumulation = GradientAccumulation()  # Trainer(accumulate_grad_batches) (training/accumulation.py)
@@ -245,9 +245,9 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def setup_environment(self) -> None:
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
         self._sigterm.before_run()
-        self._quiet.enter(self.root_device.type)  # third-party notices of the torch-native path (quiet.py)
+        self._patches.install(patches.QuietRun(self.root_device.type))  # notices of the torch-native path
         if self.root_device.type == "cpu":
-            cpu.enable()
+            self._patches.install(patches.CpuMode())
         super().setup_environment()  # default process group
         if self._groups is None or not self._groups.alive():  # a later fit/validate/... of this strategy reuses them
             self._megatron_optimizer = self._scheduler = self._retained = None  # an earlier run's, for its groups
@@ -277,7 +277,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             self._retained.forget_optimizer()
         self._megatron_optimizer, self._scheduler, adapter = optim.setup(
             spec, self._ddp_chunks, trainer, dtype=self.compute_dtype, distributed=self.use_distributed_optimizer,
-            fused=self.root_device.type == "cuda", nonfinite=self._guard.policy,
+            fused=self.root_device.type == "cuda", nonfinite=self._guard.policy, after_update=fp8.weights_changed,
+            clip=self._patches.get(patches.ForeachClipGrads) or self._patches.install(patches.ForeachClipGrads()),
             # StepGuard: under "error", raises before any callback could save a non-finite step
             on_step=lambda stats: self._guard.record(stats, self.module.trainer.global_step),
         )  # fmt: skip
@@ -466,17 +467,15 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def teardown(self) -> None:
         failed, self._failed = self._failed, False
-        # Every step runs even if one raises: no global patch (CPU mode, clip-grads, RNG, graphs) outlives the run.
+        # Every step runs even if one raises: no global patch (patches.py), RNG state or graph outlives the run.
         run_all(
             self._writer.abort if failed else self._writer.finalize,  # finalize: e.g. save_checkpoint after fit
             lambda: self._offload.reload(strict=False),  # never leave released storages behind
             self._drop_step_state,
-            clip_grads.restore_clip_grads,
             super().teardown,
             lambda: self._keep_for_saving(failed),
-            cpu.disable,
+            self._patches.remove,  # every patch, each removal run whatever the others do (patches.py)
             lambda: state.restore_rng(self._rng),
-            self._quiet.exit,
             lambda: self._sigterm.uninstall(redeliver=not failed),
             raise_errors=not failed,  # after a failure the user's exception is the one to see
         )

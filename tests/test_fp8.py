@@ -91,28 +91,28 @@ def test_fp8_linear_is_close_to_full_precision(megatron_state: None) -> None:
     assert (got - want).norm() / want.norm() > 0  # and really fp8
 
 
-def test_a_weight_cast_is_reused_only_while_its_weight_is_named(megatron_state: None) -> None:
+def test_a_weight_cast_is_reused_until_its_weight_changes(megatron_state: None) -> None:
     _, layer, x = _pair("column", bias=False)
     _, other, _ = _pair("column", bias=False)
     before, other_before = layer(x)[0], other(x)[0]  # both weights have a kept cast now
+    kept = fp8._WEIGHTS.casts[layer.weight].casts
+    assert torch.equal(layer(x)[0], before)
+    assert fp8._WEIGHTS.casts[layer.weight].casts is kept  # unchanged weight: the kept cast, not a new one
     with torch.no_grad():
-        layer.weight.mul_(2)  # a power of two: the fp8 values stay, the inverse scale doubles
-        other.weight.mul_(2)
-    try:
-        fp8.reuse_weight_casts(fp8.weight_ids(layer))
-        assert torch.equal(layer(x)[0], before)  # the kept cast of the old weight, as asked
-        other_now = other(x)[0]
-        assert torch.equal(other_now, 2 * other_before)  # not named: cast again
-        fp8.weights_may_change()  # a new schedule run: a cast made before it is not reused, named or not
-        fp8.reuse_weight_casts(fp8.weight_ids(layer))
-        assert torch.equal(layer(x)[0], 2 * before)
-        with torch.no_grad():
-            layer.weight.mul_(2)
-        assert torch.equal(layer(x)[0], 2 * before)  # cast in this generation: reused
-    finally:
-        fp8.reuse_weight_casts(frozenset())
-    assert torch.equal(layer(x)[0], 4 * before)  # nothing named: the new weight's cast
-    assert torch.equal(other(x)[0], other_now)
+        layer.weight.mul_(2)  # in place on the parameter (its version counter moves); a power of two: the fp8
+        # values stay, the inverse scale doubles
+    assert torch.equal(layer(x)[0], 2 * before)  # seen by the version counter: cast again
+    assert torch.equal(other(x)[0], other_before)  # the other weight's cast stays current
+    layer.weight.data.mul_(2)  # as Megatron's optimizer writes: through another tensor, no version bump
+    other.weight.data.mul_(2)
+    assert torch.equal(layer(x)[0], 2 * before)  # not seen: the kept cast of the old weight
+    fp8.weights_changed()  # what the optimizer-step wrapper calls after each step
+    assert torch.equal(layer(x)[0], 4 * before)
+    assert torch.equal(other(x)[0], 2 * other_before)
+    assert torch.equal(layer(x)[0], 4 * before)  # and reused again
+    fp8.forget_weight_casts([layer])
+    assert layer.weight not in fp8._WEIGHTS.casts
+    assert other.weight in fp8._WEIGHTS.casts
 
 
 def test_shapes_fp8_cannot_take_run_unquantized(megatron_state: None) -> None:
@@ -199,8 +199,7 @@ def test_fp8_training_follows_full_precision(monkeypatch: pytest.MonkeyPatch) ->
     quantized, full = _losses("hybrid"), _losses(None)
     # 6 steps of 4 micro-batches, 16 fp8 linears: the weights are cast on each step's first micro-batch only
     assert len(weight_casts) == 6 * 16
-    reuse = fp8.reuse_weight_casts
-    monkeypatch.setattr(fp8, "reuse_weight_casts", lambda weights: reuse(frozenset()))  # never reuse
+    monkeypatch.setattr(linear, "quantize_weight", lambda weight, dtype: fp8.quantize_pair(weight, dtype))  # no reuse
     assert _losses("hybrid") == quantized  # the same casts, bit for bit
     assert len(weight_casts) == 6 * 16 + 6 * 4 * 16
     assert quantized != full

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
-from lightning_megatron.training import clip_grads as foreach_clip
+from lightning_megatron.patches import ForeachClipGrads
 from tests.conftest import one_process_megatron
 
 
@@ -49,6 +49,7 @@ class Inspect(L.Callback):
         from megatron.core.optimizer import clip_grads
 
         self.l2_norm_impl = clip_grads.l2_norm_impl
+        self.clip = trainer.strategy._patches.get(ForeachClipGrads)
 
 
 def test_resume_of_a_gpu_checkpoint_on_cpu_uses_the_cpu_adam(tmp_path: Path) -> None:
@@ -64,7 +65,8 @@ def test_resume_of_a_gpu_checkpoint_on_cpu_uses_the_cpu_adam(tmp_path: Path) -> 
     from megatron.core.optimizer import clip_grads
     from megatron.core.utils import local_multi_tensor_l2_norm
 
-    assert inspect.l2_norm_impl is foreach_clip._foreach_l2_norm  # while fitting (no TE/apex here)
+    assert inspect.clip.installed is False  # removed at teardown
+    assert inspect.l2_norm_impl == inspect.clip._l2_norm  # while fitting (no TE/apex here)
     assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm  # Megatron's own again after teardown
 
 
@@ -144,14 +146,16 @@ def test_foreach_clip_grads_match_megatron_local_fallback() -> None:
     with one_process_megatron(port=29595):
         assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm  # no TE/apex here: Megatron's fallback
         local_norm, local_grads = _norm_and_clip(max_norm=1.0)
-        try:
-            assert foreach_clip.use_foreach_clip_grads()
-            assert clip_grads.l2_norm_impl is foreach_clip._foreach_l2_norm
+        with ForeachClipGrads() as patch:
+            assert patch.installed
+            assert clip_grads.l2_norm_impl == patch._l2_norm
+            with ForeachClipGrads() as second:  # one is in place: a second declines and leaves it
+                assert not second.installed
+            assert clip_grads.l2_norm_impl == patch._l2_norm
             norm, grads = _norm_and_clip(max_norm=1.0)
             unclipped_norm, unclipped = _norm_and_clip(max_norm=1e6)  # the factor clamps to exactly 1.0
             clip_grads.clip_grad_by_total_norm_fp32([], 1.0, norm)  # a rank with nothing to clip
-        finally:
-            foreach_clip.restore_clip_grads()
+        patch.remove()  # idempotent
     assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
     assert clip_grads.multi_tensor_scale_tensor_impl is None  # Megatron's host-read branch again
     assert isinstance(norm, torch.Tensor)  # Megatron's no-synchronisation branch: the norm is never read on the host
@@ -172,27 +176,23 @@ def test_a_deferred_token_scale_is_applied_by_the_clipping(max_norm: float) -> N
     from megatron.core.optimizer import clip_grads
 
     factor = torch.tensor(1 / 37)
-    with one_process_megatron(port=29596):
-        try:
-            assert foreach_clip.use_foreach_clip_grads()
-            params = _params_with_grads()
-            for p in params:
-                p.grad *= factor
-            want_norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
-            clip_grads.clip_grad_by_total_norm_fp32(params, max_norm, want_norm)
-            deferred = _params_with_grads()
-            with foreach_clip.token_scale(factor):
-                norm = clip_grads.get_grad_norm_fp32([p.grad for p in deferred])
-                clip_grads.clip_grad_by_total_norm_fp32(deferred, max_norm, norm)
-            after = clip_grads.get_grad_norm_fp32([p.grad for p in deferred])  # outside: no factor any more
-        finally:
-            foreach_clip.restore_clip_grads()
+    with one_process_megatron(port=29596), ForeachClipGrads() as patch:
+        params = _params_with_grads()
+        for p in params:
+            p.grad *= factor
+        want_norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
+        clip_grads.clip_grad_by_total_norm_fp32(params, max_norm, want_norm)
+        deferred = _params_with_grads()
+        with patch.token_scale(factor):
+            norm = clip_grads.get_grad_norm_fp32([p.grad for p in deferred])
+            clip_grads.clip_grad_by_total_norm_fp32(deferred, max_norm, norm)
+        after = clip_grads.get_grad_norm_fp32([p.grad for p in deferred])  # outside: no factor any more
     assert float(norm) == pytest.approx(float(want_norm), rel=1e-6)
     assert float(after) == pytest.approx(min(max_norm, float(want_norm)), rel=1e-5)
     for ours, want in zip(deferred, params, strict=True):
         torch.testing.assert_close(ours.grad, want.grad)
-    with pytest.raises(RuntimeError, match="token_scale needs the clipping kernels"), foreach_clip.token_scale(factor):
-        pass
+    with pytest.raises(RuntimeError, match="token_scale needs the patch installed"), patch.token_scale(factor):
+        pass  # removed: nothing would apply the factor
 
 
 class Record(L.Callback):

@@ -26,7 +26,7 @@ LAYERS = [
     ("training",),
     ("data",),
     ("parallel",),
-    ("cpu",),
+    ("cpu", "patches"),
     ("contract", "validation", "quiet"),
 ]
 UPWARD_ALLOWED = {("lightning_megatron.config", "lightning_megatron.hf.config")}  # ModelConfig.from_hf

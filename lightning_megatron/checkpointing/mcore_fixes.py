@@ -1,12 +1,11 @@
 """megatron-core 0.19 workarounds for loading the distributed optimizer's torch-native Adam state (no Transformer
-Engine / apex), each a small documented function. The layout tests fail when any of them stops being right
-(cross-layout resume must be exact).
+Engine / apex), each a small documented function on our own optimizer's state (the one that replaces a Megatron
+method during a load is :class:`lightning_megatron.patches.KeepAdamStepOnLoad`). The layout tests fail when any of
+them stops being right (cross-layout resume must be exact).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,26 +45,3 @@ def untie_adam_steps(optimizer: Any) -> None:
         for state in torch_optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
-
-
-@contextlib.contextmanager
-def keep_step_on_load() -> Iterator[None]:
-    """Let ``fully_reshardable`` loading skip torch Adam's ``step`` tensor.
-
-    megatron-core 0.19's ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every tensor of
-    the torch optimizer state from the checkpoint, ``step`` included, but the checkpoint restores ``step``
-    through the param groups instead and has no per-parameter entry (``KeyError: 'step'``). Megatron already
-    skips entries whose source is not a tensor, so we hand it ``step=None`` for the duration of the load.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
-        original(self, model_param, {"step": None, **tensors})
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DistributedOptimizer._set_main_param_and_optimizer_states = original  # type: ignore[method-assign]

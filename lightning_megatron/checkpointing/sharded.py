@@ -6,8 +6,8 @@ tensors keyed by their *global* names (layer numbers include the pipeline/VPP of
 common state. Loading at another TP/PP/VPP/DP layout reads the same global tensors with other shards. Writing
 (crash-safe publish, checksums, the writer lock) is :mod:`.saving`'s; every read starts with :func:`open_checkpoint`.
 
-The three megatron-core 0.19 workarounds that loading needs on the torch-native Adam path (no Transformer Engine /
-apex) live in :mod:`lightning_megatron.checkpointing.mcore_fixes`.
+The megatron-core 0.19 workarounds that loading needs on the torch-native Adam path (no Transformer Engine / apex)
+live in :mod:`lightning_megatron.checkpointing.mcore_fixes` and :class:`lightning_megatron.patches.KeepAdamStepOnLoad`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+from lightning_megatron import patches
 from lightning_megatron.checkpointing import checks, checksums, mcore_fixes
 from lightning_megatron.checkpointing.saving import PARTIAL_SUFFIX
 
@@ -154,7 +155,7 @@ def load(
         assert not unexpected, unexpected
     if optimizer is not None:
         # Copying into fp32 main params that require grad must not be recorded by autograd.
-        with torch.no_grad(), mcore_fixes.keep_step_on_load():
+        with torch.no_grad(), patches.KeepAdamStepOnLoad(optimizer):
             optimizer.load_state_dict(loaded.pop(_OPTIMIZER_KEY))
         mcore_fixes.untie_adam_steps(optimizer)
     else:

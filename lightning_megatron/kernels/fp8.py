@@ -13,10 +13,15 @@ Each fp8 tensor is cast once into both of its layouts (:func:`quantize_pair`): `
 operand row-major and its second column-major, and each tensor enters one of its two GEMMs as itself and the other
 transposed, so it is needed in both physical layouts.
 
-A weight's cast is kept between calls (:func:`quantize_weight`): within one run of Megatron's schedule the weights
-do not change, so a model chunk's first micro-batch casts them and the later ones reuse the casts
-(:func:`reuse_weight_casts`, set by ``schedule.py``). Outside a schedule run every call casts. The kept casts
-take 2 bytes per weight element of GPU memory until the strategy's teardown or ``offload()`` drops them.
+A weight's cast is kept between calls (:func:`quantize_weight`) and reused while the weight is unchanged: a model
+chunk's first micro-batch of a step casts its weights, the later ones (and evaluation between steps) reuse the casts.
+A cast is current while the weight keeps its storage, shape and autograd version counter (``Tensor._version``, bumped
+by in-place ops on the parameter itself) and no :func:`weights_changed` came since it was made. Megatron's optimizer
+writes the updated weights through other tensors -- the DDP parameter buffer (distributed optimizer: main shards
+copied into it, then all-gathered) or ``param.data`` (``Float16OptimizerWithFloat16Params``) -- which leave the
+parameter's version counter as it was, so the strategy has the optimizer-step wrapper (``training/optim.py``)
+call :func:`weights_changed` after each update. The kept casts take 2 bytes per weight element of GPU memory until the
+strategy's teardown or ``offload()`` drops them (:func:`forget_weight_casts`).
 
 ``_scaled_mm`` needs every GEMM dimension divisible by 16; a call with other shapes (e.g. a token budget's odd
 micro-batch) runs that linear in bf16 instead.
@@ -87,88 +92,90 @@ def quantize_pair(
 
 @dataclass
 class _WeightCast:
-    source: tuple[int, torch.Size, torch.dtype, torch.dtype]
-    """The weight's address, shape and dtype and the fp8 dtype the cast was made for: another means a new cast."""
+    layout: tuple[int, torch.Size, torch.dtype, torch.dtype]
+    """The weight's address, shape and dtype and the fp8 dtype the cast was made for: another means new tensors."""
     casts: tuple[Tensor, Tensor, Tensor]
     """:func:`quantize_pair`'s three tensors (on GPU written in place by each new cast)."""
+    version: int
+    """The weight's ``_version`` when the cast was made: an in-place change of the parameter bumps it."""
     generation: int
-    """:attr:`_WeightCasts.generation` when they were made: reused only within the same one."""
+    """:attr:`_WeightCasts.generation` when the cast was made: reused only within the same one."""
 
 
 @dataclass
 class _WeightCasts:
-    """Process-wide: the weights' casts and which of them are current (see :func:`reuse_weight_casts`)."""
+    """The weights' kept casts (weakly keyed by the weight) and what marks them stale."""
 
-    current: frozenset[int] = frozenset()
-    """``id()`` of the weights whose casts :func:`quantize_weight` returns as they are (if made in this generation)."""
     generation: int = 0
-    """Counts :func:`weights_may_change` calls: a cast made before the last one is never reused."""
+    """Counts :func:`weights_changed` calls: a cast made before the last one is never reused."""
     casts: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
-    flags: dict[torch.device, Tensor] = field(default_factory=dict)
-    """Per GPU, for graph-captured casts to read at replay: 0 while some casts are current, else 1 (cast)."""
+    stale: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    """GPU weights -> a one-element int32 view into :attr:`flag_blocks`: 1 while a graph replay must cast the weight,
+    0 once one did. Made at the weight's first eager cast, so that a later graph capture can read it."""
+    flag_blocks: list[Tensor] = field(default_factory=list)
+    """The flags' storage, blocks of :data:`_FLAGS_PER_BLOCK`: :func:`weights_changed` sets them with one fill each."""
+    flags_handed_out: dict[torch.device, int] = field(default_factory=dict)
 
 
+_FLAGS_PER_BLOCK = 256
 _WEIGHTS = _WeightCasts()
 
 
-def reuse_weight_casts(weights: frozenset[int]) -> None:
-    """The weights (their ``id()``; empty: none) unchanged since their casts were last made, so that
-    :func:`quantize_weight` returns those. ``schedule.run`` sets it for each micro-batch: none on a model chunk's
-    first one, the chunk's parameters on the later ones, none again when the schedule returns (the optimizer then
-    changes the weights; a caller outside the schedule may change them too). CUDA-graph replays of the casts read
-    a device flag instead, set here with one fill when it changes: it cannot tell weights apart, so a
-    graph-captured fp8 model must not run inside another fp8 model's schedule run (CUDA graphs are captured for
-    one model per process anyway: Megatron keeps their state process-wide)."""
-    reuse_before = bool(_WEIGHTS.current)
-    _WEIGHTS.current = weights
-    if bool(weights) != reuse_before:
-        for flag in _WEIGHTS.flags.values():
-            flag.fill_(0 if weights else 1)
-
-
-def weights_may_change() -> None:
-    """Start a new generation of casts (``schedule.run`` calls it when a schedule run starts and ends): casts made
-    before are not reused, even for weights :func:`reuse_weight_casts` names -- e.g. a weight whose linear ran in
-    bf16 on the chunk's first micro-batch (a token count fp8 cannot take) still holds the last step's cast."""
+def weights_changed() -> None:
+    """Every kept cast is stale from now on: the next :func:`quantize_weight` of each weight casts it again, eagerly
+    or in a CUDA-graph replay. Called after each optimizer update (the strategy's ``after_update``); code that
+    changes weights without bumping their version counter (through ``.data`` or a buffer they view) calls it too."""
     _WEIGHTS.generation += 1
-    reuse_weight_casts(frozenset())
+    for block in _WEIGHTS.flag_blocks:
+        block.fill_(1)
+
+
+def _stale_flag(weight: Tensor) -> Tensor:
+    """The graph-replay flag of a GPU ``weight`` (:attr:`_WeightCasts.stale`), made outside any capture."""
+    flag = _WEIGHTS.stale.get(weight)
+    if flag is None:
+        handed_out = _WEIGHTS.flags_handed_out.get(weight.device, 0)  # never reused: a dead weight's flag stays
+        if handed_out % _FLAGS_PER_BLOCK == 0:
+            _WEIGHTS.flag_blocks.append(torch.ones(_FLAGS_PER_BLOCK, dtype=torch.int32, device=weight.device))
+        block = [b for b in _WEIGHTS.flag_blocks if b.device == weight.device][-1]
+        flag = _WEIGHTS.stale[weight] = block[handed_out % _FLAGS_PER_BLOCK]
+        _WEIGHTS.flags_handed_out[weight.device] = handed_out + 1
+    return flag
 
 
 def quantize_weight(weight: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`quantize_pair` of a weight, or its last result while :func:`reuse_weight_casts` names the weight.
+    """:func:`quantize_pair` of a weight, or its kept result while that is current (see the module docstring).
 
     The cast lives in tensors kept for the weight (2 bytes per weight element), on GPU overwritten by each new
     cast, so that a captured CUDA graph reads and writes fixed addresses. In a graph capture the cast is recorded
-    with the device flag, and each replay casts or skips as the flag says at that moment.
+    gated by the weight's stale flag, followed by clearing the flag: each replay casts only after a
+    :func:`weights_changed` (graphs run fixed shapes, so every micro-batch of a step takes the same fp8 path).
     """
-    source = (weight.data_ptr(), weight.shape, weight.dtype, dtype)
+    layout = (weight.data_ptr(), weight.shape, weight.dtype, dtype)
     entry = _WEIGHTS.casts.get(weight)
-    reuse = id(weight) in _WEIGHTS.current and entry is not None and entry.generation == _WEIGHTS.generation
-    capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
-    if weight.is_cuda and not capturing and weight.device not in _WEIGHTS.flags:  # made outside any capture
-        value = 0 if _WEIGHTS.current else 1
-        _WEIGHTS.flags[weight.device] = torch.full((), value, dtype=torch.int32, device=weight.device)
-    if entry is None or entry.source != source:
-        entry = _WeightCast(source, quantize_pair(weight, dtype), _WEIGHTS.generation)
-        _WEIGHTS.casts[weight] = entry
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        flag = _WEIGHTS.stale.get(weight)  # None (never cast eagerly): every replay casts
+        if entry is None or entry.layout != layout:
+            entry = _WeightCast(layout, quantize_pair(weight, dtype), weight._version, _WEIGHTS.generation)
+            _WEIGHTS.casts[weight] = entry
+        else:
+            quantize_pair(weight, dtype, entry.casts, flag)
+        if flag is not None:
+            flag.fill_(0)
         return entry.casts
-    # A graph replay cannot check the generation: graphs run fixed shapes, so every micro-batch of a step takes the
-    # same (fp8 or bf16) path, and the first one casts.
-    # In place: a captured graph's addresses. Autograd does not see these writes (no version bump), and a pending
-    # backward (e.g. a recompute under virtual pipelining) may hold the old cast: harmless, because a recast of an
-    # unchanged weight writes the same bits, and weights change only between schedule runs.
-    if weight.is_cuda and (capturing or not reuse):
-        quantize_pair(weight, dtype, entry.casts, _WEIGHTS.flags.get(weight.device) if capturing else None)
-    elif not reuse:  # CPU: new tensors (a pending backward keeps those it saved; no graphs here)
-        entry.casts = quantize_pair(weight, dtype)
-    if not reuse:
-        entry.generation = _WEIGHTS.generation
+    if weight.is_cuda:
+        _stale_flag(weight)
+    if entry is not None and entry.layout == layout:
+        if entry.version == weight._version and entry.generation == _WEIGHTS.generation:
+            return entry.casts
+        # In place on GPU: a captured graph's addresses. A pending backward of an earlier micro-batch may hold the
+        # old cast only if the weight changed within a step, which training does not do.
+        entry.casts = quantize_pair(weight, dtype, entry.casts if weight.is_cuda else None)
+    else:
+        entry = _WeightCast(layout, quantize_pair(weight, dtype), weight._version, _WEIGHTS.generation)
+        _WEIGHTS.casts[weight] = entry
+    entry.version, entry.generation = weight._version, _WEIGHTS.generation
     return entry.casts
-
-
-def weight_ids(module: torch.nn.Module) -> frozenset[int]:
-    """The ``id()`` of ``module``'s parameters, for :func:`reuse_weight_casts`."""
-    return frozenset(id(param) for param in module.parameters())
 
 
 def forget_weight_casts(modules: Iterable[torch.nn.Module]) -> None:

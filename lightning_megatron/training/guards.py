@@ -169,8 +169,8 @@ class StepGuard:
     """The non-finite policy's bookkeeping after each optimizer step: skipped steps, and under ``"error"`` the
     gradient-norm check.
 
-    The norm is a device tensor (Megatron's no-synchronisation clipping, :mod:`.clip_grads`). Reading it in its
-    own step would drain the GPU's queue before the next step is queued; its host copy is read instead at the
+    The norm is a device tensor (Megatron's no-synchronisation clipping, ``patches.ForeachClipGrads``). Reading it in
+    its own step would drain the GPU's queue before the next step is queued; its host copy is read instead at the
     next step's :meth:`record` (long finished by then), or in :meth:`check_pending` before anything reads the
     weights (the strategy's ``sync_params``: checkpoints, HF and weight-sync exports, the fit's end). So a
     non-finite step never reaches a checkpoint or an export, but the callbacks of that one step run before the

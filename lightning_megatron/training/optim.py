@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
-from typing import Any, override
+from typing import TYPE_CHECKING, Any, override
 
 import lightning as L
 import torch
@@ -13,7 +14,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_megatron.contract import OptimizerSpec, StepStats
 from lightning_megatron.parallel import ddp
 from lightning_megatron.parallel.precision import megatron_dtype_fields
-from lightning_megatron.training import clip_grads, guards
+from lightning_megatron.training import guards
+
+if TYPE_CHECKING:
+    from lightning_megatron.patches import ForeachClipGrads
 
 
 class LightningOptimizerAdapter(torch.optim.Optimizer):
@@ -24,7 +28,9 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
     zeroes Megatron's grad buffers itself before each schedule run. ``step`` runs Megatron's optimizer (grad
     clipping and the distributed-optimizer all-gather included) and then the LR schedule. ``take_token_scale``
     returns the factor the gradients still wait for, if the DDP deferred it (``parallel/ddp.py``): Megatron's
-    clipping applies it (``clip_grads.token_scale``).
+    clipping applies it through ``clip`` (:meth:`ForeachClipGrads.token_scale`). ``after_update`` runs after each
+    update: the strategy marks the fp8 weight casts stale there (``kernels/fp8.py:weights_changed``), since Megatron
+    writes the new weights through its buffers, which the casts' own check (the version counters) does not see.
     """
 
     def __init__(
@@ -34,6 +40,8 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
         on_step: Callable[[StepStats], None],
         should_step: Callable[[Any], bool] | None = None,
         take_token_scale: Callable[[], Any] | None = None,
+        clip: ForeachClipGrads | None = None,
+        after_update: Callable[[], None] | None = None,
     ) -> None:
         # Deliberately not Optimizer.__init__: the parameters and state belong to Megatron's optimizer.
         self._optimizer = optimizer
@@ -41,6 +49,8 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
         self._on_step = on_step
         self._should_step = should_step  # gets the step's loss; False skips the update (non-finite policy)
         self._take_token_scale = take_token_scale
+        self._clip = clip
+        self._after_update = after_update
         self.defaults: dict[str, Any] = {}
         self.state: dict[Any, Any] = {}
 
@@ -61,8 +71,10 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
             # Weights, optimizer state and LR schedule stay as they were (as Megatron does for overflowed steps).
             self._on_step(StepStats(lr=lr, grad_norm=None, skipped=True))
             return loss
-        with clip_grads.token_scale(token_scale):
+        with self._clip.token_scale(token_scale) if self._clip is not None else nullcontext():
             update_successful, grad_norm, _ = self._optimizer.step()
+        if self._after_update is not None:
+            self._after_update()
         if isinstance(grad_norm, torch.Tensor):  # Megatron's no-sync clipping keeps it on the device, shape [1]
             grad_norm = grad_norm.detach().reshape(()).float()
         if update_successful:
@@ -152,16 +164,19 @@ def setup(
     fused: bool,
     on_step: Callable[[StepStats], None],
     nonfinite: guards.NonFinite,
+    clip: ForeachClipGrads,
+    after_update: Callable[[], None] | None = None,
 ) -> tuple[Any, Any, LightningOptimizerAdapter]:
     """Megatron's optimizer and LR schedule for ``spec`` (:func:`build`), the adapter Lightning steps
-    (:func:`lightning_adapter`), and the schedule's hooks on the chunks' config (``parallel/ddp.py``).
-    ``nonfinite="skip"`` decides before each update whether to step, at one GPU synchronisation per step."""
+    (:func:`lightning_adapter`, with the strategy's ``clip`` patch), and the schedule's hooks on the chunks' config
+    (``parallel/ddp.py``); ``after_update`` runs after each update. ``nonfinite="skip"`` decides before each update
+    whether to step, at one GPU synchronisation per step."""
     optimizer, scheduler = build(spec, ddp_chunks, trainer, dtype=dtype, distributed=distributed, fused=fused)
     should_step = None
     if nonfinite == "skip":  # with fp16, gradients are loss-scaled: Megatron's scaler handles their overflow
         check_grads = dtype != torch.float16
         should_step = lambda loss: guards.step_is_finite(loss, ddp_chunks, check_grads=check_grads)  # noqa: E731
-    adapter = lightning_adapter(optimizer, scheduler, ddp_chunks, on_step, should_step)
+    adapter = lightning_adapter(optimizer, scheduler, ddp_chunks, on_step, should_step, clip, after_update)
     ddp.set_schedule_hooks(ddp_chunks, optimizer)
     return optimizer, scheduler, adapter
 
@@ -172,14 +187,18 @@ def lightning_adapter(
     ddp_chunks: list[Any],
     on_step: Callable[[StepStats], None],
     should_step: Callable[[Any], bool] | None,
+    clip: ForeachClipGrads,
+    after_update: Callable[[], None] | None = None,
 ) -> LightningOptimizerAdapter:
-    """The adapter Lightning steps, with Megatron's clipping on torch's multi-tensor kernels
-    (:func:`clip_grads.use_foreach_clip_grads`) and, when it clips, the DDP's division by the token count
-    deferred into the clipping's multiply (``parallel/ddp.py:TokenScaleDeferringDDP``)."""
-    folds = clip_grads.use_foreach_clip_grads() and clips(optimizer)
+    """The adapter Lightning steps. When Megatron clips on torch's multi-tensor kernels (``clip`` installed), the
+    DDP's division by the token count is deferred into the clipping's multiply
+    (``parallel/ddp.py:TokenScaleDeferringDDP``)."""
+    folds = clip.installed and clips(optimizer)
     ddp.defer_token_scale(ddp_chunks, folds)
     take = (lambda: ddp.take_token_scale(ddp_chunks)) if folds else None
-    return LightningOptimizerAdapter(optimizer, scheduler, on_step, should_step, take_token_scale=take)
+    return LightningOptimizerAdapter(
+        optimizer, scheduler, on_step, should_step, take_token_scale=take, clip=clip, after_update=after_update
+    )
 
 
 def clips(optimizer: Any) -> bool:

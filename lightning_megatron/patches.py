@@ -1,0 +1,278 @@
+"""Every patch of a third-party object, each one small object that says what it replaces, why, and when it can go.
+
+The run-long patches are installed by :class:`~lightning_megatron.MegatronStrategy` through one :class:`PatchStack`
+and removed, in reverse order, at its teardown: every removal runs even when another one (or an earlier teardown
+step) raises, and removing twice does nothing. :class:`KeepAdamStepOnLoad` lives for one optimizer load only (a
+``with`` block around it). Each docstring's ``Droppable when:`` line names the upstream version it was written
+against; ``tests/test_patches.py`` checks that every patch is undone after a run, also after a failed teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ClassVar, Self
+
+import torch
+
+
+class Patch:
+    """A replacement of third-party attributes, undone by :meth:`remove` (idempotent)."""
+
+    installed = False
+    """Whether this object's replacement is in place (a patch may decline to install, e.g. when not needed)."""
+
+    def install(self) -> None:
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        raise NotImplementedError
+
+    def targets(self) -> list[tuple[Any, str]]:
+        """``(owner, attribute)`` pairs this patch replaces while installed (what a test checks is restored)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class CpuMode(Patch):
+    """Megatron-Core on CPU over gloo: ``torch.cuda`` stand-ins and a ``TorchFunctionMode`` mapping CUDA to CPU.
+
+    Megatron-Core calls ``torch.cuda.current_device()`` in ~200 places, builds ``device="cuda"`` tensors, uses CUDA
+    streams, events and the CUDA RNG, and compares ``Tensor.type()`` to CUDA type names; :mod:`lightning_megatron.cpu`
+    has the stand-ins. Removes only what it installed (CPU mode already on, e.g. a test's ``cpu.cpu_mode()``, stays).
+
+    Droppable when: megatron-core runs on a CPU device itself; not fixed upstream as of megatron-core 0.19.2.
+    """
+
+    def install(self) -> None:
+        from lightning_megatron import cpu
+
+        if not self.installed and not cpu.is_enabled():
+            cpu.enable()
+            self.installed = True
+
+    def remove(self) -> None:
+        from lightning_megatron import cpu
+
+        if self.installed:
+            self.installed = False
+            cpu.disable()
+
+    def targets(self) -> list[tuple[Any, str]]:
+        from lightning_megatron import cpu
+
+        return [(owner, name) for owner, name, _ in cpu.stand_ins()]
+
+
+class QuietRun(Patch):
+    """Warning filters and log-record filters for the third-party notices the torch-native path always prints
+    (:mod:`lightning_megatron.quiet` lists them): about 60 lines per job that ask the user to do nothing.
+
+    Droppable when: megatron-core stops warning about missing Transformer Engine/apex and its deprecated GPTModel,
+    torch about its deprecated collectives, Lightning about ``LeafSpec``; none of that is fixed as of megatron-core
+    0.19.2, torch 2.11, Lightning 2.6.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self._device_type = device_type
+        self._stack: contextlib.ExitStack | None = None
+
+    def install(self) -> None:
+        from lightning_megatron import quiet
+
+        if self._stack is None:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(quiet.run_filters(self._device_type))
+                self._stack = stack.pop_all()
+            self.installed = True
+
+    def remove(self) -> None:
+        stack, self._stack = self._stack, None
+        self.installed = False
+        if stack is not None:
+            stack.close()
+
+    def targets(self) -> list[tuple[Any, str]]:
+        import warnings
+
+        return [(warnings, "filters")]  # catch_warnings swaps the list; the logger filters are appended and removed
+
+
+class ForeachClipGrads(Patch):
+    """Megatron's gradient clipping on torch's multi-tensor kernels, and the token-count division folded into it.
+
+    Without Transformer Engine or apex, ``megatron.core.optimizer.clip_grads`` falls back to
+    ``local_multi_tensor_l2_norm`` (one ``torch.norm`` per gradient tensor and a host read of the total: a GPU
+    synchronisation per step) and rescales one tensor at a time, and lacks the tensor-scale kernel that lets Megatron
+    keep the norm on the device (its no-synchronisation branch: gradients multiplied by ``min(1, clip / (norm +
+    1e-6))`` on the GPU). Host timeline of raw Megatron-Core, 1B on an H200: 32.9 ms of waiting and 21.8 ms of GPU
+    idle per 213 ms step. ``torch._foreach_norm`` / ``_foreach_mul_`` do the same arithmetic in a few kernels.
+    ``OptimizerConfig`` has no hook for these functions, hence the patch of the module's three ``*_impl`` names.
+
+    :meth:`token_scale` is the one channel of the deferred division by the global batch's token count
+    (``parallel/ddp.py:TokenScaleDeferringDDP``): Megatron's ``finalize_model_grads(num_tokens=...)`` would divide
+    every gradient in one more pass (2.9 ms of a 195 ms step for 1B parameters on an H200) right before clipping
+    multiplies them all again; here the clipping's multiply applies both. Installs nothing when Transformer Engine's
+    or apex's kernels are in use (:attr:`installed` stays False).
+
+    Droppable when: megatron-core's torch-native fallback uses multi-tensor kernels with a device-side clip
+    coefficient and accepts a gradient pre-scale; not fixed upstream as of megatron-core 0.19.2.
+    """
+
+    _NAMES: ClassVar = ("l2_norm_impl", "multi_tensor_scale_impl", "multi_tensor_scale_tensor_impl")
+
+    def __init__(self) -> None:
+        self._originals: dict[str, Any] = {}
+        self._token_scale: torch.Tensor | float | None = None
+
+    def install(self) -> None:
+        from megatron.core import utils
+        from megatron.core.optimizer import clip_grads
+
+        if self.installed or clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
+            return
+        self._originals = {name: getattr(clip_grads, name) for name in self._NAMES}
+        clip_grads.l2_norm_impl = self._l2_norm
+        clip_grads.multi_tensor_scale_impl = self._scale
+        clip_grads.multi_tensor_scale_tensor_impl = self._scale_by_tensor
+        self.installed = True
+
+    def remove(self) -> None:
+        from megatron.core.optimizer import clip_grads
+
+        originals, self._originals = self._originals, {}
+        self.installed = False
+        for name, original in originals.items():
+            setattr(clip_grads, name, original)
+
+    def targets(self) -> list[tuple[Any, str]]:
+        from megatron.core.optimizer import clip_grads
+
+        return [(clip_grads, name) for name in self._NAMES]
+
+    @contextlib.contextmanager
+    def token_scale(self, factor: torch.Tensor | float | None) -> Iterator[None]:
+        """While Megatron's optimizer steps in this block, its gradients are still to be multiplied by ``factor``:
+        the norm is computed for the multiplied gradients and the clipping multiply applies ``factor`` with the clip
+        coefficient. Only valid when Megatron clips (``clip_grad > 0``): otherwise nothing would apply it."""
+        if factor is not None and not self.installed:
+            raise RuntimeError("ForeachClipGrads.token_scale needs the patch installed")
+        self._token_scale = factor
+        try:
+            yield
+        finally:
+            self._token_scale = None
+
+    def _l2_norm(self, chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], *args: Any) -> tuple:
+        # apex's amp_C.multi_tensor_l2norm contract (through Megatron's local multi_tensor_applier): the L2 norm of
+        # all tensors together as a float32 tensor of shape [1], left on the device.
+        norms = torch._foreach_norm(tensor_lists[0])
+        norm = torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1)
+        return (norm if self._token_scale is None else norm * self._token_scale), None  # the norm scales linearly
+
+    @staticmethod
+    def _scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: Any) -> None:
+        # amp_C.multi_tensor_scale's contract: dst = src * scale, tensor by tensor.
+        src, dst = tensor_lists
+        if not dst:  # a rank without gradients to clip (Megatron filters by .grad); torch's foreach ops refuse []
+            return
+        if all(s is d for s, d in zip(src, dst, strict=True)):
+            torch._foreach_mul_(dst, scale)
+        else:
+            torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+    def _scale_by_tensor(
+        self, chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: Any
+    ) -> None:
+        # Transformer Engine's multi_tensor_scale_tensor contract: dst = src * scale, the scale a one-element device
+        # tensor (Megatron's clip coefficient, never read on the host; only the clipping calls it).
+        if self._token_scale is not None:
+            scale = scale * self._token_scale
+        self._scale(chunk_size, noop_flag, tensor_lists, scale.reshape(()))
+
+
+class KeepAdamStepOnLoad(Patch):
+    """Let a ``fully_reshardable`` load of the distributed optimizer skip torch Adam's ``step`` tensor.
+
+    ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every tensor of the torch optimizer's
+    per-parameter state from the checkpoint, ``step`` included, but the checkpoint restores ``step`` through the
+    param groups and has no per-parameter entry (``KeyError: 'step'``). Megatron skips entries whose source is not a
+    tensor, so the method is handed ``step=None``. Replaced on the given optimizer's instances only (the parts of a
+    ``ChainedOptimizer``), for one ``with`` block around the load.
+
+    Droppable when: megatron-core's torch-native path loads ``fully_reshardable`` Adam state without a
+    per-parameter ``step``; not fixed upstream as of megatron-core 0.19.2.
+    """
+
+    _NAME = "_set_main_param_and_optimizer_states"
+
+    def __init__(self, optimizer: Any) -> None:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        parts = getattr(optimizer, "chained_optimizers", [optimizer])
+        self._parts = [part for part in parts if isinstance(part, DistributedOptimizer)]
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        for part in self._parts:
+            original = getattr(part, self._NAME)
+
+            def set_states(model_param: Any, tensors: dict[str, Any], original: Any = original) -> None:
+                original(model_param, {"step": None, **tensors})
+
+            setattr(part, self._NAME, set_states)  # an instance attribute: the class keeps Megatron's method
+        self.installed = True
+
+    def remove(self) -> None:
+        self.installed = False
+        for part in self._parts:
+            vars(part).pop(self._NAME, None)
+
+    def targets(self) -> list[tuple[Any, str]]:
+        return [(part, self._NAME) for part in self._parts]
+
+
+RUN_PATCHES: tuple[type[Patch], ...] = (QuietRun, CpuMode, ForeachClipGrads)
+"""The patches a run of the strategy installs (in this order; CPU mode only on CPU, clipping only for fit)."""
+
+
+class PatchStack:
+    """The patches of one run: :meth:`install` as the run needs them, :meth:`remove` all at its teardown."""
+
+    def __init__(self) -> None:
+        self._patches: list[Patch] = []
+
+    @property
+    def installed(self) -> list[Patch]:
+        """The patches in place now, in installation order."""
+        return [patch for patch in self._patches if patch.installed]
+
+    def install[P: Patch](self, patch: P) -> P:
+        """Install ``patch`` and keep it for :meth:`remove` (kept even if its install raises part-way)."""
+        self._patches.append(patch)
+        patch.install()
+        return patch
+
+    def get[P: Patch](self, kind: type[P]) -> P | None:
+        """The patch of type ``kind`` this stack holds (installed or declined), if any."""
+        return next((p for p in self._patches if isinstance(p, kind)), None)
+
+    def remove(self) -> None:
+        """Remove every patch, the last installed first; each removal runs even if another raises (the first error
+        is raised at the end). Idempotent."""
+        patches, self._patches = self._patches, []
+        error: BaseException | None = None
+        for patch in reversed(patches):
+            try:
+                patch.remove()
+            except BaseException as caught:  # noqa: BLE001  (the rest must be removed whatever happened)
+                error = error or caught
+        if error is not None:
+            raise error
