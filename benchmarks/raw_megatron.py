@@ -34,7 +34,7 @@ def build_chunk(config: Any, tc: Any, first: bool, last: bool, vp: int | None, k
     """One model chunk: (b)'s as MegatronLMModule builds it, or (b0)'s from Megatron-Core's local spec alone."""
     from megatron.core.models.gpt import GPTModel
 
-    from lightning_megatron.kernels.specs import block_spec
+    from lightning_megatron.gpt.specs import block_spec
 
     spec = stock_layer_spec(config) if stock else block_spec(config, tc, vp, kernels)
     return GPTModel(
@@ -51,7 +51,7 @@ def run(args: Any, config: Any, data: torch.Tensor, stock: bool = False) -> dict
     from megatron.core.transformer.module import Float16Module
 
     from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
-    from lightning_megatron.kernels.resolve import resolve
+    from lightning_megatron.gpt.plan import resolve
     from lightning_megatron.parallel.sizes import ParallelSizes
     from lightning_megatron.parallel.state import chunk_stages, graph_safe_rng, initialize, seed
 

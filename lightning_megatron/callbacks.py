@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 
 from lightning_megatron.contract import MegatronRuntime
-from lightning_megatron.modules.lm import MegatronLMModule
+from lightning_megatron.gpt.lm import MegatronLMModule
 from lightning_megatron.parallel.counts import flops_parameters, model_flops_per_token, whole_model_counts
 from lightning_megatron.schedule import as_batch, global_batch_size
 

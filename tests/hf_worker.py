@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy
-from lightning_megatron.hf import load as hf_load
+from lightning_megatron.gpt.hf import load as hf_load
 
 
 class CountingSafeOpen:

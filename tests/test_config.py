@@ -14,9 +14,9 @@ with warnings.catch_warnings():
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from lightning_megatron import config as config_module
-    from lightning_megatron.config import ModelConfig, tiny_gpt
-    from lightning_megatron.kernels.specs import layer_spec
+    from lightning_megatron.gpt import config as config_module
+    from lightning_megatron.gpt.config import ModelConfig, tiny_gpt
+    from lightning_megatron.gpt.specs import layer_spec
     from lightning_megatron.parallel.sizes import ParallelSizes
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ParallelSizes, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
-from lightning_megatron.kernels.resolve import use_cuda_graphs
+from lightning_megatron.gpt.plan import use_cuda_graphs
 from lightning_megatron.training import graphs
 from lightning_megatron.training.guards import check_graphable_batch
 from lightning_megatron.training.offload import offload

@@ -122,7 +122,7 @@ def test_shapes_fp8_cannot_take_run_unquantized(megatron_state: None) -> None:
 
 
 def test_each_fp8_format_builds_its_linears() -> None:
-    from lightning_megatron.kernels.specs import layer_spec
+    from lightning_megatron.gpt.specs import layer_spec
 
     for fmt, (column, row) in linear.FP8_LINEARS.items():
         assert column.fp8

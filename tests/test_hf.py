@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig, pack_sequences, tiny_gpt
-from lightning_megatron.hf.config import check_exportable
-from lightning_megatron.hf.mapping import hf_weight_shapes
+from lightning_megatron.gpt.hf.config import check_exportable
+from lightning_megatron.gpt.hf.mapping import hf_weight_shapes
 from tests.conftest import child_env, run_forked
 
 SEQ = 16

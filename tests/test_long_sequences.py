@@ -19,11 +19,11 @@ import transformers
 from lightning_megatron import MegatronLMModule, MegatronStrategy, TokenFileDataModule, pack_sequences, tiny_gpt
 from lightning_megatron.data.packing import first_fit
 from lightning_megatron.data.tokens import write_token_file
-from lightning_megatron.kernels import specs
+from lightning_megatron.gpt import specs
 from lightning_megatron.kernels.documents import SequenceLayout, attend, document_mask
 from lightning_megatron.micro_batches import MicroBatching, group_by_tokens, micro_batching
-from lightning_megatron.modules.lm import shift_labels
-from lightning_megatron.modules.sequences import rank_tokens, without_default_positions
+from lightning_megatron.gpt.lm import shift_labels
+from lightning_megatron.gpt.sequences import rank_tokens, without_default_positions
 from lightning_megatron.parallel.context import ContextParallel, gather_order, token_index
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.training.guards import check_token_batch

@@ -1,4 +1,4 @@
-"""LoRA (lightning_megatron.lora): configuration errors, frozen base, seeded adapters, training at one process.
+"""LoRA (lightning_megatron.gpt.lora): configuration errors, frozen base, seeded adapters, training at one process.
 (TP=2 + SP and PP=2 against one process, from HF weights: tests/test_hf.py.)"""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import LoRAConfig, MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
-from lightning_megatron.lora.config import is_adapter_param
+from lightning_megatron.gpt.lora.config import is_adapter_param
 
 
 def test_lora_config_errors() -> None:

@@ -22,7 +22,7 @@ def chunk(first: bool = True, last: bool = True, **overrides: object) -> torch.n
     """A GPTModel of tiny_gpt (``overrides`` on it) as MegatronLMModule builds it ('torch' kernels, CPU)."""
     from megatron.core.models.gpt import GPTModel
 
-    from lightning_megatron.kernels.specs import block_spec
+    from lightning_megatron.gpt.specs import block_spec
 
     config = tiny_gpt(**overrides)
     tc = config.to_transformer_config(kernels="torch")

@@ -29,7 +29,7 @@ LAYERS = [
     ("cpu", "patches"),
     ("contract", "validation", "quiet"),
 ]
-UPWARD_ALLOWED = {("lightning_megatron.config", "lightning_megatron.hf.config")}  # ModelConfig.from_hf
+UPWARD_ALLOWED = {("lightning_megatron.gpt.config", "lightning_megatron.gpt.hf.config")}  # ModelConfig.from_hf
 
 
 @dataclass
@@ -145,12 +145,12 @@ def test_the_checker_sees_cycles_and_private_names() -> None:
         "from typing import TYPE_CHECKING\n"
         "from lightning_megatron.parallel import state\n"
         "if TYPE_CHECKING:\n    from lightning_megatron import strategy\n"
-        "def f():\n    from lightning_megatron.config import _hidden\n    return state._secret\n"
+        "def f():\n    from lightning_megatron.gpt.config import _hidden\n    return state._secret\n"
     )
     module = Module("lightning_megatron.x", PACKAGE / "x.py", tree)
     _collect(module, set(MODULES))
-    assert module.imports == {"lightning_megatron.parallel.state", "lightning_megatron.config"}
-    assert sorted(module.private) == ["lightning_megatron.config._hidden", "lightning_megatron.parallel.state._secret"]
+    assert module.imports == {"lightning_megatron.parallel.state", "lightning_megatron.gpt.config"}
+    assert sorted(module.private) == ["lightning_megatron.gpt.config._hidden", "lightning_megatron.parallel.state._secret"]
 
 
 def test_no_import_cycles() -> None:

@@ -272,7 +272,7 @@ def _pickled_hf(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_pickled_hf_weights_need_an_explicit_opt_in(tmp_path: Path) -> None:
-    from lightning_megatron.hf.load import HFCheckpoint
+    from lightning_megatron.gpt.hf.load import HFCheckpoint
 
     safe, pickled = _pickled_hf(tmp_path)
     with pytest.raises(ValueError, match=r"pytorch_model\.bin.*only safetensors.*allow_pickle=True"):

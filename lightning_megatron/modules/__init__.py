@@ -1,3 +1,2 @@
-"""The LightningModules: the base contract (``base``), the causal LM (``lm``), the value model (``value``), the
-fine-tune-from-HF module (``hf_finetune``), and what they use: MoE routing replay (``routing``), perplexity
-(``metrics``)."""
+"""The LightningModule contract between the strategy and a model (``base``) and the perplexity metric (``metrics``).
+Model families build on it: ``lightning_megatron.gpt``, ``lightning_megatron.rl``."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lightning_megatron.config import ModelConfig
+    from lightning_megatron.gpt.config import ModelConfig
 
 from lightning_megatron.validation import check_positive_int
 

@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lightning_megatron.config import ModelConfig
+from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.contract import MegatronRuntime
-from lightning_megatron.hf.config import check_exportable, hf_config_dict
-from lightning_megatron.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint
-from lightning_megatron.hf.mapping import SPLIT_DIM, Param, adapter_params, chunk_params, hf_weight_shapes, split_local
-from lightning_megatron.lora.config import LoRAConfig
+from lightning_megatron.gpt.hf.config import check_exportable, hf_config_dict
+from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint
+from lightning_megatron.gpt.hf.mapping import SPLIT_DIM, Param, adapter_params, chunk_params, hf_weight_shapes, split_local
+from lightning_megatron.gpt.lora.config import LoRAConfig
 
 _NOT_RUNNING = (
     "HF export needs the built model and Megatron's parallel state: call it from a hook while the Trainer runs "
@@ -161,7 +161,7 @@ def _broadcast(tensors: list[Tensor], src: int, group: Any) -> list[Tensor]:
 
 def _local(chunk: nn.Module, p: Param, merged: bool) -> Tensor:
     """This rank's tensor of p; a LoRA-adapted weight with its adapters' product added when ``merged``."""
-    from lightning_megatron.lora.layers import is_adapter
+    from lightning_megatron.gpt.lora.layers import is_adapter
 
     local = chunk.get_parameter(p.megatron).detach()
     owner, _, leaf = p.megatron.rpartition(".")

@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from torch import Tensor, nn
 
-from lightning_megatron.lora.config import TARGETS, LoRAConfig
+from lightning_megatron.gpt.lora.config import TARGETS, LoRAConfig
 
 
 def _kaiming_uniform(rows: int, cols: int, generator: torch.Generator) -> Tensor:

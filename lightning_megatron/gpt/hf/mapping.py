@@ -1,5 +1,5 @@
 """The weight-name table: which HF tensors make each Megatron ``GPTModel`` parameter, and how they are split over
-tensor-parallel ranks. Import (:mod:`lightning_megatron.hf.load`) and export (:mod:`lightning_megatron.hf.export`)
+tensor-parallel ranks. Import (:mod:`lightning_megatron.gpt.hf.load`) and export (:mod:`lightning_megatron.gpt.hf.export`)
 both read it, so the two directions cannot disagree.
 """
 
@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from lightning_megatron.lora.config import COLUMN_TARGETS, HF_BLOCK
+from lightning_megatron.gpt.lora.config import COLUMN_TARGETS, HF_BLOCK
 
 if TYPE_CHECKING:
-    from lightning_megatron.config import ModelConfig
-    from lightning_megatron.lora.config import LoRAConfig
+    from lightning_megatron.gpt.config import ModelConfig
+    from lightning_megatron.gpt.lora.config import LoRAConfig
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT's ``PeftModel`` puts before the HF model's own names in an adapter's state dict."""
@@ -77,7 +77,7 @@ def chunk_params(c: ModelConfig, *, pre: bool, post: bool, offset: int, num_laye
 def adapter_params(c: ModelConfig, lora: LoRAConfig, *, offset: int, num_layers: int) -> list[Param]:
     """The LoRA factors of one chunk's layers as PEFT names them (``base_model.model.model.layers.0.self_attn.
     q_proj.lora_A.weight``), in PEFT's state-dict order. A column-parallel base's B is split like its rows and A
-    replicated; a row-parallel base's A is split like its columns and B replicated (lightning_megatron.lora)."""
+    replicated; a row-parallel base's A is split like its columns and B replicated (lightning_megatron.gpt.lora)."""
     params = []
     for i in range(num_layers):
         for target in HF_BLOCK:  # HF order: q, k, v, o, gate, up, down

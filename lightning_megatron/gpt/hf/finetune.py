@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from lightning_megatron.hf.load import open_pretrained
-from lightning_megatron.hf.peft import with_adapter
-from lightning_megatron.modules.lm import MegatronLMModule
+from lightning_megatron.gpt.hf.load import open_pretrained
+from lightning_megatron.gpt.hf.peft import with_adapter
+from lightning_megatron.gpt.lm import MegatronLMModule
 
 
 class MegatronLMFromHF(MegatronLMModule):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from lightning_megatron.config import ModelConfig
+    from lightning_megatron.gpt.config import ModelConfig
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _BY_MODEL_TYPE = {name.removesuffix("ForCausalLM").lower(): name for name in ARCHITECTURES}

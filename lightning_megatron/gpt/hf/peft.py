@@ -1,6 +1,6 @@
 """PEFT adapter directories: ``adapter_config.json`` + ``adapter_model.safetensors``, in PEFT's names.
 
-Our adapters are PEFT's (one per HF projection, :mod:`lightning_megatron.lora.layers`), so a directory written by
+Our adapters are PEFT's (one per HF projection, :mod:`lightning_megatron.gpt.lora.layers`), so a directory written by
 :func:`save_adapter` loads with ``peft.PeftModel.from_pretrained(base, path)``, and one written by PEFT
 (``get_peft_model(...).save_pretrained(path)``) opens with :func:`open_adapter`.
 """
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lightning_megatron.config import ModelConfig
-from lightning_megatron.hf.load import HFCheckpoint, open_safetensors
-from lightning_megatron.hf.mapping import adapter_shapes
-from lightning_megatron.lora.config import HF_BLOCK, PROJECTIONS, TARGETS, LoRAConfig, adapter_parts
+from lightning_megatron.gpt.config import ModelConfig
+from lightning_megatron.gpt.hf.load import HFCheckpoint, open_safetensors
+from lightning_megatron.gpt.hf.mapping import adapter_shapes
+from lightning_megatron.gpt.lora.config import HF_BLOCK, PROJECTIONS, TARGETS, LoRAConfig, adapter_parts
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -140,7 +140,7 @@ def with_adapter(
 
 def save_adapter(module: Any, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
     """Collective: write ``module``'s adapters as a PEFT adapter directory with rank 0."""
-    from lightning_megatron.hf.export import check_running, export_weights
+    from lightning_megatron.gpt.hf.export import check_running, export_weights
 
     check_running(module)
     lora, config = module.lora, module.config

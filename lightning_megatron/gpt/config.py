@@ -2,7 +2,7 @@
 
 `ModelConfig` is what a user writes (YAML / LightningCLI); the strategy decides TP/PP/VPP/CP/EP/SP
 and dtypes, checks them with `validate_parallel` *before* building anything, and only then calls
-`to_transformer_config(**parallel)` (the layer specs come from `lightning_megatron.kernels.specs`). Field names
+`to_transformer_config(**parallel)` (the layer specs come from `lightning_megatron.gpt.specs`). Field names
 follow Megatron's `TransformerConfig` so that configs read the same as Megatron-LM's; the exception is
 `norm_epsilon` (Megatron-LM's CLI name, `layernorm_epsilon` on `TransformerConfig`).
 """
@@ -14,8 +14,8 @@ from typing import Any, Literal, Self
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from lightning_megatron.kernels.resolve import Kernels, Resolved
-from lightning_megatron.kernels.specs import LOCAL_BACKEND, kernel_fields
+from lightning_megatron.gpt.plan import Kernels, Resolved
+from lightning_megatron.gpt.specs import LOCAL_BACKEND, kernel_fields
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.validation import check_choice, check_positive_int, divisors, next_multiple
 
@@ -187,11 +187,11 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, **overrides: Any) -> Self:
         """The model of a Hugging Face config (a ``PretrainedConfig``, a config.json dict or a model directory).
 
-        Llama, Mistral, Qwen2 and Qwen3 causal LMs (:func:`lightning_megatron.hf.config.model_fields` says what maps to
+        Llama, Mistral, Qwen2 and Qwen3 causal LMs (:func:`lightning_megatron.gpt.hf.config.model_fields` says what maps to
         what). Keyword arguments override fields; ``seq_length`` defaults to ``max_position_embeddings`` (capped
         by a sliding attention window).
         """
-        from lightning_megatron.hf.config import model_fields
+        from lightning_megatron.gpt.hf.config import model_fields
 
         fields = model_fields(hf_config, seq_length=overrides.pop("seq_length", None))
         return cls(**{**fields, **overrides})
@@ -378,7 +378,7 @@ class ModelConfig:
     ) -> TransformerConfig:
         """Build Megatron's TransformerConfig; `parallel` (TP/PP/dtypes/...) is passed through unchanged.
 
-        ``kernels`` is the resolved kernel set (:func:`lightning_megatron.kernels.resolve.resolve`); with ``'torch'``,
+        ``kernels`` is the resolved kernel set (:func:`lightning_megatron.gpt.plan.resolve`); with ``'torch'``,
         ``compile_fusions`` turns on Megatron's torch.compile'd activation and bias-dropout-add fusions (on GPU;
         on CPU compiling costs more than it saves).
         """

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_megatron.contract import Batch, ChunkSpec, LossFn
-from lightning_megatron.modules.lm import MegatronLMModule, token_mask
+from lightning_megatron.gpt.lm import MegatronLMModule, token_mask
 
 
 class ValueHead(nn.Linear):

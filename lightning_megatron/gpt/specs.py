@@ -17,15 +17,15 @@ from megatron.core.transformer.enums import AttnBackend
 
 from lightning_megatron.kernels.attention import Rotary, SDPAttention
 from lightning_megatron.kernels.norms import TorchNorm
-from lightning_megatron.kernels.resolve import Resolved
+from lightning_megatron.gpt.plan import Resolved
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from lightning_megatron.config import ModelConfig
-    from lightning_megatron.lora.config import LoRAConfig
+    from lightning_megatron.gpt.config import ModelConfig
+    from lightning_megatron.gpt.lora.config import LoRAConfig
 
 # We build with Megatron's torch-native "local" spec (no Transformer Engine / apex, also on CPU): select the local
 # implementations and turn off every fused path that needs TE or apex kernels. Defaults only: kernel_fields and the
@@ -130,11 +130,11 @@ def layer_spec(
 
 
 def with_adapters(spec: Any, lora: LoRAConfig, config: ModelConfig) -> Any:
-    """Copy of a layer spec whose ``lora.target_modules`` linears are LoRA-adapted (lightning_megatron.lora)."""
+    """Copy of a layer spec whose ``lora.target_modules`` linears are LoRA-adapted (lightning_megatron.gpt.lora)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from lightning_megatron.lora.config import COLUMN_TARGETS, adapter_parts
-    from lightning_megatron.lora.layers import LoRAColumnParallelLinear, LoRARowParallelLinear
+    from lightning_megatron.gpt.lora.config import COLUMN_TARGETS, adapter_parts
+    from lightning_megatron.gpt.lora.layers import LoRAColumnParallelLinear, LoRARowParallelLinear
 
     def swap(value: Any, name: str) -> Any:
         adapted_already = value in (LoRAColumnParallelLinear, LoRARowParallelLinear)  # the new spec's own module

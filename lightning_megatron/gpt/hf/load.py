@@ -22,11 +22,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from lightning_megatron.config import ModelConfig
-from lightning_megatron.hf import pickled
-from lightning_megatron.hf.config import architecture
-from lightning_megatron.hf.mapping import SPLIT_DIM, Param, adapter_params, chunk_params, combine, hf_weight_shapes
-from lightning_megatron.lora.config import LoRAConfig, is_adapter_param
+from lightning_megatron.gpt.config import ModelConfig
+from lightning_megatron.gpt.hf import pickled
+from lightning_megatron.gpt.hf.config import architecture
+from lightning_megatron.gpt.hf.mapping import SPLIT_DIM, Param, adapter_params, chunk_params, combine, hf_weight_shapes
+from lightning_megatron.gpt.lora.config import LoRAConfig, is_adapter_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -141,7 +141,7 @@ def open_safetensors(file: Path) -> Any:
 def load_chunk(chunk: nn.Module, checkpoint: HFCheckpoint, config: ModelConfig, vp_stage: int | None) -> None:
     """Copy this rank's shard of the HF tensors into a freshly built ``GPTModel`` chunk (lazy slice reads)."""
     params = chunk_params(config, pre=chunk.pre_process, post=chunk.post_process, **_layers(chunk, vp_stage))
-    # LoRA adapters are not HF weights: they start from their own seeded init (lightning_megatron.lora).
+    # LoRA adapters are not HF weights: they start from their own seeded init (lightning_megatron.gpt.lora).
     own = {name: p for name, p in chunk.named_parameters() if not is_adapter_param(name)}
     unmapped = sorted(set(own) - {p.megatron for p in params})
     if unmapped:  # a parameter left at its random init would silently break parity

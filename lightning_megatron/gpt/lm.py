@@ -12,21 +12,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_megatron.checkpointing.sharded import MODEL_CONFIG_KEY
-from lightning_megatron.config import ModelConfig
+from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.contract import Batch, ChunkSpec, LossFn, OptimizerSpec
-from lightning_megatron.kernels import specs
+from lightning_megatron.gpt import specs
 from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.kernels.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-from lightning_megatron.kernels.resolve import Resolved, describe, fuse_wgrad, resolve, use_cuda_graphs, use_fp8
-from lightning_megatron.lora.config import LoRAConfig, check_lora
-from lightning_megatron.modules import routing
+from lightning_megatron.gpt.plan import Resolved, describe, fuse_wgrad, resolve, use_cuda_graphs, use_fp8
+from lightning_megatron.gpt.lora.config import LoRAConfig, check_lora
+from lightning_megatron.gpt import routing
 from lightning_megatron.modules.base import MegatronLightningModule
-from lightning_megatron.modules.sequences import RankTokens, document_starts, rank_tokens, without_default_positions
+from lightning_megatron.gpt.sequences import RankTokens, document_starts, rank_tokens, without_default_positions
 from lightning_megatron.parallel import state
 from lightning_megatron.training import guards
 
 if TYPE_CHECKING:
-    from lightning_megatron.hf.load import HFCheckpoint
+    from lightning_megatron.gpt.hf.load import HFCheckpoint
     from lightning_megatron.parallel.sizes import ParallelSizes
 
 IGNORE_INDEX = guards.IGNORE_INDEX
@@ -126,8 +126,8 @@ class MegatronLMModule(MegatronLightningModule):
                 rank, alpha and targets become the module's ``lora`` (a ``lora=`` given too must match them).
             module_kwargs: the module's arguments (``lr``, ``warmup_steps``, ``lora``, ...).
         """
-        from lightning_megatron.hf.load import open_pretrained
-        from lightning_megatron.hf.peft import with_adapter
+        from lightning_megatron.gpt.hf.load import open_pretrained
+        from lightning_megatron.gpt.hf.peft import with_adapter
 
         checkpoint, config = open_pretrained(
             path, seq_length=seq_length, config_overrides=config_overrides, allow_pickle=allow_pickle
@@ -210,7 +210,7 @@ class MegatronLMModule(MegatronLightningModule):
         common = sharded.read_common_state(checkpoint_path)
         base = common.get(sharded.FROZEN_BASE_KEY)
         if base is not None and "hf" in base:
-            from lightning_megatron.hf.load import HFCheckpoint
+            from lightning_megatron.gpt.hf.load import HFCheckpoint
 
             try:
                 module.hf_checkpoint = HFCheckpoint.open(base["hf"])
@@ -284,15 +284,15 @@ class MegatronLMModule(MegatronLightningModule):
 
             fuse_lm_head(chunk.output_layer)
         if self.hf_checkpoint is not None:
-            from lightning_megatron.hf.load import load_chunk
+            from lightning_megatron.gpt.hf.load import load_chunk
 
             load_chunk(chunk, self.hf_checkpoint, self.config, spec.vp_stage)
         if self.lora is not None:
-            from lightning_megatron.lora.layers import init_adapters
+            from lightning_megatron.gpt.lora.layers import init_adapters
 
             init_adapters(chunk, self.lora)  # also freezes everything but the adapters
             if self.hf_adapter is not None:
-                from lightning_megatron.hf.load import load_adapter_chunk
+                from lightning_megatron.gpt.hf.load import load_adapter_chunk
 
                 load_adapter_chunk(chunk, self.hf_adapter, self.config, self.lora, spec.vp_stage)
         return chunk
@@ -313,7 +313,7 @@ class MegatronLMModule(MegatronLightningModule):
         adapters in PEFT's names (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``). Call it
         while the strategy is set up (any hook of ``fit``/``validate``/``predict``).
         """
-        from lightning_megatron.hf.export import check_running, export_weights
+        from lightning_megatron.gpt.hf.export import check_running, export_weights
 
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not bucket_bytes > 0):
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive number of bytes, or None")
@@ -342,10 +342,10 @@ class MegatronLMModule(MegatronLightningModule):
         directory instead (``adapter_config.json`` + ``adapter_model.safetensors``), which
         ``peft.PeftModel.from_pretrained(base, path)`` loads.
         """
-        from lightning_megatron.hf.export import save_pretrained
+        from lightning_megatron.gpt.hf.export import save_pretrained
 
         if adapter:
-            from lightning_megatron.hf.peft import save_adapter
+            from lightning_megatron.gpt.hf.peft import save_adapter
 
             if self.lora is None:
                 raise ValueError("save_hf(adapter=True) writes LoRA adapters; this module has none (lora=None)")
