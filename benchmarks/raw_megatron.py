@@ -50,8 +50,8 @@ def run(args: Any, config: Any, data: torch.Tensor, stock: bool = False) -> dict
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
-    from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
     from lightning_megatron.gpt.plan import resolve
+    from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
     from lightning_megatron.parallel.sizes import ParallelSizes
     from lightning_megatron.parallel.state import chunk_stages, graph_safe_rng, initialize, seed
 

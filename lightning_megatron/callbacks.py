@@ -1,5 +1,5 @@
 """Callbacks for Megatron training: :class:`MegatronThroughput` (tokens/s, TFLOP/s per GPU, MFU),
-:class:`SaveHF` (write the trained model as a Hugging Face directory) and :class:`MegatronModelSummary` (Lightning's
+and :class:`MegatronModelSummary` (Lightning's
 model summary counting the whole model, which the strategy puts in place of Lightning's own).
 
 Lightning's own ``ThroughputMonitor`` counts every rank as a data-parallel replica (wrong under TP/PP, where the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Literal, override
+from typing import Any, override
 
 import lightning as L
 import torch
@@ -23,7 +23,6 @@ from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 
 from lightning_megatron.contract import MegatronRuntime
-from lightning_megatron.gpt.lm import MegatronLMModule
 from lightning_megatron.parallel.counts import flops_parameters, model_flops_per_token, whole_model_counts
 from lightning_megatron.schedule import as_batch, global_batch_size
 
@@ -138,39 +137,6 @@ def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
     if key == "fp32" and torch.get_float32_matmul_precision() != "highest":
         key = "tf32"
     return _PEAK_FLOPS[chip][key]
-
-
-class SaveHF(L.Callback):
-    """Write the trained model as an HF directory when training ends (``MegatronLMModule.save_hf``, collective).
-
-    For configs: ``callbacks: [{class_path: lightning_megatron.SaveHF, init_args: {path: out/hf}}]``.
-
-    Args:
-        path: the directory to write (config.json + safetensors; the source's tokenizer files when fine-tuned
-            from an HF directory). A LoRA module's weights are written merged (base + adapters).
-        dtype: dtype of the written tensors; ``None`` keeps the parameters' (bf16 under ``bf16-mixed``).
-        adapter: write a LoRA module's adapters alone as a PEFT adapter directory (``adapter_config.json`` +
-            ``adapter_model.safetensors``) instead.
-    """
-
-    def __init__(
-        self, path: str, dtype: Literal["bfloat16", "float16", "float32"] | None = None, adapter: bool = False
-    ) -> None:
-        self.path = path
-        self.dtype = getattr(torch, dtype) if dtype else None
-        self.adapter = adapter
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.adapter and getattr(pl_module, "lora", None) is None:  # fail now, not after the whole run
-            raise ValueError(
-                "SaveHF(adapter=True) writes LoRA adapters, and this module has none: give it lora=LoRAConfig(...), "
-                "or use SaveHF(path) for the whole model"
-            )
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not isinstance(pl_module, MegatronLMModule):
-            raise TypeError(f"SaveHF saves a MegatronLMModule, got {type(pl_module).__name__}")
-        pl_module.save_hf(self.path, dtype=self.dtype, adapter=self.adapter)  # every rank: gathers over TP and PP
 
 
 class WholeModelSummary(Summary):

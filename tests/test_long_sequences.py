@@ -20,10 +20,10 @@ from lightning_megatron import MegatronLMModule, MegatronStrategy, TokenFileData
 from lightning_megatron.data.packing import first_fit
 from lightning_megatron.data.tokens import write_token_file
 from lightning_megatron.gpt import specs
-from lightning_megatron.kernels.documents import SequenceLayout, attend, document_mask
-from lightning_megatron.micro_batches import MicroBatching, group_by_tokens, micro_batching
 from lightning_megatron.gpt.lm import shift_labels
 from lightning_megatron.gpt.sequences import rank_tokens, without_default_positions
+from lightning_megatron.kernels.documents import SequenceLayout, attend, document_mask
+from lightning_megatron.micro_batches import MicroBatching, group_by_tokens, micro_batching
 from lightning_megatron.parallel.context import ContextParallel, gather_order, token_index
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.training.guards import check_token_batch

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from lightning_megatron.gpt.plan import Kernels, Resolved
-from lightning_megatron.gpt.specs import LOCAL_BACKEND, kernel_fields
+from lightning_megatron.gpt.transformer import LOCAL_BACKEND, kernel_fields
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.validation import check_choice, check_positive_int, divisors, next_multiple
 
@@ -187,11 +187,11 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, **overrides: Any) -> Self:
         """The model of a Hugging Face config (a ``PretrainedConfig``, a config.json dict or a model directory).
 
-        Llama, Mistral, Qwen2 and Qwen3 causal LMs (:func:`lightning_megatron.gpt.hf.config.model_fields` says what maps to
-        what). Keyword arguments override fields; ``seq_length`` defaults to ``max_position_embeddings`` (capped
+        Llama, Mistral, Qwen2 and Qwen3 causal LMs (:func:`lightning_megatron.gpt.hf.fields.model_fields` says what
+        maps to what). Keyword arguments override fields; ``seq_length`` defaults to ``max_position_embeddings`` (capped
         by a sliding attention window).
         """
-        from lightning_megatron.gpt.hf.config import model_fields
+        from lightning_megatron.gpt.hf.fields import model_fields
 
         fields = model_fields(hf_config, seq_length=overrides.pop("seq_length", None))
         return cls(**{**fields, **overrides})
@@ -269,6 +269,12 @@ class ModelConfig:
         # Megatron rejects top-1 softmax routing unless moe_router_pre_softmax (zero gradient otherwise).
         if self.moe_router_topk == 1:
             raise ValueError("moe_router_topk=1 needs Megatron's moe_router_pre_softmax, not exposed here; use >= 2")
+
+    @property
+    def activation_fusable(self) -> bool:
+        """Whether Megatron has a fused kernel for this MLP activation: SwiGLU, GeGLU and bias+GeLU (plain GeLU
+        without a bias has none)."""
+        return self.gated_linear_unit or (self.activation == "gelu" and self.add_bias_linear)
 
     @property
     def effective_num_query_groups(self) -> int:
@@ -383,7 +389,8 @@ class ModelConfig:
         on CPU compiling costs more than it saves).
         """
         model: dict[str, Any] = {name: getattr(self, name) for name in _SAME_NAME_FIELDS}
-        model.update(kernel_fields(self, kernels, compile_fusions))
+        rope = self.position_embedding_type == "rope"
+        model.update(kernel_fields(kernels, compile_fusions, rope=rope, activation_fusable=self.activation_fusable))
         model["layernorm_epsilon"] = self.norm_epsilon
         model["activation_func"] = _ACTIVATIONS[self.activation]
         if self.cuda_graphs:

@@ -12,16 +12,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_megatron.checkpointing.sharded import MODEL_CONFIG_KEY
-from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.contract import Batch, ChunkSpec, LossFn, OptimizerSpec
-from lightning_megatron.gpt import specs
+from lightning_megatron.gpt import routing, specs
+from lightning_megatron.gpt.config import ModelConfig
+from lightning_megatron.gpt.lora.config import LoRAConfig, check_lora
+from lightning_megatron.gpt.plan import Resolved, describe, fuse_wgrad, resolve, use_cuda_graphs, use_fp8
+from lightning_megatron.gpt.sequences import RankTokens, document_starts, rank_tokens, without_default_positions
 from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.kernels.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-from lightning_megatron.gpt.plan import Resolved, describe, fuse_wgrad, resolve, use_cuda_graphs, use_fp8
-from lightning_megatron.gpt.lora.config import LoRAConfig, check_lora
-from lightning_megatron.gpt import routing
 from lightning_megatron.modules.base import MegatronLightningModule
-from lightning_megatron.gpt.sequences import RankTokens, document_starts, rank_tokens, without_default_positions
 from lightning_megatron.parallel import state
 from lightning_megatron.training import guards
 

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from megatron.core.transformer.enums import AttnBackend
-
+from lightning_megatron.gpt.plan import Resolved
 from lightning_megatron.kernels.attention import Rotary, SDPAttention
 from lightning_megatron.kernels.norms import TorchNorm
-from lightning_megatron.gpt.plan import Resolved
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -26,48 +23,6 @@ if TYPE_CHECKING:
 
     from lightning_megatron.gpt.config import ModelConfig
     from lightning_megatron.gpt.lora.config import LoRAConfig
-
-# We build with Megatron's torch-native "local" spec (no Transformer Engine / apex, also on CPU): select the local
-# implementations and turn off every fused path that needs TE or apex kernels. Defaults only: kernel_fields and the
-# strategy's parallel fields may override them.
-LOCAL_BACKEND: dict[str, Any] = {
-    "transformer_impl": "local",
-    "attention_backend": AttnBackend.local,
-    "apply_rope_fusion": False,
-    "masked_softmax_fusion": False,
-    "bias_activation_fusion": False,
-    "bias_dropout_fusion": False,
-    "gradient_accumulation_fusion": False,
-    "persist_layer_norm": False,
-    "moe_grouped_gemm": False,
-    # Megatron's default "full" means the same as None/[] but warns on every TransformerConfig.
-    "cuda_graph_modules": None,
-}
-
-
-def kernel_fields(config: ModelConfig, kernels: Resolved, compile_fusions: bool) -> dict[str, Any]:
-    """``TransformerConfig`` fields that switch on a kernel set's fused paths (on top of :data:`LOCAL_BACKEND`).
-
-    ``compile_fusions`` turns on Megatron's torch.compile'd activation and bias-dropout-add fusions with
-    ``'torch'`` (on GPU; on CPU compiling costs more than it saves).
-    """
-    if kernels == "te":
-        return {
-            "transformer_impl": "transformer_engine", "attention_backend": AttnBackend.auto,
-            "apply_rope_fusion": config.position_embedding_type == "rope", "bias_dropout_fusion": True,
-            "bias_activation_fusion": _activation_fusable(config),
-            # The output layer is Megatron's own ColumnParallelLinear, whose fused wgrad needs apex's extension.
-            "gradient_accumulation_fusion": importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
-        }  # fmt: skip
-    if kernels == "torch" and compile_fusions:
-        # Megatron's jit_fuser is torch.compile: these fusions need no TE/apex kernels.
-        return {"bias_activation_fusion": _activation_fusable(config), "bias_dropout_fusion": True}
-    return {}
-
-
-def _activation_fusable(config: ModelConfig) -> bool:
-    # Megatron fuses SwiGLU, GeGLU and bias+GeLU; plain GeLU without a bias has no fused path.
-    return config.gated_linear_unit or (config.activation == "gelu" and config.add_bias_linear)
 
 
 def layer_spec(

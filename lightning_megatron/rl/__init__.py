@@ -1,1 +1,2 @@
-"""Pieces for RLHF beyond the policy's log-probs: the value model (``value``), a critic or reward model on the GPT family."""
+"""Pieces for RLHF beyond the policy's log-probs: the value model (``value``):
+a critic or reward model on the GPT family."""

@@ -1,148 +1,19 @@
-"""Hugging Face configs <-> :class:`~lightning_megatron.ModelConfig`: Llama, Mistral, Qwen2 and Qwen3 causal LMs.
-
-:func:`model_fields` maps an HF config to ``ModelConfig`` fields (what ``ModelConfig.from_hf`` builds), and
-:func:`hf_config_dict` writes config.json for a model that was not loaded from HF. Anything either side cannot
-express raises ``ValueError`` naming it.
+"""Hugging Face config.json for a :class:`~lightning_megatron.ModelConfig` (the other way:
+:mod:`lightning_megatron.gpt.hf.fields`): :func:`hf_config_dict` writes config.json for a model that was not loaded
+from HF; :func:`check_exportable` refuses what no HF Llama / Qwen2 / Qwen3 config can express, naming it.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_megatron.gpt.hf.fields import ARCHITECTURES, MEGATRON_LLAMA3_ROPE
+
 if TYPE_CHECKING:
     from lightning_megatron.gpt.config import ModelConfig
-
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_BY_MODEL_TYPE = {name.removesuffix("ForCausalLM").lower(): name for name in ARCHITECTURES}
-# What Megatron's Llama-3 RoPE scaling hard-codes (RotaryEmbedding._apply_scaling); only its factor is a parameter.
-_MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def pretrained_config(hf_config: Any) -> Any:
-    """A transformers ``PretrainedConfig`` from a config, a config.json dict or a model directory."""
-    from transformers import AutoConfig, PretrainedConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if isinstance(hf_config, PretrainedConfig):
-        return hf_config
-    if isinstance(hf_config, str | Path):
-        return AutoConfig.from_pretrained(str(hf_config))
-    if isinstance(hf_config, Mapping):
-        model_type = hf_config.get("model_type")
-        if model_type not in CONFIG_MAPPING:
-            raise ValueError(_unsupported(f"model_type={model_type!r}"))
-        # from_dict fills what config.json leaves out with the architecture's defaults, as transformers does.
-        return CONFIG_MAPPING[model_type].from_dict(dict(hf_config))
-    raise TypeError(f"hf_config must be a PretrainedConfig, a config.json dict or a directory, got {type(hf_config)}")
-
-
-def _unsupported(what: str) -> str:
-    try:
-        import megatron.bridge  # noqa: F401
-    except Exception as error:  # any import failure means the same: no bridge here
-        bridge = (
-            f"Megatron-Bridge's AutoBridge (more architectures) is not importable here ({type(error).__name__}: "
-            f"{error}); it needs Transformer Engine and `pip install lightning-megatron[bridge]`"
-        )
-    else:
-        bridge = (
-            "megatron.bridge is installed, but from_hf does not delegate to its AutoBridge (it builds Transformer "
-            "Engine layer specs, not the local spec this module trains); convert with AutoBridge directly"
-        )
-    return f"{what} is not supported; supported architectures: {', '.join(ARCHITECTURES)}. {bridge}"
-
-
-def architecture(hf_config: Any) -> str:
-    """The supported architecture name of an HF config; raises ValueError for any other."""
-    cfg = pretrained_config(hf_config)
-    names = list(getattr(cfg, "architectures", None) or [])
-    name = names[0] if names else _BY_MODEL_TYPE.get(getattr(cfg, "model_type", ""), "")
-    if name not in ARCHITECTURES:
-        raise ValueError(_unsupported(f"architecture {name or cfg.model_type!r}"))
-    return name
-
-
-def model_fields(hf_config: Any, *, seq_length: int | None = None) -> dict[str, Any]:
-    """:class:`~lightning_megatron.ModelConfig` fields of a Llama / Mistral / Qwen2 / Qwen3 HF config.
-
-    ``seq_length`` defaults to ``max_position_embeddings``, capped by a sliding attention window (the local
-    attention is full causal attention, exact only for sequences that fit in the window).
-    """
-    cfg = pretrained_config(hf_config)
-    arch = architecture(cfg)
-    for flag in ("attention_bias", "mlp_bias"):  # biases on o_proj / the MLP have no Megatron counterpart here
-        if getattr(cfg, flag, False):
-            raise ValueError(f"{arch} with {flag}=True is not supported (only Qwen2's q/k/v biases are)")
-    if cfg.hidden_act not in ("silu", "gelu"):
-        raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported; 'silu' or 'gelu'")
-    heads = cfg.num_attention_heads
-    return {
-        "num_layers": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "num_attention_heads": heads,
-        "num_query_groups": getattr(cfg, "num_key_value_heads", None) or heads,
-        "kv_channels": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        "ffn_hidden_size": cfg.intermediate_size,
-        "vocab_size": cfg.vocab_size,
-        "seq_length": _seq_length(cfg, seq_length),
-        "normalization": "RMSNorm",
-        "norm_epsilon": float(cfg.rms_norm_eps),
-        "activation": cfg.hidden_act,
-        "gated_linear_unit": True,
-        "add_bias_linear": False,
-        "add_qkv_bias": arch == "Qwen2ForCausalLM",
-        "qk_layernorm": arch == "Qwen3ForCausalLM",
-        "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings),
-        "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0)),
-        "init_method_std": float(getattr(cfg, "initializer_range", 0.02)),
-        **_rope_fields(cfg),
-    }
-
-
-def _seq_length(cfg: Any, requested: int | None) -> int:
-    window = getattr(cfg, "sliding_window", None)
-    if cfg.model_type.startswith("qwen") and not getattr(cfg, "use_sliding_window", False):
-        window = None  # Qwen configs carry a window size that only applies with use_sliding_window
-    if requested is None:
-        return min(cfg.max_position_embeddings, window or cfg.max_position_embeddings)
-    if window is not None and requested > window:
-        raise ValueError(
-            f"seq_length={requested} exceeds the model's sliding attention window ({window}); Megatron's local "
-            f"attention here is full causal attention, which equals the windowed one only up to {window} tokens: "
-            f"use seq_length <= {window}"
-        )
-    return requested
-
-
-def _rope_fields(cfg: Any) -> dict[str, Any]:
-    params = dict(getattr(cfg, "rope_parameters", None) or {})
-    if not params:  # transformers < 5: rope_theta and rope_scaling
-        params = {**(getattr(cfg, "rope_scaling", None) or {}), "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
-    if params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported for HF import")
-    theta = float(params.get("rope_theta", 10000.0))
-    if not theta.is_integer():
-        raise ValueError(f"rope_theta={theta} is not an integer; ModelConfig.rotary_base is an int")
-    fields: dict[str, Any] = {"rotary_base": int(theta)}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return fields
-    if rope_type == "linear":
-        return {**fields, "seq_len_interpolation_factor": float(params["factor"])}
-    if rope_type == "llama3":
-        differ = {k: params.get(k) for k, v in _MEGATRON_LLAMA3.items() if float(params.get(k, v)) != v}
-        if differ:
-            raise ValueError(
-                f"llama3 RoPE scaling with {differ} is not supported: Megatron's implementation fixes "
-                f"{_MEGATRON_LLAMA3}"
-            )
-        return {**fields, "rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
-    raise ValueError(f"rope_type={rope_type!r} is not supported; supported: 'default', 'linear', 'llama3'")
 
 
 def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -157,7 +28,7 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
         cls, arch = Qwen2Config, "Qwen2ForCausalLM"
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rotary_base)}
     if config.rope_scaling:
-        rope = {**rope, **_MEGATRON_LLAMA3, "rope_type": "llama3", "factor": config.rope_scaling_factor}
+        rope = {**rope, **MEGATRON_LLAMA3_ROPE, "rope_type": "llama3", "factor": config.rope_scaling_factor}
     elif config.seq_len_interpolation_factor is not None:
         rope = {**rope, "rope_type": "linear", "factor": config.seq_len_interpolation_factor}
     rope_kwargs: dict[str, Any] = {"rope_parameters": rope}

@@ -18,11 +18,18 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.contract import MegatronRuntime
+from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf.config import check_exportable, hf_config_dict
 from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint
-from lightning_megatron.gpt.hf.mapping import SPLIT_DIM, Param, adapter_params, chunk_params, hf_weight_shapes, split_local
+from lightning_megatron.gpt.hf.mapping import (
+    SPLIT_DIM,
+    Param,
+    adapter_params,
+    chunk_params,
+    hf_weight_shapes,
+    split_local,
+)
 from lightning_megatron.gpt.lora.config import LoRAConfig
 
 _NOT_RUNNING = (

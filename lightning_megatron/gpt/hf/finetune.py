@@ -1,6 +1,6 @@
 """Fine-tuning from a Hugging Face checkpoint, spelled as a class that LightningCLI configs can name
 (:class:`MegatronLMFromHF`); the callback that writes the result back as an HF directory is
-:class:`~lightning_megatron.callbacks.SaveHF`."""
+:class:`~lightning_megatron.SaveHF`."""
 
 from __future__ import annotations
 

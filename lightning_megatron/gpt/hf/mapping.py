@@ -1,6 +1,6 @@
 """The weight-name table: which HF tensors make each Megatron ``GPTModel`` parameter, and how they are split over
-tensor-parallel ranks. Import (:mod:`lightning_megatron.gpt.hf.load`) and export (:mod:`lightning_megatron.gpt.hf.export`)
-both read it, so the two directions cannot disagree.
+tensor-parallel ranks. Import (:mod:`lightning_megatron.gpt.hf.load`) and export
+(:mod:`lightning_megatron.gpt.hf.export`) both read it, so the two directions cannot disagree.
 """
 
 from __future__ import annotations

@@ -1,0 +1,48 @@
+"""The ``TransformerConfig`` fields that select Megatron's torch-native implementations, and those that switch on a
+resolved kernel set's fused paths. A leaf of the GPT package: ``ModelConfig.to_transformer_config`` reads it."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from megatron.core.transformer.enums import AttnBackend
+
+from lightning_megatron.gpt.plan import Resolved
+
+# We build with Megatron's torch-native "local" spec (no Transformer Engine / apex, also on CPU): select the local
+# implementations and turn off every fused path that needs TE or apex kernels. Defaults only: kernel_fields and the
+# strategy's parallel fields may override them.
+LOCAL_BACKEND: dict[str, Any] = {
+    "transformer_impl": "local",
+    "attention_backend": AttnBackend.local,
+    "apply_rope_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "persist_layer_norm": False,
+    "moe_grouped_gemm": False,
+    # Megatron's default "full" means the same as None/[] but warns on every TransformerConfig.
+    "cuda_graph_modules": None,
+}
+
+
+def kernel_fields(kernels: Resolved, compile_fusions: bool, *, rope: bool, activation_fusable: bool) -> dict[str, Any]:
+    """``TransformerConfig`` fields that switch on a kernel set's fused paths (on top of :data:`LOCAL_BACKEND`).
+
+    ``compile_fusions`` turns on Megatron's torch.compile'd activation and bias-dropout-add fusions with
+    ``'torch'`` (on GPU; on CPU compiling costs more than it saves).
+    """
+    if kernels == "te":
+        return {
+            "transformer_impl": "transformer_engine", "attention_backend": AttnBackend.auto,
+            "apply_rope_fusion": rope, "bias_dropout_fusion": True,
+            "bias_activation_fusion": activation_fusable,
+            # The output layer is Megatron's own ColumnParallelLinear, whose fused wgrad needs apex's extension.
+            "gradient_accumulation_fusion": importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        }  # fmt: skip
+    if kernels == "torch" and compile_fusions:
+        # Megatron's jit_fuser is torch.compile: these fusions need no TE/apex kernels.
+        return {"bias_activation_fusion": activation_fusable, "bias_dropout_fusion": True}
+    return {}
