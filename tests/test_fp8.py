@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
-from lightning_megatron.kernels import fp8, linear, resolve
+from lightning_megatron.gpt import plan as resolve
+from lightning_megatron.kernels import fp8, linear
 from tests.conftest import one_process_megatron
 
 

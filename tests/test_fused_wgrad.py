@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
-from lightning_megatron.kernels import linear, resolve
+from lightning_megatron.gpt import plan as resolve
+from lightning_megatron.kernels import linear
 from tests.conftest import one_process_megatron
 
 

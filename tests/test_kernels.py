@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from lightning_megatron import tiny_gpt
-from lightning_megatron.kernels import attention, cross_entropy, resolve, specs
+from lightning_megatron.gpt import plan as resolve
+from lightning_megatron.gpt import specs
+from lightning_megatron.kernels import attention, cross_entropy
 from lightning_megatron.kernels.compile import for_device
 from tests.conftest import one_process_megatron
 

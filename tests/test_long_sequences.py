@@ -21,6 +21,7 @@ from lightning_megatron.data.packing import first_fit
 from lightning_megatron.data.tokens import write_token_file
 from lightning_megatron.gpt import specs
 from lightning_megatron.gpt.lm import shift_labels
+from lightning_megatron.gpt.plan import KernelPlan
 from lightning_megatron.gpt.sequences import rank_tokens, without_default_positions
 from lightning_megatron.kernels.documents import SequenceLayout, attend, document_mask
 from lightning_megatron.micro_batches import MicroBatching, group_by_tokens, micro_batching
@@ -187,7 +188,7 @@ def test_gather_order_inverts_the_cp_layout() -> None:
 
 def test_packed_batches_need_the_torch_kernels(megatron_state: None) -> None:
     module = MegatronLMModule(tiny_gpt(kernels="local"))
-    module.kernels = "local"
+    module.plan = KernelPlan("local")
     row = {k: v[None] for k, v in pack_sequences(DOCS[:2], 16)[0].items()}
     with pytest.raises(ValueError, match=r"packed batch \(position_ids\).*kernels='local'.*kernels='torch'"):
         module.rank_tokens(row)

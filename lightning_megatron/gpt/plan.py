@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -135,3 +136,51 @@ def describe(kernels: Resolved, fused_wgrad: bool = False, fp8: str | None = Non
     return f"kernels: {_DESCRIPTIONS[kernels]}{fused}" + (
         "" if te_available() else "; Transformer Engine not installed"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """How a GPT's chunks are built on one device, resolved once from ``ModelConfig`` before the first chunk:
+    the kernel set, whether weight gradients accumulate into ``main_grad`` in the GEMM, whether the transformer
+    layers' GEMMs run in fp8, and whether the layers run as CUDA graphs."""
+
+    kernels: Resolved
+    fused_wgrad: bool = False
+    fp8: bool = False
+    cuda_graphs: bool = False
+
+    @classmethod
+    def resolve(
+        cls, config: PlanRequest, device_type: str, *, hf_weights: bool = False, lora: bool = False
+    ) -> KernelPlan:
+        """The plan for ``config`` on ``device_type``; ``hf_weights``/``lora``: the model loads HF weights / carries
+        LoRA adapters, which both need the torch-native layers (``'auto'`` picks them; ``'te'`` is refused)."""
+        kernels = resolve(config.kernels, device_type)
+        for needed, what in ((hf_weights, "cannot load HF weights"), (lora, "takes no LoRA adapters")):
+            if needed and kernels == "te":
+                if config.kernels == "te":
+                    raise ValueError(
+                        f"ModelConfig(kernels='te') {what}: the HF mapping and LoRA target the torch-native layers "
+                        "(Transformer Engine fuses the norms into its linear layers); use kernels='torch' or 'auto'"
+                    )
+                kernels = "torch"
+        return cls(
+            kernels=kernels,
+            fused_wgrad=fuse_wgrad(config.gradient_accumulation_fusion, kernels, device_type),
+            fp8=use_fp8(config.fp8, kernels, device_type),
+            cuda_graphs=use_cuda_graphs(config.cuda_graphs, device_type),
+        )
+
+    def describe(self, fp8_format: str | None = None) -> str:
+        """One line for the run's log: :func:`describe` of this plan."""
+        return describe(self.kernels, self.fused_wgrad, fp8_format if self.fp8 else None)
+
+
+class PlanRequest(Protocol):
+    """The ``ModelConfig`` fields a :class:`KernelPlan` is resolved from (a Protocol: this module imports no
+    config)."""
+
+    kernels: Kernels
+    gradient_accumulation_fusion: bool | None
+    fp8: str | None
+    cuda_graphs: bool

@@ -87,3 +87,12 @@ def document_starts(batch: Batch) -> Tensor | None:
     """Bool [B, S]: where a packed row's documents start (``position_ids == 0``); ``None`` for unpacked batches."""
     positions = batch.get("position_ids")
     return None if positions is None else positions == 0
+
+
+def token_mask(batch: Batch) -> Tensor:
+    """Bool [B, S]: the tokens that ``loss_mask`` and ``attention_mask`` (when present) keep."""
+    keep = torch.ones_like(batch["input_ids"], dtype=torch.bool)
+    for name in ("loss_mask", "attention_mask"):
+        if name in batch:
+            keep = keep & batch[name].bool()
+    return keep

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import Tensor, nn
 
 from lightning_megatron.contract import Batch, ChunkSpec, LossFn
-from lightning_megatron.gpt.lm import MegatronLMModule, token_mask
+from lightning_megatron.gpt.model import GPTModule
+from lightning_megatron.gpt.sequences import token_mask
 
 
 class ValueHead(nn.Linear):
@@ -50,20 +49,15 @@ def _broadcast_over_tensor_parallel_group(module: nn.Module) -> None:
         torch.distributed.broadcast(param.data, src=src, group=group)
 
 
-_NO_HF = (
-    "a value model (scalar head) has no Hugging Face causal-LM counterpart, so save_hf/export_hf_weights/SaveHF do "
-    "not apply; save it with ModelCheckpoint or trainer.save_checkpoint"
-)
-
-
-class MegatronValueModule(MegatronLMModule):
-    """A value model: ``MegatronLMModule``'s GPT with a scalar head instead of the vocabulary head.
+class MegatronValueModule(GPTModule):
+    """A value model: the GPT of :class:`~lightning_megatron.gpt.model.GPTModule` with a scalar head instead of the
+    vocabulary head (no Hugging Face causal-LM counterpart: save it with ``ModelCheckpoint``).
 
     Training batches hold ``input_ids`` [B, S], ``returns`` [B, S] (the value targets; ``values`` is accepted as
     an alias) and optionally ``loss_mask``/``attention_mask`` [B, S]. With ``old_values`` [B, S] and
     ``clip_range`` set, the loss is PPO's clipped value loss. Per-token values are token-weighted across
     micro-batches and data-parallel ranks like the LM loss: ``0.5 * sum(mask * error^2) / sum(mask)``.
-    ``trainer.predict`` returns values [B, S] on every rank. All ``MegatronLMModule`` arguments apply, plus:
+    ``trainer.predict`` returns values [B, S] on every rank. All ``GPTModule`` arguments apply, plus:
 
     Args:
         clip_range: PPO value clipping range (used when the batch has ``old_values``); ``None`` disables it.
@@ -76,8 +70,6 @@ class MegatronValueModule(MegatronLMModule):
                 "share_embeddings_and_output_weights=True ties the output head to the embedding, but a value model "
                 "replaces that head with a scalar one; use share_embeddings_and_output_weights=False"
             )
-        if self.prediction != "logits":
-            raise ValueError(f"prediction={self.prediction!r}: a value model predicts values; leave prediction unset")
         if clip_range is not None and clip_range <= 0:
             raise ValueError(f"clip_range={clip_range} must be positive (e.g. 0.2) or None")
         self.clip_range = clip_range
@@ -109,15 +101,6 @@ class MegatronValueModule(MegatronLMModule):
             return 0.5 * (error * mask).sum(), mask.sum().to(torch.int), {}
 
         return output, loss_fn
-
-    def compute_logprobs(self, *args: object, **kwargs: object) -> dict:
-        raise TypeError("a value model has no token distribution; use trainer.predict for per-token values")
-
-    def export_hf_weights(self, *args: object, **kwargs: object) -> Iterator[tuple[str, Tensor]]:
-        raise TypeError(_NO_HF)  # on every rank, before any collective
-
-    def save_hf(self, *args: object, **kwargs: object) -> None:
-        raise TypeError(_NO_HF)
 
     def predict_output(self, batch: Batch, output: Tensor) -> Tensor:
         return self.rank_tokens(batch).gather(output.squeeze(-1).float())  # [B, S_local, 1] -> [B, S]

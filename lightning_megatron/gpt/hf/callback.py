@@ -39,5 +39,8 @@ class SaveHF(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not isinstance(pl_module, MegatronLMModule):
-            raise TypeError(f"SaveHF saves a MegatronLMModule, got {type(pl_module).__name__}")
+            raise TypeError(
+                f"SaveHF saves a MegatronLMModule, got {type(pl_module).__name__}: a value model (scalar head) or "
+                "another head has no Hugging Face causal-LM counterpart; save it with ModelCheckpoint"
+            )
         pl_module.save_hf(self.path, dtype=self.dtype, adapter=self.adapter)  # every rank: gathers over TP and PP
