@@ -19,9 +19,6 @@ BENCHMARKS_README = ROOT / "benchmarks" / "README.md"
 README_MAX_LINES = 300
 DIARY_PHRASES = ("in our runs", "this session", "fifth session", "(today)")
 
-# Targets that may be missing for now (written by another change); links to them are checked once they exist.
-OPTIONAL_TARGETS = {BENCHMARKS_README}
-
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _INLINE_CODE = re.compile(r"(`+)(.+?)\1")
 _LINK = re.compile(r"(?<!!)\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^()\s<>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -33,10 +30,7 @@ _EXTERNAL = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|//)", re.IGNORECASE)  # http:, h
 
 
 def doc_files() -> list[Path]:
-    files = [README, *sorted((ROOT / "docs").glob("*.md"))]
-    if BENCHMARKS_README.exists():
-        files.append(BENCHMARKS_README)
-    return files
+    return [README, *sorted((ROOT / "docs").glob("*.md")), BENCHMARKS_README]
 
 
 def prose_lines(text: str) -> list[tuple[int, str]]:
@@ -102,9 +96,8 @@ def broken_links(path: Path) -> list[str]:
         resolved = (path.parent / file_part).resolve() if file_part else path
         where = f"{path.relative_to(ROOT)}:{number}: {target}"
         if not resolved.exists():
-            if resolved not in OPTIONAL_TARGETS:
-                shown = resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else resolved
-                problems.append(f"{where}: no such file {shown}")
+            shown = resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else resolved
+            problems.append(f"{where}: no such file {shown}")
             continue
         if anchor:
             if resolved.is_dir() or resolved.suffix.lower() != ".md":

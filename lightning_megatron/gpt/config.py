@@ -120,8 +120,8 @@ class ModelConfig:
     fp8: str | None = None
     """The parallel linears of the transformer layers run their three GEMMs in fp8 without Transformer Engine
     (torch._scaled_mm; each tensor scaled by its own amax per GEMM), in one of Megatron's fp8 formats: 'hybrid'
-    (e4m3 activations and weights, e5m2 output gradients) or 'e4m3' (e4m3 for all three; its loss came closer to
-    bf16's in our runs, see the README). Master weights, optimizer and checkpoints stay those of a bf16 run; the
+    (e4m3 activations and weights, e5m2 output gradients) or 'e4m3' (e4m3 for all three; its loss comes closer to
+    bf16's, see docs/layouts-and-speed.md). Master weights, optimizer and checkpoints stay those of a bf16 run; the
     LM head stays bf16. The weights' fp8 casts are kept for a step's later micro-batches: 2 bytes per weight
     element of GPU memory until teardown. Needs a GPU with fp8 tensor cores (Ada/Hopper or later) and kernels
     'torch' or 'local'. Experimental: faster than bf16 only with ``cuda_graphs=True``, and its loss trails bf16's
