@@ -7,7 +7,7 @@ fp32 grad reduce, distributed Adam), the same micro-batching and loss, driven by
 its local layer spec (``get_gpt_layer_local_spec``: ``DotProductAttention``, Megatron's norms) and final norm, its
 own loss (``GPTModel(..., labels=...)``: Megatron's vocab-parallel cross entropy) and its optimizer as it builds it
 without Transformer Engine or apex (torch's AdamW, foreach; Megatron's gradient clipping), no torch.compile'd
-fusions; only the TransformerConfig flags that select the local implementations (``kernels/specs.py:LOCAL_BACKEND``)
+fusions; only the TransformerConfig flags that select the local implementations (``gpt/transformer.py:LOCAL_BACKEND``)
 come from the project. Run under torchrun.
 """
 
