@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig, pack_sequences, tiny_gpt
 from lightning_megatron.gpt.hf.config import check_exportable
-from lightning_megatron.gpt.hf.mapping import hf_weight_shapes
+from lightning_megatron.gpt.hf.mapping import family, hf_weight_shapes
 from tests.conftest import child_env, run_forked
 
 SEQ = 16
@@ -219,6 +219,32 @@ def test_untrained_round_trip_is_exact(arch: str, one_process: dict, models: dic
         assert torch.equal(written[name], tensor), name
     assert json.loads((saved / "config.json").read_text()) == json.loads((models[arch] / "config.json").read_text())
     assert hf_forward(saved, tokens)[1] == hf_forward(models[arch], tokens)[1]  # transformers loads it unchanged
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_family_adapter_converts_whole_state_dicts(arch: str, one_process: dict, models: dict) -> None:
+    """The family's to_hf / from_hf (one process, whole state dicts) agree with the model that import built and
+    that matches transformers' logits: from_hf of the HF file is its state dict, to_hf of its state dict the file."""
+    module = one_process[arch]["module"]
+    adapter = family(module.config)
+    assert type(adapter).__name__ == {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+    original = load_file(models[arch] / "model.safetensors")
+    params = {name: p.detach() for name, p in module.chunks[0].named_parameters()}
+    converted = adapter.from_hf(original, module.config)
+    assert converted.keys() == params.keys()
+    for name, tensor in converted.items():
+        assert torch.equal(tensor, params[name]), name
+    back = adapter.to_hf(params, module.config)
+    assert list(back) == [name for name in hf_weight_shapes(module.config, include_tied=False)]
+    tied = {"lm_head.weight"} if module.config.share_embeddings_and_output_weights else set()
+    assert back.keys() == original.keys() - tied
+    for name, tensor in back.items():
+        assert torch.equal(tensor, original[name]), name
+
+
+def test_no_family_holds_qkv_biases_with_qk_norms() -> None:
+    with pytest.raises(ValueError, match=r"no HF architecture holds a model with add_qkv_bias=True, qk_layernorm=True"):
+        check_exportable(tiny_gpt(add_qkv_bias=True, qk_layernorm=True))
 
 
 GENERATED = {

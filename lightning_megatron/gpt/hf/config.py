@@ -10,22 +10,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_megatron.gpt.hf.fields import ARCHITECTURES, MEGATRON_LLAMA3_ROPE
+from lightning_megatron.gpt.hf.fields import MEGATRON_LLAMA3_ROPE
+from lightning_megatron.gpt.hf.registry import ARCHITECTURES, described, family_of
 
 if TYPE_CHECKING:
     from lightning_megatron.gpt.config import ModelConfig
+    from lightning_megatron.gpt.hf.families.base import Family
 
 
 def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """config.json for a model that was not loaded from HF: Llama, or Qwen2 (q/k/v bias) / Qwen3 (q/k norm)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """config.json for a model that was not loaded from HF, in the architecture of its family (Llama without
+    q/k/v biases or q/k norms, Qwen2 with the biases, Qwen3 with the norms)."""
+    import transformers
 
-    check_exportable(config)
-    cls, arch = LlamaConfig, "LlamaForCausalLM"
-    if config.qk_layernorm:
-        cls, arch = Qwen3Config, "Qwen3ForCausalLM"
-    elif config.add_qkv_bias:
-        cls, arch = Qwen2Config, "Qwen2ForCausalLM"
+    family = check_exportable(config)
+    cls, arch = getattr(transformers, family.config_class), family.export_architecture
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rotary_base)}
     if config.rope_scaling:
         rope = {**rope, **MEGATRON_LLAMA3_ROPE, "rope_type": "llama3", "factor": config.rope_scaling_factor}
@@ -42,12 +41,13 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
         hidden_act=config.activation, max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_epsilon,
         tie_word_embeddings=config.share_embeddings_and_output_weights, attention_dropout=config.attention_dropout,
         initializer_range=config.init_method_std, architectures=[arch], dtype=dtype, **rope_kwargs,
+        **family.hf_config_kwargs(config),
     )  # fmt: skip
     return hf.to_dict()
 
 
-def check_exportable(config: ModelConfig) -> None:
-    """Raise ValueError unless one of :data:`ARCHITECTURES` can hold this model."""
+def check_exportable(config: ModelConfig) -> Family:
+    """The family whose HF architecture holds this model; ValueError naming the fields if none does."""
     unsupported = {
         "normalization": config.normalization != "RMSNorm",
         "position_embedding_type": config.position_embedding_type != "rope",
@@ -55,11 +55,15 @@ def check_exportable(config: ModelConfig) -> None:
         "add_bias_linear": config.add_bias_linear,
         "gated_linear_unit": not config.gated_linear_unit,
         "apply_residual_connection_post_layernorm": config.apply_residual_connection_post_layernorm,
-        "num_moe_experts": config.num_moe_experts is not None,
-        "add_qkv_bias": config.add_qkv_bias and config.qk_layernorm,  # Qwen2 has the biases, Qwen3 the norms
         "seq_len_interpolation_factor": config.rope_scaling and config.seq_len_interpolation_factor is not None,
     }
     bad = [name for name, is_bad in unsupported.items() if is_bad]
     if bad:
         values = ", ".join(f"{name}={getattr(config, name)!r}" for name in bad)
         raise ValueError(f"{values}: no HF counterpart among {', '.join(ARCHITECTURES)}")
+    family = family_of(config)
+    if family is None:
+        raise ValueError(
+            f"no HF architecture holds a model with {described(config)}; supported: {', '.join(ARCHITECTURES)}"
+        )
+    return family

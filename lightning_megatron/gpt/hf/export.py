@@ -22,14 +22,8 @@ from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf.config import check_exportable, hf_config_dict
 from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint
-from lightning_megatron.gpt.hf.mapping import (
-    SPLIT_DIM,
-    Param,
-    adapter_params,
-    chunk_params,
-    hf_weight_shapes,
-    split_local,
-)
+from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, hf_weight_shapes
+from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, split_local
 from lightning_megatron.gpt.lora.config import LoRAConfig
 
 _NOT_RUNNING = (

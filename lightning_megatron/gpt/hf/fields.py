@@ -1,7 +1,9 @@
-"""Hugging Face config -> :class:`~lightning_megatron.ModelConfig` fields: Llama, Mistral, Qwen2 and Qwen3 causal LMs.
+"""Hugging Face config -> :class:`~lightning_megatron.ModelConfig` fields, for the families of
+:mod:`lightning_megatron.gpt.hf.registry`.
 
-:func:`model_fields` is what ``ModelConfig.from_hf`` builds from; anything ``ModelConfig`` cannot express raises
-``ValueError`` naming it. A leaf: the config class imports this module, so this module imports no model code.
+:func:`model_fields` is what ``ModelConfig.from_hf`` builds from: the fields every family shares (sizes, norms, RoPE)
+here, the family's own from its adapter; anything ``ModelConfig`` cannot express raises ``ValueError`` naming it. The
+config class imports this module, so neither it nor the family adapters import model code.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_BY_MODEL_TYPE = {name.removesuffix("ForCausalLM").lower(): name for name in ARCHITECTURES}
+from lightning_megatron.gpt.hf.registry import ARCHITECTURES, BY_MODEL_TYPE, family_of_hf
+
 # What Megatron's Llama-3 RoPE scaling hard-codes (RotaryEmbedding._apply_scaling); only its factor is a parameter.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -54,14 +56,14 @@ def architecture(hf_config: Any) -> str:
     """The supported architecture name of an HF config; raises ValueError for any other."""
     cfg = pretrained_config(hf_config)
     names = list(getattr(cfg, "architectures", None) or [])
-    name = names[0] if names else _BY_MODEL_TYPE.get(getattr(cfg, "model_type", ""), "")
+    name = names[0] if names else BY_MODEL_TYPE.get(getattr(cfg, "model_type", ""), "")
     if name not in ARCHITECTURES:
         raise ValueError(_unsupported(f"architecture {name or cfg.model_type!r}"))
     return name
 
 
 def model_fields(hf_config: Any, *, seq_length: int | None = None) -> dict[str, Any]:
-    """:class:`~lightning_megatron.ModelConfig` fields of a Llama / Mistral / Qwen2 / Qwen3 HF config.
+    """:class:`~lightning_megatron.ModelConfig` fields of an HF config of a supported architecture.
 
     ``seq_length`` defaults to ``max_position_embeddings``, capped by a sliding attention window (the local
     attention is full causal attention, exact only for sequences that fit in the window).
@@ -88,12 +90,11 @@ def model_fields(hf_config: Any, *, seq_length: int | None = None) -> dict[str, 
         "activation": cfg.hidden_act,
         "gated_linear_unit": True,
         "add_bias_linear": False,
-        "add_qkv_bias": arch == "Qwen2ForCausalLM",
-        "qk_layernorm": arch == "Qwen3ForCausalLM",
         "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings),
         "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0)),
         "init_method_std": float(getattr(cfg, "initializer_range", 0.02)),
         **_rope_fields(cfg),
+        **family_of_hf(arch).fields(cfg),
     }
 
 

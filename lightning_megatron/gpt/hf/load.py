@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf import pickled
 from lightning_megatron.gpt.hf.fields import architecture
-from lightning_megatron.gpt.hf.mapping import SPLIT_DIM, Param, adapter_params, chunk_params, combine, hf_weight_shapes
+from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, hf_weight_shapes
+from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, combine
 from lightning_megatron.gpt.lora.config import LoRAConfig, is_adapter_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"

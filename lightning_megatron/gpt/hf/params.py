@@ -1,0 +1,99 @@
+"""The vocabulary of the HF weight tables (a leaf: it imports nothing from this package).
+
+A :class:`Param` names one Megatron parameter of a model chunk and the HF tensors it is made of; its ``kind`` says
+how those tensors are fused into it (:func:`combine`) and split back (:func:`split_local`), and along which dimension
+they are sharded over tensor-parallel ranks (:data:`SPLIT_DIM`). :class:`ModelShape` is what the tables read of a
+model config: ``ModelConfig`` satisfies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+Kind = Literal["copy", "rows", "cols", "qkv", "gate_up"]
+SPLIT_DIM: dict[str, int | None] = {"copy": None, "rows": 0, "cols": 1, "qkv": 0, "gate_up": 0}
+"""The dimension each HF tensor of a kind is split along over tensor-parallel ranks (None: replicated)."""
+
+HFTensor = tuple[str, tuple[int, ...]]
+"""An HF tensor's name and full shape."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One Megatron parameter of a chunk (``megatron``, its name in the chunk) and the HF tensors it is made of.
+
+    ``expert`` is set for an expert's slice of a stacked expert weight: the HF tensors make
+    ``parameter[expert]`` (the local expert index on this expert-parallel rank), not the whole parameter.
+    """
+
+    megatron: str
+    hf: tuple[HFTensor, ...]
+    kind: Kind
+    expert: int | None = None
+
+
+class ModelShape(Protocol):
+    """The fields of a model config that the HF tables and family adapters read (``ModelConfig`` has them all)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def add_qkv_bias(self) -> bool: ...
+    @property
+    def qk_layernorm(self) -> bool: ...
+    @property
+    def gated_linear_unit(self) -> bool: ...
+    @property
+    def share_embeddings_and_output_weights(self) -> bool: ...
+    @property
+    def num_moe_experts(self) -> int | None: ...
+    @property
+    def moe_ffn_hidden_size(self) -> int | None: ...
+    @property
+    def effective_kv_channels(self) -> int: ...
+    @property
+    def effective_num_query_groups(self) -> int: ...
+    @property
+    def effective_ffn_hidden_size(self) -> int: ...
+
+
+def qkv(prefix: str, what: str, c: ModelShape, rest: tuple[int, ...]) -> tuple[HFTensor, ...]:
+    """HF's q/k/v projections' ``what`` ("weight" or "bias") under ``prefix``, fused in Megatron's linear_qkv."""
+    d = c.effective_kv_channels
+    sizes = (("q", c.num_attention_heads * d), ("k", c.effective_num_query_groups * d))
+    sizes += (("v", c.effective_num_query_groups * d),)
+    return tuple((f"{prefix}{p}_proj.{what}", (n, *rest)) for p, n in sizes)
+
+
+def combine(p: Param, parts: list[Tensor], c: ModelShape, tp: int) -> Tensor:
+    """This rank's shards of p's HF tensors -> its local Megatron tensor."""
+    if p.kind == "qkv":
+        groups, rest = c.effective_num_query_groups // tp, parts[0].shape[1:]
+        # q [groups * heads_per_group * d, *rest], k and v [groups * d, *rest] -> per query group [q; k; v]
+        per_group = [t.reshape(groups, -1, *rest) for t in parts]  # [groups, rows_per_group, *rest]
+        return torch.cat(per_group, dim=1).reshape(-1, *rest)
+    if p.kind == "gate_up":
+        return torch.cat(parts)  # [gate shard; up shard] on every rank
+    return parts[0]
+
+
+def split_local(p: Param, local: Tensor, c: ModelShape, tp: int) -> list[Tensor]:
+    """Inverse of :func:`combine`: one rank's local tensor -> its shards of p's HF tensors."""
+    if p.kind == "qkv":
+        groups, d, rest = c.effective_num_query_groups // tp, c.effective_kv_channels, local.shape[1:]
+        q_rows = c.num_attention_heads // c.effective_num_query_groups * d
+        view = local.reshape(groups, q_rows + 2 * d, *rest)  # per query group [its q heads; k; v]
+        return [t.reshape(-1, *rest) for t in view.split([q_rows, d, d], dim=1)]
+    if p.kind == "gate_up":
+        return list(local.chunk(2))
+    return [local]

@@ -1,0 +1,40 @@
+"""The HF architecture families :func:`~lightning_megatron.ModelConfig.from_hf`, import and export know, and how one
+is found: by an HF config's architecture (:func:`family_of_hf`) or by what a model config can be (:func:`family_of`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_megatron.gpt.hf.families.base import Family
+from lightning_megatron.gpt.hf.families.llama import Llama
+from lightning_megatron.gpt.hf.families.qwen2 import Qwen2
+from lightning_megatron.gpt.hf.families.qwen3 import Qwen3
+from lightning_megatron.gpt.hf.params import ModelShape
+
+FAMILIES: tuple[Family, ...] = (Llama(), Qwen2(), Qwen3())
+ARCHITECTURES: tuple[str, ...] = tuple(arch for family in FAMILIES for arch in family.architectures)
+BY_ARCHITECTURE: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
+BY_MODEL_TYPE: dict[str, str] = {
+    model_type: arch
+    for family in FAMILIES
+    for model_type, arch in zip(family.model_types, family.architectures, strict=True)
+}
+
+
+def family_of_hf(architecture: str) -> Family:
+    """The family of a supported HF architecture name (``"Qwen3ForCausalLM"``); KeyError for others."""
+    return BY_ARCHITECTURE[architecture]
+
+
+def family_of(config: ModelShape) -> Family | None:
+    """The family whose HF architecture holds a model of ``config`` (None: no HF architecture here does)."""
+    found = [family for family in FAMILIES if family.matches(config)]
+    assert len(found) <= 1, f"families overlap: {found}"
+    return found[0] if found else None
+
+
+def described(config: Any) -> str:
+    """The fields that decide the family, for error messages."""
+    names = ("add_qkv_bias", "qk_layernorm", "num_moe_experts")
+    return ", ".join(f"{name}={getattr(config, name)!r}" for name in names)
