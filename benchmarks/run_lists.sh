@@ -10,6 +10,8 @@
 #   onegpu    the fp8 gradient GPU test on the real GPU path (it ran in CPU mode until 2026-12-03; 24 s), then 125M
 #             eager a,b,a,b with the garbage collections of the timed steps in each JSON line (the 125M gap) (196 s
 #             on 2026-12-03)
+#   stock     1B: stock Megatron-Core's local spec (b0) beside (b) and (a) in one run, then the one-GPU fp8 and CUDA
+#             graph tests (the weight-cast cache under graphs) (~6 min)
 # Two GPUs (nvidia-h200-x2):
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
 #   cp2       1B at 32K tokens per sequence: one GPU against CP=2 (first_losses: the same initial weights and
@@ -48,6 +50,13 @@ onegpu)
         >"$out/$section.log" 2>&1
     grep -E "fp8 GEMM|PASSED|FAILED|passed|failed" "$out/$section.log"
     tp --shape 125m --variants a,b,a,b
+    ;;
+stock)
+    tp --shape 1b --variants b0,b,a
+    for file in tests/test_fp8.py tests/test_cuda_graphs.py; do  # one process per file (their Megatron states)
+        timeout 200 python3 -m pytest -m gpu -v -p no:cacheprovider --durations=5 "$file" >>"$out/$section.log" 2>&1
+    done
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/$section.log"
     ;;
 scaling2)
     tp --shape 1b --variants a,b
