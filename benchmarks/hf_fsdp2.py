@@ -20,8 +20,7 @@ def run(args: Any, hf_config: Any, data: torch.Tensor) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaForCausalLM
 
-    from benchmarks.recorders import GcPauses, SyncCounter
-    from benchmarks.throughput import hf_counts, start_profiler, write_profile
+    from benchmarks.recorders import GcPauses, SyncCounter, hf_counts, start_profiler, write_profile
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")

@@ -111,8 +111,7 @@ def run(args: Any, config: Any, data: torch.Tensor, stock: bool = False) -> dict
 
         return output, loss_fn
 
-    from benchmarks.recorders import GcPauses, SyncCounter
-    from benchmarks.throughput import timeline_path, total_steps
+    from benchmarks.recorders import GcPauses, SyncCounter, timeline_path, total_steps
 
     timeline = None
     if args.host_timeline:
@@ -157,15 +156,15 @@ def run(args: Any, config: Any, data: torch.Tensor, stock: bool = False) -> dict
             syncs.start()
             torch.cuda.reset_peak_memory_stats()
             if args.profile:
-                from benchmarks.throughput import start_profiler
+                from benchmarks.recorders import start_profiler
 
                 profiler = start_profiler()
             pauses.start()  # after the profiler's start, as in variant a
     if args.profile:
-        from benchmarks.throughput import write_profile
+        from benchmarks.recorders import write_profile
 
         write_profile(profiler, f"{args.profile}.{args.variant}")
-    from benchmarks.throughput import megatron_counts
+    from benchmarks.recorders import megatron_counts
 
     return {
         "elapsed": stamps[1] - stamps[0], "steps": args.steps, "syncs": syncs.counts, "timeline": summary,

@@ -1,10 +1,13 @@
-"""What the benchmarks record in their timed steps besides wall time: host-GPU synchronisations and Python's garbage
-collections (used by every variant of benchmarks/throughput.py)."""
+"""What the benchmarks record besides wall time: host-GPU synchronisations and Python's garbage collections in the timed
+steps, the model's parameter counts, GPU kernel profiles; and the step count and trace paths every variant of
+benchmarks/throughput.py shares."""
 
 from __future__ import annotations
 
+import argparse
 import collections
 import gc
+import json
 import os
 import time
 import traceback
@@ -86,3 +89,63 @@ _OWN_FILES = (__file__, os.path.join(os.path.dirname(__file__), "throughput.py")
 
 def _is_internal(filename: str) -> bool:
     return filename.startswith(_TORCH_DIR) or filename in _OWN_FILES or filename.endswith("/warnings.py")
+
+
+def total_steps(args: argparse.Namespace) -> int:
+    """Warm-up, timed steps, and the host timeline's profiled steps after them."""
+    return args.warmup + args.steps + (args.timeline_steps if args.host_timeline else 0)
+
+
+def timeline_path(args: argparse.Namespace) -> str:
+    """Where this rank writes its host-timeline trace (each rank its own file; rank 0's summary is printed)."""
+    rank = int(os.environ.get("RANK", 0))
+    return f"{args.host_timeline}.{args.variant}.{args.run_index}{f'.rank{rank}' if rank else ''}.json.gz"
+
+
+def megatron_counts(chunks: list) -> dict[str, int]:
+    """Collective over all ranks: the whole model's parameters (every one, and the frozen ones) and the standard MFU
+    count's N (trainable, frozen), from this rank's Megatron chunks (bare or wrapped)."""
+    from lightning_megatron.parallel.counts import flops_parameters, whole_model_counts
+
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    total, frozen = whole_model_counts([params, [p for p in params if not p.requires_grad]], [True, True])
+    flops_trainable, flops_frozen = flops_parameters(chunks)
+    return {"params": total, "frozen": frozen, "flops_params": flops_trainable, "flops_frozen": flops_frozen}
+
+
+def hf_counts(model: torch.nn.Module) -> dict[str, int]:
+    """:func:`megatron_counts` of a ``transformers`` model (all of it trained): N is every parameter but the input
+    embedding table, unless it is tied to the output head (then one parameter, counted once as the head)."""
+    total = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter: counted once
+    table = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is table
+    return {"params": total, "frozen": 0, "flops_params": total if tied else total - table.numel(), "flops_frozen": 0}
+
+
+def start_profiler() -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    profiler.start()
+    return profiler
+
+
+def write_profile(profiler: Any, path: str) -> None:
+    """The timed steps' top GPU kernels by total time (rank 0)."""
+    profiler.stop()
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        events = profiler.key_averages()
+        # GPU kernel time summed over the profiled steps: wall time minus this is where the GPU waited (host gap).
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the CPU ops' share
+        kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+        table = events.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
+        by_kernel = sorted(kernels, key=lambda e: -e.self_device_time_total)[:60]  # GPU kernels alone, largest first
+        rows = [
+            f"{e.self_device_time_total / 1e3:10.2f} ms {e.count:6d} x"
+            f" {e.self_device_time_total / max(e.count, 1):9.1f} us  {e.key[:110]}"
+            for e in by_kernel
+        ]
+        with open(path, "w") as f:
+            f.write(json.dumps({"gpu_kernel_ms_total": round(kernel_ms, 2)}) + "\n" + table + "\n")
+            f.write("GPU kernels by self time\n" + "\n".join(rows) + "\n")

@@ -12,7 +12,11 @@
 #             on 2026-12-03)
 #   stock     1B: stock Megatron-Core's local spec (b0) beside (b) and (a) in one run, then the one-GPU fp8 and CUDA
 #             graph tests (the weight-cast cache under graphs) (~6 min)
+#   moe       the dense 1B shape, the ~1B-active MoE (moe1b) and Qwen3-30B-A3B's layers (qwen3moe: 8 layers on an
+#             H200, 4 on an H100's 80 GB) in one call, variant a (~5 min)
+#   moe_tests the grouped-expert GPU tests, then the expert MLP alone (benchmarks/moe_experts.py) (~2 min)
 # Two GPUs (nvidia-h200-x2):
+#   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
 #   cp2       1B at 32K tokens per sequence: one GPU against CP=2 (first_losses: the same initial weights and
 #             batches, so they should agree), and packed 32K rows at CP=2 against one GPU (the one-GPU runs took
@@ -58,11 +62,26 @@ stock)
     done
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/$section.log"
     ;;
+moe)
+    layers=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000) ? 8 : 4}')
+    tp --shape 1b --variants a
+    tp --shape moe1b --variants a
+    tp --shape qwen3moe --num-layers "$layers" --variants a
+    ;;
+moe_tests)
+    timeout 150 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_grouped_experts.py >"$out/$section.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/$section.log"
+    timeout 120 python3 benchmarks/moe_experts.py | tee -a "$log"
+    ;;
 scaling2)
     tp --shape 1b --variants a,b
     tp --shape 1b --devices 2 --variants a,b
     tp --shape 1b --devices 2 --tp 2 --sp --variants a,b
     tp --shape 1b --devices 2 --pp 2 --vpp 2 --micro-batch-size 2 --micro-batches 16 --variants a,b
+    ;;
+moe_ep2)
+    tp --shape moe1b --devices 2 --ep 2 --variants a
+    tp --shape moe1b --devices 2 --variants a
     ;;
 cp2)
     long=(--shape 1b --variants a --micro-batch-size 1 --micro-batches 2)

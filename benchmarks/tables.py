@@ -3,7 +3,7 @@
     python benchmarks/tables.py            # print the tables
     python benchmarks/tables.py --write    # rewrite the block between the markers in benchmarks/README.md
 
-Throughput rows (benchmarks/throughput.py's JSON lines): the latest row of each configuration (variant, shape,
+Throughput rows (benchmarks/throughput.py's JSON lines): the latest row of each configuration and chip (variant, shape,
 layout, sequence length, micro-batches and the options that change the step: fp8, CUDA graphs, LoRA, recompute,
 kernels); "latest" by the date in the file name, then file name, then line. MFU is the standard count
 (lightning_megatron/parallel/counts.py:model_flops_per_token) recomputed from the row's own fields: N from
@@ -35,6 +35,9 @@ SHAPES = {
     "125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=2048),
     "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632),
     "3b": dict(num_layers=26, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=8192),
+    # MoE shapes: their rows always record N (flops_params), so only the sizes the count reads are repeated here.
+    "moe1b": dict(num_layers=16, hidden_size=2048),
+    "qwen3moe": dict(num_layers=8, hidden_size=2048),
 }
 VOCAB = 32000
 PEAK_FLOPS = 989e12  # dense bf16 of one H100/H200, as throughput.py
@@ -91,10 +94,12 @@ class Row:
     def machine(self) -> str:
         if self.data.get("machine"):
             return self.data["machine"]
-        match = re.match(r"\d{4}-\d{2}-\d{2}-(h200(?:x\d+)?)-", self.file)
+        match = re.match(r"\d{4}-\d{2}-\d{2}-(h[12]00(?:x\d+)?)-", self.file)
         if not match:
             return "?"
         chip, _, count = match.group(1).partition("x")
+        if chip == "h100":  # the lent kinds' names: nvidia-h100-x1, nvidia-h100-x2, ...
+            return f"nvidia-h100-x{count or 1}"
         return f"nvidia-{chip}" + (f"-x{count}" if count else "")
 
     @property
@@ -146,7 +151,13 @@ def configuration(data: dict[str, Any]) -> tuple:
         data.get("vpp"), data.get("cp") or 1, bool(data.get("sp")), data["seq"], data["micro_batch"],
         data.get("recompute"), fp8, bool(data.get("cuda_graphs")), data.get("lora_rank") or 0,
         data.get("weight_cast_reuse", True), kernels(data), data.get("check_batches") is not False,
+        num_layers(data), data.get("ep") or 1, data.get("moe_grouped_gemm"),
     )  # fmt: skip
+
+
+def num_layers(data: dict[str, Any]) -> int:
+    """The row's layers: its own field (``--num-layers``) or its shape's."""
+    return data.get("num_layers") or SHAPES[data["shape"]]["num_layers"]
 
 
 def kernels(data: dict[str, Any]) -> str:
@@ -169,7 +180,8 @@ def throughput(all_rows: list[Row]) -> Throughput:
         if not all(key in data for key in ("seq", "micro_batch")) or data.get("shape") not in SHAPES:
             table.skip("without the sequence length, micro-batches or a known shape (the MFU cannot be recomputed)")
             continue
-        table.latest[configuration(data)] = row
+        chip = "h100" if "h100" in row.machine else "h200"  # H100 and H200 rows side by side, each chip's latest
+        table.latest[(*configuration(data), chip)] = row
     return table
 
 
@@ -189,7 +201,7 @@ def standard_mfu(data: dict[str, Any], table: Throughput | None = None) -> float
         trainable, frozen = llama_parameters(**shape)[1], 0
         if table is not None:
             table.from_shape += 1
-    flops = flops_per_token(trainable, frozen, shape["num_layers"], shape["hidden_size"], data["seq"])
+    flops = flops_per_token(trainable, frozen, num_layers(data), shape["hidden_size"], data["seq"])
     return data["tokens_per_s"] * flops / (PEAK_FLOPS * data.get("devices", 1))
 
 
@@ -205,15 +217,28 @@ def variant_label(data: dict[str, Any]) -> str:
         [f"kernels={data['kernels']}"] if data.get("kernels") not in ("auto", "hf_sdpa", "megatron_local_spec") else []
     )
     extras += ["no batch check"] if data.get("check_batches") is False else []
+    extras += ["experts looped"] if data.get("moe_grouped_gemm") is False else []
     return label + (" + " + ", ".join(extras) if extras else "")
 
 
 def layout(data: dict[str, Any]) -> str:
-    parts = [f"{name}{data[key]}" for key, name in (("tp", "TP"), ("pp", "PP"), ("vpp", "VPP"), ("cp", "CP"))
+    keys = (("tp", "TP"), ("pp", "PP"), ("vpp", "VPP"), ("cp", "CP"), ("ep", "EP"))
+    parts = [f"{name}{data[key]}" for key, name in keys
              if (data.get(key) or 1) > 1]  # fmt: skip
     parts += ["SP"] if data.get("sp") else []
     devices = data.get("devices", 1)
     return f"{devices} GPU{'s' if devices > 1 else ''}" + (f" ({' x '.join(parts)})" if parts else "")
+
+
+def shape_label(data: dict[str, Any]) -> str:
+    shape = data["shape"]
+    layers = f", {num_layers(data)} layers" if num_layers(data) != SHAPES[shape]["num_layers"] else ""
+    experts = (
+        f" ({data['num_moe_experts']} experts, top-{data['moe_router_topk']}{layers})"
+        if data.get("num_moe_experts")
+        else ""
+    )
+    return shape + (experts or (f" ({num_layers(data)} layers)" if layers else ""))
 
 
 def _order(row: Row) -> tuple:
@@ -232,18 +257,22 @@ def throughput_tables(table: Throughput) -> list[str]:
         "one GPU, 2,048 tokens per sequence": [],
         "longer sequences": [],
         "several GPUs": [],
+        "mixture of experts (MFU on active parameters)": [],
     }
     for row in sorted(table.latest.values(), key=_order):
         data = row.data
         mfu = standard_mfu(data, table)
         line = (
-            f"| {variant_label(data)} | {data['shape']} | {layout(data)} | {data['seq']:,} | {data['micro_batch']} | "
+            f"| {variant_label(data)} | {shape_label(data)} | {layout(data)} | {data['seq']:,} | "
+            f"{data['micro_batch']} | "
             f"{data['tokens_per_s']:,} | {mfu:.1%} | {data['mfu']:.1%} | {row.date} | {row.code or '-'} | "
             f"{row.machine} |"
         )
         group = "several GPUs" if data.get("devices", 1) > 1 else "one GPU, 2,048 tokens per sequence"
         if data.get("devices", 1) == 1 and data["seq"] != 2048:
             group = "longer sequences"
+        if data.get("num_moe_experts"):
+            group = "mixture of experts (MFU on active parameters)"
         groups[group].append(line)
     out = []
     for title, lines in groups.items():
@@ -251,7 +280,8 @@ def throughput_tables(table: Throughput) -> list[str]:
             out += [f"#### Throughput: {title}", "", *head, *lines, ""]
     notes = [
         "MFU: the standard count, tokens/s x (6 N + 6 layers hidden seq) / (989 TFLOP/s x GPUs), N the parameters "
-        "without the input embedding table; recomputed from each row's fields. \"MFU as recorded\": the row's own "
+        "without the input embedding table (MoE: each routed expert's parameters times top-k / experts, the active "
+        "parameters); recomputed from each row's fields. \"MFU as recorded\": the row's own "
         "`mfu` field (before the standard count, rows counted 6 x all parameters, the input table included).",
     ]
     if table.from_params:

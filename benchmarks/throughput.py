@@ -5,6 +5,8 @@
     python benchmarks/throughput.py --devices 2 --tp 2 --sp --variants a,b
     python benchmarks/throughput.py --devices 2 --pp 2 --vpp 2 --micro-batch-size 2 --micro-batches 16
     python benchmarks/throughput.py --devices 2 --cp 2 --seq-length 32768 --micro-batch-size 1 --variants a
+    python benchmarks/throughput.py --shape moe1b --variants a        # MoE: 32 experts of ffn 768, top-8
+    python benchmarks/throughput.py --shape qwen3moe --num-layers 4 --variants a   # Qwen3-30B-A3B's layers, cut
 
 Prints one JSON line per variant, each measured in its own torchrun job on the same GPUs:
 (a) ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule``; (b) a raw Megatron-Core loop with the same model,
@@ -28,6 +30,11 @@ term for causal attention (torchtitan counts 12 layers hidden seq: the full matr
 peak of an H100/H200. Each line records ``params`` (every parameter of the whole model, the model summary's count),
 ``flops_params`` and ``flops_frozen_params`` (N, trainable and frozen) and ``commit``. Timing: wall clock over
 ``--steps`` steps after ``--warmup`` steps, the GPU drained at both ends only.
+MoE shapes (variant a only): ``moe1b`` has the 1B shape's attention with 32 experts of ffn 768, top-8 (about the
+dense 1B's active parameters); ``qwen3moe`` the layers of Qwen3-30B-A3B (hidden 2048, 32 query heads of 128 over 4
+key/value groups, q/k norms, 128 experts of ffn 768, top-8, vocabulary 151,936), 8 of its 48 layers unless
+``--num-layers``. N counts each routed expert's parameters times top-k / experts (the active parameters), so MFU is
+on active parameters; rows carry ``num_moe_experts``, ``moe_router_topk``, ``ep`` and ``moe_grouped_gemm``.
 """
 
 from __future__ import annotations
@@ -42,13 +49,19 @@ from typing import Any
 
 import torch
 
+from benchmarks.recorders import hf_counts, megatron_counts, start_profiler, timeline_path, total_steps, write_profile
 from lightning_megatron.parallel.counts import model_flops_per_token
 
 SHAPES = {
     "125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=2048),
     "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632),
     "3b": dict(num_layers=26, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=8192),
-}
+    "moe1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632,
+                  num_moe_experts=32, moe_router_topk=8, moe_ffn_hidden_size=768),
+    "qwen3moe": dict(num_layers=8, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
+                     qk_layernorm=True, ffn_hidden_size=6144, num_moe_experts=128, moe_router_topk=8,
+                     moe_ffn_hidden_size=768, vocab_size=151936),
+}  # fmt: skip
 VOCAB = 32000
 VARIANTS = {
     "a": "lightning_megatron",
@@ -70,6 +83,13 @@ def parse() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--variant", help=argparse.SUPPRESS)  # set for the per-variant child job
     p.add_argument("--shape", default="1b", choices=list(SHAPES))
+    p.add_argument("--num-layers", type=int, default=None, help="the shape's layers, cut or grown to this many")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE shapes, variant a)")
+    p.add_argument(
+        "--moe-gemm", choices=["auto", "loop"], default="auto",
+        help="MoE experts: grouped GEMMs where the GPU has them (ModelConfig(moe_grouped_gemm=None)), or Megatron's "
+        "loop over the experts on the same module (moe_grouped_gemm=False)",
+    )  # fmt: skip
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "local"])
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
@@ -138,34 +158,34 @@ def model_config(args: argparse.Namespace) -> Any:
     if args.recompute == "full":
         recompute |= {"recompute_method": "uniform", "recompute_num_layers": 1}
     fusion = {"auto": None, "on": True, "off": False}[args.wgrad_fusion]
+    moe = {"moe_grouped_gemm": None if args.moe_gemm == "auto" else False} if is_moe(args) else {}
     return ModelConfig(
-        **SHAPES[args.shape], vocab_size=VOCAB, seq_length=args.seq_length, kernels=args.kernels,
+        **shape(args), seq_length=args.seq_length, kernels=args.kernels, **moe,
         gradient_accumulation_fusion=fusion, fp8=args.fp8 if args.variant == "a" else None,
         cuda_graphs=args.cuda_graphs and args.variant in ("a", "b"), **recompute,
     )  # fmt: skip
+
+
+def shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The ModelConfig fields of ``--shape`` (vocabulary 32,000 unless the shape has its own), ``--num-layers``."""
+    fields = {"vocab_size": VOCAB, **SHAPES[args.shape]}
+    return fields if args.num_layers is None else {**fields, "num_layers": args.num_layers}
+
+
+def is_moe(args: argparse.Namespace) -> bool:
+    return "num_moe_experts" in SHAPES[args.shape]
 
 
 def dataset(args: argparse.Namespace, dp: int) -> torch.Tensor:
     from lightning_megatron.data.corpus import synthetic_tokens
 
     batch = args.micro_batch_size * args.micro_batches
-    return synthetic_tokens(batch * dp * total_steps(args), args.seq_length, VOCAB)
+    return synthetic_tokens(batch * dp * total_steps(args), args.seq_length, shape(args)["vocab_size"])
 
 
 def data_parallel(args: argparse.Namespace) -> int:
     """Data-parallel replicas of variants a and b: the GPUs over the model-parallel ones (TP x PP x CP)."""
     return args.devices // (args.tp * args.pp * args.cp)
-
-
-def total_steps(args: argparse.Namespace) -> int:
-    """Warm-up, timed steps, and the host timeline's profiled steps after them."""
-    return args.warmup + args.steps + (args.timeline_steps if args.host_timeline else 0)
-
-
-def timeline_path(args: argparse.Namespace) -> str:
-    """Where this rank writes its host-timeline trace (each rank its own file; rank 0's summary is printed)."""
-    rank = int(os.environ.get("RANK", 0))
-    return f"{args.host_timeline}.{args.variant}.{args.run_index}{f'.rank{rank}' if rank else ''}.json.gz"
 
 
 def make_clock(args: argparse.Namespace) -> Any:
@@ -268,42 +288,29 @@ def variant_a(args: argparse.Namespace) -> dict:
     lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
     module = MegatronLMModule(config, lr=1e-4, decay_steps=1000, lora=lora)
     strategy = MegatronStrategy(
-        tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, sequence_parallel=args.sp,
+        tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp,
         micro_batch_size=args.micro_batch_size, check_batches=args.check_batches,
     )  # fmt: skip
     result = run_lightning(args, module, strategy, dataset(args, dp), dp)
-    return {**result, "fused_wgrad": module.fused_wgrad, "fp8": module.fp8}
+    return {**result, "fused_wgrad": module.fused_wgrad, "fp8": module.fp8, "moe_grouped_gemm": grouped_gemm(module)}
 
 
-def megatron_counts(chunks: list) -> dict[str, int]:
-    """Collective over all ranks: the whole model's parameters (every one, and the frozen ones) and the standard MFU
-    count's N (trainable, frozen), from this rank's Megatron chunks (bare or wrapped)."""
-    from lightning_megatron.parallel.counts import flops_parameters, whole_model_counts
+def grouped_gemm(module: Any) -> bool | None:
+    """Whether the MoE experts ran grouped GEMMs (every expert linear's last choice), None for a dense model."""
+    from lightning_megatron.kernels.experts import GroupedColumnLinear, GroupedRowLinear
 
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    total, frozen = whole_model_counts([params, [p for p in params if not p.requires_grad]], [True, True])
-    flops_trainable, flops_frozen = flops_parameters(chunks)
-    return {"params": total, "frozen": frozen, "flops_params": flops_trainable, "flops_frozen": flops_frozen}
-
-
-def hf_counts(model: torch.nn.Module) -> dict[str, int]:
-    """:func:`megatron_counts` of a ``transformers`` model (all of it trained): N is every parameter but the input
-    embedding table, unless it is tied to the output head (then one parameter, counted once as the head)."""
-    total = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter: counted once
-    table = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    tied = head is not None and head.weight is table
-    return {"params": total, "frozen": 0, "flops_params": total if tied else total - table.numel(), "flops_frozen": 0}
+    linears = [m for m in module.chunks.modules() if isinstance(m, GroupedColumnLinear | GroupedRowLinear)]
+    return all(m.last_gemm == "grouped" for m in linears) if linears else None
 
 
 def hf_llama_config(args: argparse.Namespace) -> Any:
     """The ``transformers`` Llama of the benchmark's shape (variants c and d)."""
     from transformers import LlamaConfig
 
-    shape = SHAPES[args.shape]
+    fields = shape(args)
     return LlamaConfig(
-        hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"],
-        num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
+        hidden_size=fields["hidden_size"], intermediate_size=fields["ffn_hidden_size"],
+        num_hidden_layers=fields["num_layers"], num_attention_heads=fields["num_attention_heads"],
         vocab_size=VOCAB, max_position_embeddings=args.seq_length, tie_word_embeddings=False,
         attn_implementation="sdpa",
     )  # fmt: skip
@@ -335,34 +342,6 @@ def variant_c(args: argparse.Namespace) -> dict:
     return {**run_lightning(args, module, "auto", dataset(args, args.devices), args.devices), **counts}
 
 
-def start_profiler() -> Any:
-    from torch.profiler import ProfilerActivity, profile
-
-    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    profiler.start()
-    return profiler
-
-
-def write_profile(profiler: Any, path: str) -> None:
-    """The timed steps' top GPU kernels by total time (rank 0)."""
-    profiler.stop()
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        events = profiler.key_averages()
-        # GPU kernel time summed over the profiled steps: wall time minus this is where the GPU waited (host gap).
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the CPU ops' share
-        kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3
-        table = events.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
-        by_kernel = sorted(kernels, key=lambda e: -e.self_device_time_total)[:60]  # GPU kernels alone, largest first
-        rows = [
-            f"{e.self_device_time_total / 1e3:10.2f} ms {e.count:6d} x"
-            f" {e.self_device_time_total / max(e.count, 1):9.1f} us  {e.key[:110]}"
-            for e in by_kernel
-        ]
-        with open(path, "w") as f:
-            f.write(json.dumps({"gpu_kernel_ms_total": round(kernel_ms, 2)}) + "\n" + table + "\n")
-            f.write("GPU kernels by self time\n" + "\n".join(rows) + "\n")
-
-
 def child(args: argparse.Namespace) -> None:
     if args.variant in ("b", "b0"):
         from benchmarks.raw_megatron import run
@@ -383,16 +362,18 @@ def child(args: argparse.Namespace) -> None:
     tokens = args.steps * args.micro_batch_size * args.micro_batches * args.seq_length
     tokens *= data_parallel(args)  # c and d run only where it is all the GPUs (main skips them under TP/PP/CP)
     tokens_per_s = tokens / result["elapsed"]
-    shape = SHAPES[args.shape]
+    fields = shape(args)
     flops_per_token = model_flops_per_token(
-        result["flops_params"], result["flops_frozen"], shape["num_layers"], shape["hidden_size"], args.seq_length
+        result["flops_params"], result["flops_frozen"], fields["num_layers"], fields["hidden_size"], args.seq_length
     )
     kernels = {"a": args.kernels, "b": args.kernels, "b0": "megatron_local_spec"}.get(args.variant, "hf_sdpa")
     print(
         "RESULT " + json.dumps({
             "variant": VARIANTS[args.variant],
-            "shape": args.shape, "devices": args.devices, "tp": args.tp, "pp": args.pp, "vpp": args.vpp,
-            "cp": args.cp, "sp": args.sp, "kernels": kernels,
+            "shape": args.shape, "num_layers": fields["num_layers"], "devices": args.devices, "tp": args.tp,
+            "pp": args.pp, "vpp": args.vpp, "cp": args.cp, "ep": args.ep, "sp": args.sp, "kernels": kernels,
+            "num_moe_experts": fields.get("num_moe_experts"), "moe_router_topk": fields.get("moe_router_topk"),
+            "moe_grouped_gemm": result.get("moe_grouped_gemm"),
             "micro_batch": f"{args.micro_batch_size}x{args.micro_batches}", "seq": args.seq_length,
             "recompute": args.recompute, "params": result["params"], "frozen_params": result["frozen"],
             "flops_params": result["flops_params"], "flops_frozen_params": result["flops_frozen"],
@@ -444,6 +425,9 @@ def main() -> None:
     for index, variant in enumerate(args.variants.split(",")):
         if variant in ("c", "d") and args.tp * args.pp * args.cp > 1:
             continue  # the HF model runs data-parallel only (DDP / FSDP2)
+        if variant != "a" and (is_moe(args) or args.ep > 1):
+            print(json.dumps({"variant": variant, "skipped": "MoE shapes and --ep: variant a only"}), flush=True)
+            continue
         if variant not in VARIANTS:
             print(json.dumps({"variant": variant, "error": f"unknown variant: one of {', '.join(VARIANTS)}"}))
             continue

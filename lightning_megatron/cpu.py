@@ -91,6 +91,10 @@ class _NoStream:
     def query(self) -> bool:
         return True
 
+    def record_event(self, *args: Any, **kwargs: Any) -> _NoStream:
+        # An event to wait on later (Megatron's alltoall dispatcher calls .synchronize() on it).
+        return _NoStream()
+
     def elapsed_time(self, other: Any) -> float:
         return 0.0
 
@@ -103,6 +107,14 @@ class _NoStream:
 
 def _noop(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the host: as numpy where asked, as the CUDA
+    path gives (the alltoall dispatcher passes the split sizes to ``all_to_all_single``, which refuses tensors)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 def _zero(*args: Any, **kwargs: Any) -> int:
@@ -150,6 +162,7 @@ def stand_ins() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, CPU stand-in) for every CUDA entry point Megatron-Core 0.19 reaches in training."""
 
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     cuda = torch.cuda
     backward_cls = torch.autograd.function.BackwardCFunction
@@ -174,6 +187,7 @@ def stand_ins() -> list[tuple[Any, str, Any]]:
         (cuda.random, "get_rng_state", _get_rng_state),
         (cuda.random, "set_rng_state", _set_rng_state),
         (mcore_random, "_set_cuda_rng_state", _set_rng_state),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),
         (backward_cls, "apply", _backward_in_mode(backward_cls.apply)),
     ]
     # One distinct object per patched name: torch.compile (used by Megatron's MoE code) keeps a table of torch

@@ -24,7 +24,7 @@ from lightning_megatron.checkpointing.resume import ResumableLoader
 from lightning_megatron.checkpointing.writer import CheckpointWriter
 from lightning_megatron.contract import ChunkSpec, MegatronRuntime, StepStats
 from lightning_megatron.data import consistency, sharding
-from lightning_megatron.kernels import fp8
+from lightning_megatron.kernels import fp8, permute
 from lightning_megatron.micro_batches import micro_batching
 from lightning_megatron.modules.base import MegatronLightningModule, check_overrides, megatron_module
 from lightning_megatron.parallel import ddp, state
@@ -248,6 +248,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._patches.install(patches.QuietRun(self.root_device.type))  # notices of the torch-native path
         if self.root_device.type == "cpu":
             self._patches.install(patches.CpuMode())
+        self._patches.install(patches.UniformTokenPermutation(permute))  # MoE token permutation without atomic adds
         super().setup_environment()  # default process group
         if self._groups is None or not self._groups.alive():  # a later fit/validate/... of this strategy reuses them
             self._megatron_optimizer = self._scheduler = self._retained = None  # an earlier run's, for its groups

@@ -1,8 +1,9 @@
 """HF import/export jobs at several layouts in one set of processes, launched by tests/test_hf.py.
 
 ``python tests/hf_worker.py '{"devices": 2, "tokens": "t.pt", "out": "r.json", "jobs": [...]}'``; each job is
-``{"model": DIR, "tp": 2, "pp": 1, "vpp": null, "save": DIR?, "train_steps": 0}``. Per job every rank runs
-``predict`` and ``validate`` on the tokens (after ``train_steps`` steps of ``fit`` when > 0, saving with
+``{"model": DIR, "tp": 2, "pp": 1, "vpp": null, "ep": 1, "save": DIR?, "train_steps": 0, "logprobs": false}``.
+Per job every rank runs ``predict`` (with ``logprobs``: also the log-probs of the tokens) and ``validate`` on the
+tokens (after ``train_steps`` steps of ``fit`` when > 0, saving with
 ``save_hf`` at the end of training), exports the HF weights during validation and compares them with the source
 files, and counts the tensor elements it read from the safetensors files. Lightning's launcher re-runs this
 command once per extra process; every rank writes ``out.rank{N}.json`` and its logits ``out.job{i}.rank{N}.pt``.
@@ -80,13 +81,13 @@ class SaveAtEnd(L.Callback):
     """save_hf (merged weights with LoRA) and, with LoRA, the PEFT adapter; buckets checked against the
     per-tensor export (one gather / broadcast per bucket)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, peft: bool = True) -> None:
+        self.path, self.peft = path, peft
         self.buckets: dict[str, Any] = {}
 
     def on_train_end(self, trainer: L.Trainer, module: MegatronLMModule) -> None:  # type: ignore[override]
         module.save_hf(self.path, max_shard_size=64 * 1024)  # small shards: the index path is exercised too
-        if module.lora is None:
+        if module.lora is None or not self.peft:
             return
         module.save_hf(f"{self.path}-adapter", adapter=True)
         tensors = dict(module.export_hf_weights())
@@ -108,7 +109,8 @@ class Losses(L.Callback):
 
 
 def _trainer(devices: int, job: dict, **kwargs: Any) -> L.Trainer:
-    sizes = {"tp": job.get("tp", 1), "pp": job.get("pp", 1), "vpp": job.get("vpp"), "cp": job.get("cp", 1)}
+    sizes = {"tp": job.get("tp", 1), "pp": job.get("pp", 1), "vpp": job.get("vpp"), "cp": job.get("cp", 1),
+             "ep": job.get("ep", 1)}  # fmt: skip
     strategy = MegatronStrategy(**sizes, sequence_parallel=job.get("sp", False), micro_batch_size=2)
     return L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
@@ -131,9 +133,9 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
         # The same samples on every rank (tensor-parallel peers must see the same batch).
         generator = torch.Generator().manual_seed(0)
         samples = torch.randint(0, 128, (4 * job["train_steps"], tokens.shape[1]), generator=generator)
-        data = DataLoader(samples, batch_size=4)
+        data = DataLoader(samples, batch_size=job.get("batch_size", 4))  # per data-parallel rank
         losses = Losses()
-        save = SaveAtEnd(job["save"])
+        save = SaveAtEnd(job["save"], peft=job.get("peft", True))
         trainer = _trainer(devices, job, max_steps=job["train_steps"], callbacks=[losses, save])
         trainer.fit(module, data, ckpt_path=job.get("resume"))
         result["train_losses"], result["buckets"] = losses.values, save.buckets
@@ -144,6 +146,10 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
     result["elements_read"] = CountingSafeOpen.elements  # the model was built by the first Trainer call
     result["export_shapes"], result["export_max_diff"] = check.shapes, check.max_diff
     logits = torch.cat(_trainer(devices, job).predict(module, loader))
+    if job.get("logprobs"):
+        module.prediction = "logprobs"
+        result["logprobs"] = torch.cat([p["logprobs"] for p in _trainer(devices, job).predict(module, loader)]).tolist()
+        module.prediction = "logits"
     if job.get("packed"):  # packed rows of documents (tests/test_hf.py: PACKED_LENGTHS)
         rows = DataLoader(packed, batch_size=len(packed))
         result["packed_val_loss"] = _trainer(devices, job).validate(module, rows)[0]["val_loss"]

@@ -220,6 +220,8 @@ def main(args: dict) -> None:
             trainer.predict(model, val_loader, ckpt_path=args.get("resume")), args["pred_out"], trainer.global_rank
         )
     result["rank"] = trainer.global_rank
+    dispatchers = {type(m.token_dispatcher).__name__ for m in model.chunks.modules() if hasattr(m, "token_dispatcher")}
+    result["dispatchers"] = sorted(dispatchers)  # MoE: Megatron's token dispatcher classes of this rank's layers
     out_path = args["out"] if trainer.global_rank == 0 else args["out"] + f".rank{trainer.global_rank}"
     with open(out_path, "w") as f:
         json.dump(result, f)

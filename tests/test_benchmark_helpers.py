@@ -28,7 +28,7 @@ def test_gc_pauses_records_the_collections_of_its_window_only() -> None:
 def test_hf_counts_leave_the_input_embedding_out(tied: bool) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from benchmarks.throughput import hf_counts
+    from benchmarks.recorders import hf_counts
 
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          vocab_size=100, tie_word_embeddings=tied)  # fmt: skip
@@ -44,7 +44,7 @@ def test_stock_variant_builds_megatron_core_alone() -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from benchmarks.raw_megatron import build_chunk
-    from benchmarks.throughput import megatron_counts
+    from benchmarks.recorders import megatron_counts
     from lightning_megatron import tiny_gpt
     from tests.conftest import one_process_megatron
 

@@ -241,6 +241,113 @@ def test_to_transformer_config_moe() -> None:
     assert tiny_gpt(num_moe_experts=4, moe_ffn_hidden_size=32).to_transformer_config().moe_ffn_hidden_size == 32
 
 
+MOE = {"num_moe_experts": 4}
+SIGMOID = {**MOE, "moe_router_score_function": "sigmoid"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        # A dense model has no router: each MoE-only field is refused, named, with what would work.
+        ({"moe_router_pre_softmax": True}, r"moe_router_pre_softmax=True needs an MoE model.*num_moe_experts=None"),
+        ({"moe_router_score_function": "sigmoid"}, r"moe_router_score_function='sigmoid' needs an MoE model"),
+        ({"moe_router_enable_expert_bias": True}, r"moe_router_enable_expert_bias=True needs an MoE model"),
+        ({"moe_router_bias_update_rate": 0.01}, r"moe_router_bias_update_rate=0\.01 needs an MoE model"),
+        ({"moe_router_num_groups": 2}, r"moe_router_num_groups=2 needs an MoE model"),
+        ({"moe_router_group_topk": 1}, r"moe_router_group_topk=1 needs an MoE model"),
+        ({"moe_router_topk_scaling_factor": 2.5}, r"moe_router_topk_scaling_factor=2\.5 needs an MoE model"),
+        ({"moe_router_load_balancing_type": "seq_aux_loss"}, r"moe_router_load_balancing_type='seq_aux_loss' needs"),
+        ({"moe_aux_loss_coeff": 0.01}, r"moe_aux_loss_coeff=0\.01 needs an MoE model.*moe_aux_loss_coeff=0\.0"),
+        ({"moe_z_loss_coeff": 0.001}, r"moe_z_loss_coeff=0\.001 needs an MoE model.*moe_z_loss_coeff=None"),
+        ({"moe_shared_expert_intermediate_size": 64}, r"moe_shared_expert_intermediate_size=64 needs an MoE model"),
+        ({"moe_shared_expert_gate": True}, r"moe_shared_expert_gate=True needs an MoE model"),
+        ({"moe_layer_freq": 2}, r"moe_layer_freq=2 needs an MoE model.*moe_layer_freq=1"),
+        ({"moe_grouped_gemm": False}, r"moe_grouped_gemm=False needs an MoE model.*moe_grouped_gemm=None"),
+        # Routing: what Megatron's TransformerConfig rejects (or ignores), refused before anything is built.
+        ({**MOE, "moe_router_score_function": "relu"}, r"moe_router_score_function='relu'.*softmax.*sigmoid"),
+        ({**SIGMOID, "moe_router_pre_softmax": True}, r"moe_router_pre_softmax=True with .*'sigmoid'.*=False"),
+        ({**MOE, "moe_router_topk": 1}, r"moe_router_topk=1 .*moe_router_pre_softmax=True"),
+        ({**MOE, "moe_router_enable_expert_bias": True}, r"moe_router_enable_expert_bias=True with .*'softmax'"),
+        (
+            {**SIGMOID, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.0},
+            r"moe_router_bias_update_rate=0\.0 must be > 0",
+        ),
+        ({**SIGMOID, "moe_router_bias_update_rate": 0.01}, r"moe_router_bias_update_rate=0\.01 only applies with"),
+        ({**MOE, "moe_router_group_topk": 1}, r"moe_router_group_topk=1 without moe_router_num_groups"),
+        ({**MOE, "moe_router_num_groups": 2}, r"moe_router_num_groups=2 without moe_router_group_topk"),
+        (
+            {**MOE, "moe_router_num_groups": 3, "moe_router_group_topk": 1},
+            r"moe_router_num_groups=3 must divide num_moe_experts=4.*\[1, 2, 4\]",
+        ),
+        (
+            {**MOE, "moe_router_num_groups": 2, "moe_router_group_topk": 3},
+            r"moe_router_group_topk=3 must be <= moe_router_num_groups=2",
+        ),
+        (  # one expert per group, top-2 from one group: Megatron would route to masked-out experts
+            {**MOE, "moe_router_num_groups": 4, "moe_router_group_topk": 1},
+            r"moe_router_group_topk=1 with moe_router_num_groups=4 .*among \[2\]",
+        ),
+        ({**MOE, "moe_router_num_groups": 0, "moe_router_group_topk": 1}, r"moe_router_num_groups=0"),
+        ({**MOE, "moe_router_topk_scaling_factor": 0.0}, r"moe_router_topk_scaling_factor=0\.0 must be > 0.*None"),
+        # Losses.
+        ({**MOE, "moe_router_load_balancing_type": "sinkhorn"}, r"moe_router_load_balancing_type='sinkhorn'"),
+        ({**MOE, "moe_aux_loss_coeff": -0.1}, r"moe_aux_loss_coeff=-0\.1 must be >= 0"),
+        (
+            {**MOE, "moe_aux_loss_coeff": 0.01, "moe_router_load_balancing_type": "none"},
+            r"moe_aux_loss_coeff=0\.01 with moe_router_load_balancing_type='none'.*'aux_loss'",
+        ),
+        ({**MOE, "moe_z_loss_coeff": 0.0}, r"moe_z_loss_coeff=0\.0 must be > 0.*None to turn the z-loss off"),
+        # Shared experts, layer pattern, grouped GEMM.
+        ({**MOE, "moe_shared_expert_intermediate_size": 0}, r"moe_shared_expert_intermediate_size=0"),
+        ({**MOE, "moe_shared_expert_gate": True}, r"moe_shared_expert_gate=True .*moe_shared_expert_intermediate_size"),
+        ({**MOE, "moe_layer_freq": 0}, r"moe_layer_freq=0 must be >= 1"),
+        ({**MOE, "moe_layer_freq": "1,0"}, r"moe_layer_freq='1,0' must be an int >= 1 or a tuple"),
+        ({**MOE, "moe_layer_freq": (1, 0)}, r"moe_layer_freq=\(1, 0\) .*4 entries for num_layers=4"),
+        ({**MOE, "moe_layer_freq": (0, 2, 1, 0)}, r"moe_layer_freq=\(0, 2, 1, 0\) must hold one 0"),
+        ({**MOE, "moe_layer_freq": [0, 0, 0, 0]}, r"moe_layer_freq=\(0, 0, 0, 0\) makes every layer dense"),
+        ({**MOE, "moe_grouped_gemm": "yes"}, r"moe_grouped_gemm='yes' must be None \(auto\), True or False"),
+        ({**MOE, "add_bias_linear": True}, r"add_bias_linear=True with num_moe_experts=4.*add_bias_linear=False"),
+    ],
+)
+def test_invalid_moe_config(overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tiny_gpt(**overrides)
+
+
+def test_moe_router_settings_reach_megatron() -> None:
+    """Top-1 is accepted where it has a gradient; the fields pass to TransformerConfig under their names (the layer
+    pattern as Megatron's list; grouped GEMMs unless False), and Megatron's own checks accept every combination."""
+    assert tiny_gpt(**MOE, moe_router_topk=1, moe_router_pre_softmax=True).moe_router_topk == 1
+    assert tiny_gpt(**SIGMOID, moe_router_topk=1).moe_router_topk == 1
+    cfg = tiny_gpt(
+        **SIGMOID, moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2, moe_router_num_groups=2,
+        moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=1e-3, moe_z_loss_coeff=1e-3, moe_shared_expert_intermediate_size=64,
+        moe_shared_expert_gate=True, moe_layer_freq=[0, 1, 1, 1], moe_grouped_gemm=False,
+    )  # fmt: skip
+    assert cfg.moe_layer_freq == (0, 1, 1, 1)  # a YAML list, kept as a tuple
+    assert cfg.moe_layers == (False, True, True, True)
+    assert tiny_gpt(**MOE, moe_layer_freq=2).moe_layers == (True, False, True, False)  # layer i MoE iff i % 2 == 0
+    assert tiny_gpt().moe_layers == (False,) * 4
+    tc = cfg.to_transformer_config()
+    for name in ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+                 "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+                 "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                 "moe_shared_expert_intermediate_size", "moe_shared_expert_gate"):  # fmt: skip
+        assert getattr(tc, name) == getattr(cfg, name), name
+    assert tc.moe_layer_freq == [0, 1, 1, 1]
+    assert tc.moe_grouped_gemm is False
+    assert tc.moe_token_dispatcher_type == "allgather"
+    softmax = tiny_gpt(**MOE, moe_router_pre_softmax=True).to_transformer_config()
+    assert softmax.moe_router_pre_softmax is True
+    assert softmax.moe_grouped_gemm is True  # None: grouped where the device has them (the experts module decides)
+    assert tiny_gpt(**MOE, moe_grouped_gemm=False).to_transformer_config().moe_grouped_gemm is False
+    # The strategy's variable-length dispatcher is no clash.
+    assert tiny_gpt(**MOE).to_transformer_config(moe_token_dispatcher_type="alltoall").moe_token_dispatcher_type == (
+        "alltoall"
+    )
+
+
 def test_to_transformer_config_rejects_model_fields_as_parallel() -> None:
     with pytest.raises(ValueError, match=r"num_layers"):
         tiny_gpt().to_transformer_config(num_layers=8)
@@ -264,6 +371,9 @@ def test_layer_spec() -> None:
     moe_spec = layer_spec(tiny_gpt(num_moe_experts=4, qk_layernorm=True))
     assert isinstance(moe_spec, ModuleSpec)
     assert moe_spec.submodules.mlp is not spec.submodules.mlp
+    dense_in_moe = layer_spec(tiny_gpt(num_moe_experts=4), moe=False)  # a dense layer of an MoE model
+    assert dense_in_moe.submodules.mlp.func == spec.submodules.mlp.func  # MLP.as_mlp_submodule
+    assert moe_spec.submodules.mlp.func.__name__ == "MoELayer"
 
 
 def test_every_field_has_a_docstring() -> None:

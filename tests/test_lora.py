@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron import LoRAConfig, MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron import LoRAConfig, MegatronLMModule, MegatronStrategy, ParallelSizes, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
 from lightning_megatron.gpt.lora.config import is_adapter_param
 
@@ -23,12 +23,14 @@ def test_lora_config_errors() -> None:
         LoRAConfig(target_modules=("qkv",))
     with pytest.raises(ValueError, match=r"names \['gate_proj'\], which this model does not have"):
         MegatronLMModule(tiny_gpt(gated_linear_unit=False), lora=LoRAConfig(target_modules=("gate_proj",)))
-    with pytest.raises(ValueError, match=r"targets \['down_proj'\] of an MoE model"):
-        MegatronLMModule(tiny_gpt(num_moe_experts=4), lora=LoRAConfig(target_modules=("q_proj", "down_proj")))
+    with pytest.raises(ValueError, match=r"names \['gate_proj'\] alone on an MoE model.*'linear_fc1'"):
+        MegatronLMModule(tiny_gpt(num_moe_experts=4), lora=LoRAConfig(target_modules=("q_proj", "gate_proj")))
     with pytest.raises(ValueError, match=r"alpha=0"):
         LoRAConfig(alpha=0)
-    with pytest.raises(ValueError, match=r"adapters on experts are not supported"):
-        MegatronLMModule(tiny_gpt(num_moe_experts=4), lora=LoRAConfig())
+    moe = MegatronLMModule(tiny_gpt(num_moe_experts=4), lora=LoRAConfig())  # experts adapted: not under expert TP
+    with pytest.raises(ValueError, match=r"adapters on the experts.*tp=2.*use tp=1"):
+        moe.validate_parallel(ParallelSizes(tp=2))
+    moe.validate_parallel(ParallelSizes(ep=4))
     assert LoRAConfig(target_modules=["linear_qkv"]).target_modules == ("linear_qkv",)  # YAML lists
     with pytest.raises(ValueError, match=r"dropout=1.0 must be in \[0, 1\)"):
         LoRAConfig(dropout=1.0)

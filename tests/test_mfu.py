@@ -86,3 +86,20 @@ def test_tied_embedding_counted_once_at_pp2(megatron: None, monkeypatch: pytest.
         counted.append(sum(parameter_share(p) for p in trainable))
     assert counted == [2 * PER_LAYER + TABLE, 2 * PER_LAYER + HIDDEN]  # the head's matrix once, on the first stage
     assert sum(counted) == N
+
+
+def test_moe_counts_the_active_experts(megatron: None) -> None:
+    """An MoE token runs through its top-k experts: each expert's parameters count k / E (the router, attention and
+    a shared expert in full); the summary's count keeps every expert."""
+    from lightning_megatron.parallel.counts import flops_parameters, whole_model_counts
+
+    experts, topk, moe_ffn, shared = 4, 2, 32, 48
+    model = chunk(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
+                  moe_shared_expert_intermediate_size=shared)  # fmt: skip
+    expert = 3 * moe_ffn * HIDDEN  # one SwiGLU expert: fc1 [2 ffn, hidden], fc2 [hidden, ffn]
+    dense_mlp = 2 * FFN * HIDDEN + FFN * HIDDEN
+    moe_mlp = experts * HIDDEN + 3 * shared * HIDDEN  # router, shared expert
+    n_all = N + LAYERS * (moe_mlp + experts * expert - dense_mlp)
+    (total,) = whole_model_counts([model.parameters()], [True])
+    assert total == n_all + TABLE
+    assert flops_parameters([model]) == (n_all - LAYERS * (experts - topk) * expert, 0)

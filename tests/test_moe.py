@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
+import lightning as L
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronStrategy, ParallelSizes, tiny_gpt
-from tests.conftest import run_here, run_worker
+from lightning_megatron import MegatronLMModule, MegatronStrategy, ParallelSizes, tiny_gpt
+from lightning_megatron.data.corpus import synthetic_tokens
+from tests.conftest import one_process_trainer, run_here, run_worker
 
 MOE = {"model": {"num_moe_experts": 4, "moe_router_topk": 2}}
+# The routers real MoE models use: DeepSeek-V3's sigmoid scores with an aux-loss-free expert bias, group-limited
+# routing and a routed scaling factor, Qwen2-MoE's gated shared expert, dense layers mixed in; both router losses on.
+ROUTERS = {
+    "num_moe_experts": 4, "moe_router_topk": 2, "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True, "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+    "moe_router_topk_scaling_factor": 2.0, "moe_shared_expert_intermediate_size": 64, "moe_shared_expert_gate": True,
+    "moe_layer_freq": (0, 1, 1, 0), "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3,
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +44,7 @@ def test_expert_parallel_matches_one_process(moe_run: dict, tmp_path: Path) -> N
     one = run_here({**args, "devices": 1}, tmp_path)
     ep2 = run_worker({**args, "devices": 2, "ep": 2}, tmp_path)
     assert ep2["val"] == pytest.approx(one["val"], rel=2e-5)
+    assert (one["dispatchers"], ep2["dispatchers"]) == (["MoEAllGatherTokenDispatcher"], ["MoEAlltoAllTokenDispatcher"])
 
 
 @pytest.mark.multiprocess
@@ -38,6 +53,7 @@ def test_expert_parallel_trains(moe_run: dict, tmp_path: Path) -> None:
     result = run_worker({**fused, "devices": 2, "ep": 2, "max_steps": 3, "summary": True}, tmp_path)
     assert len(result["train"]) == 3
     assert len(set(result["train"].values())) == 3  # weights move
+    assert result["dispatchers"] == ["MoEAlltoAllTokenDispatcher"]  # tokens sent to their experts' ranks
     # The Trainer's ModelSummary counts the experts of both ranks, the dense weights (data-parallel copies) once.
     summary, one_process = result["summary"], moe_run["summary"]
     assert summary["class"] == "MegatronModelSummary"
@@ -79,3 +95,128 @@ def test_optimizer_split_mismatch_is_refused(tmp_path: Path) -> None:
 def test_resume_at_another_optimizer_split_raises(moe_run: dict, tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match=r"holds the state of 1 optimizer\(s\) and this run builds 2"):
         run_worker({**MOE, "devices": 2, "ep": 2, "max_steps": 3, "resume": moe_run["ckpt"]}, tmp_path)
+
+
+def reference_losses(logits: torch.Tensor, topk: int) -> tuple[float, float]:
+    """One MoE layer's (load-balancing loss, z-loss) of one micro-batch from its router logits [tokens, experts],
+    written out from the papers' definitions: Switch's E * sum_e f_e * P_e on the sigmoid scores normalised per token
+    (the top-k of the scores, neither grouped nor biased: Megatron's aux-loss routing), and ST-MoE's mean squared
+    logsumexp."""
+    tokens, experts = logits.shape
+    scores = torch.sigmoid(logits.double())
+    scores = scores / scores.sum(-1, keepdim=True)
+    chosen = torch.zeros_like(scores).scatter(1, scores.topk(topk, dim=1).indices, 1.0)
+    fraction = chosen.sum(0) / (tokens * topk)  # f_e: share of the routed slots
+    probability = scores.mean(0)  # P_e
+    z = torch.logsumexp(logits.double(), dim=-1).square().mean()
+    return float(experts * (fraction * probability).sum()), float(z)
+
+
+class RouterProbe(L.Callback):
+    """Captures each router's logits per training micro-batch (a forward hook: ``input @ weight.T``) and, at each
+    ``on_train_batch_end``, what the callback sees logged and what :func:`reference_losses` gives for that step."""
+
+    def __init__(self) -> None:
+        self.logits: dict[int, list[torch.Tensor]] = {}
+        self.steps: list[dict] = []
+        self.bias_moved = False
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        from lightning_megatron.gpt.moe import StepRouter
+
+        for router in (m for m in pl_module.chunks.modules() if isinstance(m, StepRouter)):
+
+            def hook(module, args, output) -> None:  # noqa: ANN001
+                if module.training and torch.is_grad_enabled():
+                    hidden = args[0].detach().reshape(-1, args[0].shape[-1])
+                    self.logits.setdefault(module.layer_number, []).append(hidden.float() @ module.weight.detach().T)
+
+            router.register_forward_hook(hook)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        config = pl_module.config
+        # Per MoE layer: the mean over its micro-batches; then the mean over the layers.
+        layer_means = [
+            torch.tensor([reference_losses(x, config.moe_router_topk) for x in xs]).mean(0)
+            for xs in self.logits.values()
+        ]
+        aux, z = torch.stack(layer_means).mean(0).tolist()
+        metrics = trainer.callback_metrics
+        self.steps.append({
+            "logged": (float(metrics["moe_aux_loss"]), float(metrics["moe_z_loss"])),
+            "reference": (config.moe_aux_loss_coeff * aux, config.moe_z_loss_coeff * z),
+            "micro_batches": {n: len(xs) for n, xs in self.logits.items()}, "loss": float(outputs["loss"]),
+        })  # fmt: skip
+        self.logits = {}
+        biases = [b for n, b in pl_module.chunks.named_buffers() if n.endswith("expert_bias")]
+        self.bias_moved |= any(bool(b.abs().sum() > 0) for b in biases)
+
+
+def test_deepseek_and_qwen_routers_train_and_log_their_losses() -> None:
+    """Sigmoid + expert bias + group-limited routing + gated shared experts + dense layers mixed in: the layers are
+    dense/MoE as asked, two steps train (finite loss, weights move, expert bias moves), and ``moe_aux_loss`` /
+    ``moe_z_loss`` are in ``callback_metrics`` in the step's own ``on_train_batch_end``, equal to the losses computed
+    from the routers' logits (mean over both MoE layers and the 4 micro-batches, times the coefficient)."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from lightning_megatron.gpt.moe import StepRouter
+
+    model = MegatronLMModule(tiny_gpt(**ROUTERS), lr=3e-3)
+    probe = RouterProbe()
+    before: dict[str, torch.Tensor] = {}
+
+    class Before(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            before.update({n: p.detach().clone() for n, p in pl_module.chunks.named_parameters()})
+
+    trainer = one_process_trainer(2, callbacks=[probe, Before()])
+    trainer.fit(model, DataLoader(synthetic_tokens(16, 32, 256, seed=1), batch_size=8))
+
+    layers = model.chunks[0].decoder.layers
+    assert [type(layer.mlp) for layer in layers] == [MLP, MoELayer, MoELayer, MLP]
+    moe = layers[1].mlp
+    assert isinstance(moe.router, StepRouter)
+    assert moe.shared_experts.gate_weight is not None
+    assert moe.config.moe_token_dispatcher_type == "allgather"  # alltoall fails on CPU: lightning_megatron.gpt.moe
+    assert len(probe.steps) == 2
+    assert all(math.isfinite(step["loss"]) for step in probe.steps)
+    unmoved = [n for n, p in model.chunks.named_parameters() if torch.equal(p.detach(), before[n])]
+    assert unmoved == []  # routers, shared experts and their gates, experts, dense MLPs: every weight trained
+    assert probe.bias_moved  # aux-loss-free balancing updated the expert bias after a step
+    for step in probe.steps:
+        assert step["micro_batches"] == {2: 4, 3: 4}  # layer numbers 2 and 3 (1-based) are the MoE layers
+        assert step["logged"] == pytest.approx(step["reference"], rel=1e-5)
+
+
+def test_router_losses_are_off_without_coefficients() -> None:
+    from lightning_megatron.gpt.moe import tracked_names
+
+    assert tracked_names(tiny_gpt(num_moe_experts=4)) == {}  # coefficient 0, z-loss None: nothing logged
+    assert tracked_names(tiny_gpt()) == {}
+    seq = tiny_gpt(num_moe_experts=4, moe_aux_loss_coeff=0.1, moe_router_load_balancing_type="seq_aux_loss")
+    assert tracked_names(seq) == {"moe_aux_loss": "seq_load_balancing_loss"}
+
+
+def test_grouped_gemm_required_where_there_is_none() -> None:
+    from lightning_megatron.gpt.plan import KernelPlan
+
+    with pytest.raises(ValueError, match=r"moe_grouped_gemm=True.*CPU.*moe_grouped_gemm=None"):
+        KernelPlan.resolve(tiny_gpt(num_moe_experts=4, moe_grouped_gemm=True), "cpu")
+    KernelPlan.resolve(tiny_gpt(num_moe_experts=4, moe_grouped_gemm=None), "cpu")  # the loop there
+
+
+@pytest.mark.multiprocess
+def test_router_losses_are_the_same_on_every_pipeline_stage(tmp_path: Path) -> None:
+    """PP=2 splits the MoE layers (one per stage, built from the stage's global layer offset) and reduces the losses
+    over the stages: every rank logs what one process logs for the same weights and batch."""
+    model = {**ROUTERS, "moe_layer_freq": [0, 1, 1, 0]}  # a list, as from YAML
+    ckpt = {"model": model, "ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 1}
+    run_here({**ckpt, "max_steps": 1}, tmp_path)
+    resume = {"model": model, "max_steps": 2, "resume": str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt")}
+    one = run_here(resume, tmp_path)["callback_metrics"]
+    two = run_worker({**resume, "devices": 2, "pp": 2}, tmp_path)
+    (other,) = tmp_path.glob("result-*.json.rank1")
+    for metrics in (two["callback_metrics"], json.loads(other.read_text())["callback_metrics"]):
+        for name in ("moe_aux_loss", "moe_z_loss", "train_loss"):
+            assert metrics[name] == pytest.approx(one[name], rel=1e-5), name

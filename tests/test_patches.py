@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, patches, quiet, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
+from lightning_megatron.kernels import permute
 from lightning_megatron.parallel import ddp
 from tests.conftest import one_process_trainer
 
@@ -64,13 +65,15 @@ def test_a_cpu_run_installs_its_patches_and_teardown_removes_every_one(
 
     before_warnings, before_loggers = warnings.filters, _logger_filters()
     before = {cls: _snapshot(cls()) for cls in (patches.CpuMode, patches.ForeachClipGrads)}
+    before[patches.UniformTokenPermutation] = _snapshot(patches.UniformTokenPermutation(permute))
     before[patches.QuietRun] = _snapshot(patches.QuietRun("cpu"))
     if teardown_fails:
         monkeypatch.setattr(ddp, "clear_hooks", _broken)  # a step of teardown before the patches' removal raises
     seen = Seen()
     with pytest.raises(RuntimeError, match="teardown step failed") if teardown_fails else contextlib.nullcontext():
         _fit(seen)
-    assert [type(p) for p in seen.installed] == [patches.QuietRun, patches.CpuMode, patches.ForeachClipGrads]
+    expected = [patches.QuietRun, patches.CpuMode, patches.UniformTokenPermutation, patches.ForeachClipGrads]
+    assert [type(p) for p in seen.installed] == expected
     assert [type(p) for p in seen.installed] == list(patches.RUN_PATCHES)
     for patch in seen.installed:
         assert not patch.installed
@@ -119,7 +122,8 @@ def test_the_stack_removes_in_reverse_even_when_a_removal_raises() -> None:
 
 
 def test_every_patch_names_why_and_the_upstream_version_it_can_go_with() -> None:
-    assert set(ALL) == {patches.CpuMode, patches.QuietRun, patches.ForeachClipGrads, patches.KeepAdamStepOnLoad}
+    expected = {patches.CpuMode, patches.QuietRun, patches.ForeachClipGrads, patches.KeepAdamStepOnLoad}
+    assert set(ALL) == expected | {patches.UniformTokenPermutation}
     for cls in ALL:
         doc = inspect.getdoc(cls) or ""
         droppable = re.search(r"Droppable when: (.+)", doc, re.S)

@@ -110,9 +110,11 @@ def check_optimizer_split(path: Path, metadata: Any, optimizer_state: Any) -> No
     not load at a layout with another split.
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    requested = [item.key for item in nested_values(optimizer_state) if isinstance(item, ShardedTensor)]
+    # Factories too: the grouped experts' states are factories until the load builds them (kernels/experts.py).
+    sharded = (ShardedTensor, ShardedTensorFactory)
+    requested = [item.key for item in nested_values(optimizer_state) if isinstance(item, sharded)]
     saved_keys = [key for key in metadata.state_dict_metadata if "optimizer.state." in key]
     if not requested or not saved_keys:
         return

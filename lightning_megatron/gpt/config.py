@@ -14,6 +14,7 @@ from typing import Any, Literal, Self
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from lightning_megatron.gpt.moe_config import check_moe, moe_layer_pattern
 from lightning_megatron.gpt.plan import Kernels, Resolved
 from lightning_megatron.gpt.transformer import LOCAL_BACKEND, kernel_fields
 from lightning_megatron.parallel.sizes import ParallelSizes
@@ -31,6 +32,14 @@ _SAME_NAME_FIELDS = (
     "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "qk_layernorm", "init_method_std",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "num_moe_experts", "moe_router_topk",
     "moe_enable_routing_replay",
+)  # fmt: skip
+# MoE fields passed to TransformerConfig under the same name (MoE models only; moe_layer_freq and moe_grouped_gemm
+# are converted).
+_MOE_FIELDS = (
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate", "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
 )  # fmt: skip
 
 
@@ -104,6 +113,53 @@ class ModelConfig:
     """Experts each token is routed to (MoE only)."""
     moe_ffn_hidden_size: int | None = None
     """Hidden size of each expert MLP; None means ffn_hidden_size (MoE only)."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: 'softmax' over the experts, or 'sigmoid' per expert (DeepSeek-V3), whose k chosen scores are
+    divided by their sum when moe_router_topk > 1 (MoE only)."""
+    moe_router_pre_softmax: bool = False
+    """How softmax routing forms the k weights (Megatron's ``topk_routing_with_score_function``). False: top-k over the
+    router logits, then a softmax over those k -- the renormalised top-k (Mixtral; Qwen3-MoE with
+    ``norm_topk_prob=True``). True: a softmax over all experts, then the top-k probabilities as they are, not
+    renormalised (Qwen2-MoE; Qwen3-MoE with ``norm_topk_prob=False``); the form in which top-1 softmax routing has
+    a gradient. Softmax only: Megatron ignores it for sigmoid scores (MoE only)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the sigmoid scores when choosing the
+    top-k (not to the weights), moved after every optimizer step by moe_router_bias_update_rate towards the experts
+    that got fewer tokens in the global batch; a buffer saved in checkpoints. Needs score function 'sigmoid'."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update per global batch (DeepSeek-V3's 1e-3); with moe_router_enable_expert_bias."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V2/V3): the experts form this many equal groups (e.g. the EP size, or the nodes
+    of the EP group); each token picks moe_router_group_topk groups, by the sum of its top (moe_router_topk //
+    moe_router_group_topk) scores in each, and its moe_router_topk experts among theirs. None: no groups."""
+    moe_router_group_topk: int | None = None
+    """Groups each token routes to, with moe_router_num_groups (set both or neither)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Factor on the k routing weights once formed (DeepSeek-V3's ``routed_scaling_factor``, 2.5); None: 1."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    """The load-balancing loss moe_aux_loss_coeff weights: 'aux_loss' over each micro-batch's tokens (Switch,
+    GShard), 'seq_aux_loss' per sequence (DeepSeek-V2/V3), 'global_aux_loss' with the expert loads of the whole
+    global batch (Qwen3-MoE's global-batch balancing), or 'none'."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the load-balancing loss each MoE layer adds to the gradient (e.g. 1e-2 to 1e-3; 0: off). Logged
+    every training step as ``moe_aux_loss`` (:mod:`lightning_megatron.gpt.moe`)."""
+    moe_z_loss_coeff: float | None = None
+    """Coefficient of the router z-loss (ST-MoE: the squared logsumexp of the router logits, averaged over tokens),
+    e.g. 1e-3; None: off. Logged every training step as ``moe_z_loss``."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Hidden size of the shared expert MLP every token goes through besides its routed experts (several shared
+    experts: their number times the size of one; Qwen2-MoE, DeepSeek); None: no shared expert."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by a per-token sigmoid gate (Qwen2-MoE's ``shared_expert_gate``, a
+    hidden_size -> 1 projection); needs moe_shared_expert_intermediate_size."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """Which layers are MoE (Megatron's semantics): an int k makes layer i (0-based) MoE iff i % k == 0 (1: every
+    layer); a tuple of 0/1, one per layer, says it layer by layer. The others are dense MLPs of ffn_hidden_size
+    (e.g. DeepSeek's leading dense layers: (0, 1, 1, ...))."""
+    moe_grouped_gemm: bool | None = None
+    """How the experts compute: None -- grouped GEMMs (one kernel per projection for all of a rank's experts) where
+    the device has them, a loop over the experts elsewhere; True -- grouped GEMMs required (refused where there are
+    none); False -- always the loop. The same experts module, parameters and checkpoints in all three cases."""
     kernels: Kernels = "auto"
     """Which kernels build the layers. 'torch': the torch-native fast path (SDPA/flash core attention, a fused
     vocabulary-parallel cross entropy, and on GPU Megatron's torch.compile'd SwiGLU/GeGLU and bias-dropout-add);
@@ -240,9 +296,15 @@ class ModelConfig:
             )
 
     def _check_moe(self) -> None:
-        check_positive_int("moe_router_topk", self.moe_router_topk)
-        experts = self.num_moe_experts
-        if self.moe_enable_routing_replay and experts is None:
+        if isinstance(self.moe_layer_freq, list):  # YAML / JSON give lists
+            self.moe_layer_freq = tuple(self.moe_layer_freq)
+        check_moe(self)
+        if self.num_moe_experts is not None and self.add_bias_linear:
+            raise ValueError(
+                f"add_bias_linear=True with num_moe_experts={self.num_moe_experts}: the grouped expert linears have no "
+                "bias; use add_bias_linear=False (add_qkv_bias=True still gives attention its q/k/v biases)"
+            )
+        if self.moe_enable_routing_replay and self.num_moe_experts is None:
             raise ValueError(
                 "moe_enable_routing_replay=True replays expert routing, but num_moe_experts=None is a dense model "
                 "with no router; set num_moe_experts or moe_enable_routing_replay=False"
@@ -252,23 +314,13 @@ class ModelConfig:
                 f"moe_enable_routing_replay=True with recompute_granularity={self.recompute_granularity!r}: "
                 "replaying routing inside recomputed backward passes is not supported; use recompute_granularity=None"
             )
-        if experts is None:
-            if self.moe_ffn_hidden_size is not None:
-                raise ValueError(
-                    f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} needs num_moe_experts; "
-                    "set num_moe_experts or moe_ffn_hidden_size=None"
-                )
-            return
-        if experts < 2:
-            raise ValueError(f"num_moe_experts={experts} must be >= 2 (top-k routing needs k >= 2); or None for dense")
-        if self.moe_router_topk > experts:
-            raise ValueError(
-                f"moe_router_topk={self.moe_router_topk} must be <= num_moe_experts={experts}; "
-                f"pick moe_router_topk among 2..{experts}"
-            )
-        # Megatron rejects top-1 softmax routing unless moe_router_pre_softmax (zero gradient otherwise).
-        if self.moe_router_topk == 1:
-            raise ValueError("moe_router_topk=1 needs Megatron's moe_router_pre_softmax, not exposed here; use >= 2")
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each (0-based, global) layer is an MoE layer (all False for a dense model)."""
+        if self.num_moe_experts is None:
+            return (False,) * self.num_layers
+        return moe_layer_pattern(self.num_layers, self.moe_layer_freq)
 
     @property
     def activation_fusable(self) -> bool:
@@ -398,6 +450,12 @@ class ModelConfig:
         if self.num_moe_experts is not None:
             # Passed explicitly: Megatron warns when it has to fall back to ffn_hidden_size itself.
             model["moe_ffn_hidden_size"] = self.moe_ffn_hidden_size or self.effective_ffn_hidden_size
+            model.update({name: getattr(self, name) for name in _MOE_FIELDS})
+            freq = self.moe_layer_freq
+            model["moe_layer_freq"] = freq if isinstance(freq, int) else [int(flag) for flag in freq]
+            # The experts module reads it: grouped GEMMs where the device has them (None, True) or the loop (False).
+            model["moe_grouped_gemm"] = self.moe_grouped_gemm is not False
+            # The token dispatcher is a parallel setting: the strategy picks it (lightning_megatron.gpt.moe).
         clash = sorted(model.keys() & parallel.keys())
         if clash:
             raise ValueError(f"{clash} are model fields; set them on ModelConfig, not as parallel settings")

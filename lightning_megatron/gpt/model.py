@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 from lightning_megatron.checkpointing.sharded import MODEL_CONFIG_KEY
 from lightning_megatron.contract import Batch, ChunkSpec, OptimizerSpec
-from lightning_megatron.gpt import routing, specs
+from lightning_megatron.gpt import moe, routing, specs
 from lightning_megatron.gpt.config import ModelConfig
-from lightning_megatron.gpt.lora.config import LoRAConfig, check_lora
+from lightning_megatron.gpt.lora.config import LoRAConfig, check_lora, check_lora_parallel
 from lightning_megatron.gpt.plan import KernelPlan, Resolved
 from lightning_megatron.gpt.sequences import RankTokens, rank_tokens, without_default_positions
 from lightning_megatron.modules.base import MegatronLightningModule
@@ -147,6 +147,12 @@ class GPTModule(MegatronLightningModule):
 
     def validate_parallel(self, sizes: ParallelSizes) -> None:
         self.config.validate_parallel(sizes)
+        if self.lora is not None:
+            check_lora_parallel(self.lora, self.config, sizes.tp)
+
+    def log_train_step(self, metrics: Mapping[str, Tensor]) -> None:
+        # The routers' losses (moe_aux_loss, moe_z_loss: lightning_megatron.gpt.moe) join the step's metrics.
+        super().log_train_step({**metrics, **moe.router_losses(self.config, self.chunks)})
 
     def configure_model(self) -> None:
         super().configure_model()

@@ -121,6 +121,30 @@ def use_cuda_graphs(requested: bool, device_type: str) -> bool:
     return requested
 
 
+def check_grouped_gemm(requested: bool | None, device_type: str) -> None:
+    """Raise ``ValueError`` for ``ModelConfig(moe_grouped_gemm=True)`` where this rank's device has no grouped GEMMs
+    (None falls back to the per-expert loop there; the experts module makes that choice when it runs)."""
+    if requested is not True:
+        return
+    try:
+        from lightning_megatron.kernels.experts import grouped_mm_available
+    except ModuleNotFoundError as error:
+        if error.name != "lightning_megatron.kernels.experts":
+            raise
+        raise ValueError(
+            "ModelConfig(moe_grouped_gemm=True) needs the grouped experts of lightning_megatron.kernels.experts, "
+            "which this install lacks; use moe_grouped_gemm=None or False (Megatron's per-expert loop)"
+        ) from error
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    if not grouped_mm_available(device):
+        where = "a CPU" if device.type != "cuda" else torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"ModelConfig(moe_grouped_gemm=True) needs grouped GEMMs (torch._grouped_mm), and this run is on {where}, "
+            "which has none; use moe_grouped_gemm=None (grouped GEMMs where the device has them, the per-expert loop "
+            "elsewhere: the same parameters and checkpoints) or False"
+        )
+
+
 _DESCRIPTIONS = {
     "torch": "torch (SDPA attention with RoPE inside, fused vocab-parallel cross entropy)",
     "local": "local (Megatron's reference torch spec: unfused attention)",
@@ -164,6 +188,7 @@ class KernelPlan:
                         "(Transformer Engine fuses the norms into its linear layers); use kernels='torch' or 'auto'"
                     )
                 kernels = "torch"
+        check_grouped_gemm(config.moe_grouped_gemm, device_type)
         return cls(
             kernels=kernels,
             fused_wgrad=fuse_wgrad(config.gradient_accumulation_fusion, kernels, device_type),
@@ -184,3 +209,4 @@ class PlanRequest(Protocol):
     gradient_accumulation_fusion: bool | None
     fp8: str | None
     cuda_graphs: bool
+    moe_grouped_gemm: bool | None

@@ -31,29 +31,31 @@ def layer_spec(
     fuse_wgrad: bool = False,
     fp8: bool = False,
     lora: LoRAConfig | None = None,
+    moe: bool | None = None,
 ) -> ModuleSpec:
     """The GPT layer spec of ``config`` for a resolved kernel set (see the module docstring).
 
     ``fuse_wgrad`` builds the parallel linears as :mod:`lightning_megatron.kernels.linear`'s subclasses, whose
     weight gradients accumulate straight into ``main_grad`` (``'torch'``/``'local'`` only); ``fp8`` builds them as
     the subclasses whose GEMMs run in fp8, in ``config.fp8``'s format; ``lora`` puts adapters on its target
-    linears (which stay unfused).
+    linears (which stay unfused). ``moe``: an MoE layer (:func:`with_moe_parts`) or a dense one; None: MoE iff the
+    model has experts.
     """
+    experts = config.num_moe_experts if (moe is None or moe) else None
     if kernels == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm
         )
+        return spec if experts is None else with_moe_parts(spec)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts,
-        moe_grouped_gemm=False,
-        qk_layernorm=config.qk_layernorm,
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
         normalization=config.normalization,
-    )
-    spec = with_torch_norms(spec)
+    )  # fmt: skip
+    spec = with_torch_norms(spec if experts is None else with_moe_parts(spec, fuse_wgrad))
     if kernels == "torch":
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -89,17 +91,24 @@ def with_adapters(spec: Any, lora: LoRAConfig, config: ModelConfig) -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from lightning_megatron.gpt.lora.config import COLUMN_TARGETS, adapter_parts
+    from lightning_megatron.gpt.lora.experts import LoRAGroupedColumnLinear, LoRAGroupedRowLinear
     from lightning_megatron.gpt.lora.layers import LoRAColumnParallelLinear, LoRARowParallelLinear
+    from lightning_megatron.kernels.experts import GroupedColumnLinear, GroupedRowLinear
 
     def swap(value: Any, name: str) -> Any:
         adapted_already = value in (LoRAColumnParallelLinear, LoRARowParallelLinear)  # the new spec's own module
         if not lora.adapts(name) or not isinstance(value, type) or adapted_already:
             return value
+        if issubclass(value, GroupedColumnLinear | GroupedRowLinear):  # MoE experts: called as a builder
+            adapted = LoRAGroupedColumnLinear if issubclass(value, GroupedColumnLinear) else LoRAGroupedRowLinear
+            return functools.partial(adapted, lora=lora)
         parts = adapter_parts(name, config)
         if name not in COLUMN_TARGETS:
             return ModuleSpec(module=LoRARowParallelLinear, params={"lora": lora, "part": parts[0][0]})
+        # linear_fc1's gate/up halves: sized from the base (a dense layer's or a shared expert's hidden size)
+        sizes = [out if name == "linear_qkv" else None for _, _, out in parts]
         params = {
-            "lora": lora, "parts": tuple((part, out) for part, _, out in parts),
+            "lora": lora, "parts": tuple((part, size) for (part, _, _), size in zip(parts, sizes, strict=True)),
             "query_groups": config.effective_num_query_groups if name == "linear_qkv" else None,
             "adapted": tuple(part for part, _, _ in lora.adapted_parts(name, config)),
         }  # fmt: skip
@@ -117,18 +126,60 @@ def block_spec(
     fp8: bool = False,
     lora: LoRAConfig | None = None,
 ) -> TransformerBlockSubmodules:
-    """The decoder layers of one pipeline stage / VPP chunk, and a final norm that supports SP."""
+    """The decoder layers of one pipeline stage / VPP chunk -- dense or MoE as ``config.moe_layers`` says for their
+    global indices -- and a final norm that supports SP."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     num_layers = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
+    offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
+    kinds = config.moe_layers[offset : offset + num_layers]
+    built = {moe: layer_spec(config, kernels, fuse_wgrad, fp8, lora, moe=moe) for moe in set(kinds)}
     final_norm: Any = TorchNorm
     if kernels == "te":
         from megatron.core.extensions.transformer_engine import TENorm
 
         final_norm = TENorm
-    return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(config, kernels, fuse_wgrad, fp8, lora)] * num_layers, layer_norm=final_norm
-    )
+    return TransformerBlockSubmodules(layer_specs=[built[moe] for moe in kinds], layer_norm=final_norm)
+
+
+def with_moe_parts(spec: Any, fuse_wgrad: bool = False) -> Any:
+    """Copy of an MoE layer spec whose router is :class:`~lightning_megatron.gpt.moe.StepRouter` (Megatron's, counting
+    the micro-batches whose losses it logs) and whose experts are the grouped experts of
+    :mod:`lightning_megatron.kernels.experts` where that module exists (one ``[experts, out, in]`` weight per
+    projection on every device; grouped GEMMs or a loop is the module's runtime choice), else Megatron's
+    ``SequentialMLP``; ``fuse_wgrad``: their weight gradients accumulate into ``main_grad``. Its shared expert (with
+    its gate) is Megatron's ``SharedExpertMLP``, from the same spec."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from lightning_megatron.gpt.moe import StepRouter
+
+    mlp = spec.submodules.mlp
+    if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
+        raise TypeError(f"with_moe_parts needs an MoE layer spec (functools.partial(MoELayer, ...)), got {mlp!r}")
+    parts = mlp.keywords["submodules"]
+    experts = grouped_experts(fuse_wgrad)
+    parts = dataclasses.replace(parts, router=StepRouter, experts=parts.experts if experts is None else experts)
+    mlp = functools.partial(MoELayer, *mlp.args, **{**mlp.keywords, "submodules": parts})
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+
+
+def grouped_experts(fuse_wgrad: bool = False) -> Any:
+    """The experts builder of :func:`lightning_megatron.kernels.experts.grouped_mlp_spec`, or None while that module
+    (or that function in it) does not exist."""
+    try:
+        from lightning_megatron.kernels import experts as grouped
+    except ModuleNotFoundError as error:
+        if error.name != "lightning_megatron.kernels.experts":
+            raise  # something it imports is missing: not the same as the module not being there
+        return None
+    if not hasattr(grouped, "grouped_mlp_spec"):
+        return None
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    experts = grouped.grouped_mlp_spec(fuse_wgrad=fuse_wgrad)
+    # MoELayer calls its experts builder as builder(num_local_experts, config, pg_collection=..., name=...).
+    return functools.partial(build_module, experts) if isinstance(experts, ModuleSpec) else experts
 
 
 def with_torch_norms(spec: Any) -> Any:

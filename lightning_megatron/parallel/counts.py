@@ -80,13 +80,33 @@ def flops_parameter_sets(chunks: Sequence[nn.Module]) -> tuple[list[nn.Parameter
     return [p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]
 
 
+def routed_experts(chunks: Sequence[nn.Module]) -> tuple[set[int], float]:
+    """The ids of this rank's routed-expert parameters (the ``experts`` of Megatron's MoE layers; not a shared expert,
+    which every token runs) and the part of them one token runs through, ``moe_router_topk / num_moe_experts``."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        return set(), 1.0
+    config = layers[0].config
+    return {
+        id(p) for layer in layers for p in layer.experts.parameters()
+    }, config.moe_router_topk / config.num_moe_experts
+
+
 def flops_parameters(chunks: Sequence[nn.Module]) -> tuple[int, int]:
     """Collective over all ranks (as :func:`whole_model_counts`): the trainable and the frozen parameters of the
     whole model that the standard MFU count counts, i.e. every parameter but the input embedding tables (a tied
     embedding counted once, as the output head); tensor-, pipeline- and expert-parallel shards and virtual stages
-    summed as in the model summary."""
-    trainable, frozen = whole_model_counts(list(flops_parameter_sets(chunks)), [True, True])
-    return trainable, frozen
+    summed as in the model summary. MoE experts count as active parameters: each routed expert's times
+    ``moe_router_topk / num_moe_experts`` (:func:`routed_experts`), so that N is what one token runs through."""
+    trainable, frozen = flops_parameter_sets(chunks)
+    experts, share = routed_experts(chunks)
+    sets = [
+        [p for p in group if (id(p) in experts) == routed] for group in (trainable, frozen) for routed in (False, True)
+    ]
+    dense, routed, dense_frozen, routed_frozen = whole_model_counts(sets, [True] * 4)
+    return round(dense + share * routed), round(dense_frozen + share * routed_frozen)
 
 
 def model_flops_per_token(trainable: int, frozen: int, num_layers: int, hidden_size: int, seq_length: int) -> int:

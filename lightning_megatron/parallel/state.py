@@ -206,10 +206,13 @@ def chunk_specs(
     """One :class:`ChunkSpec` per model chunk this rank holds (one per VPP stage), for ``dtype`` on ``device_type``;
     ``variable_seq_lengths``: micro-batches differ in shape (Megatron's p2p then sends shapes first)."""
     config = megatron_config_kwargs(sizes, dtype)
+    if variable_seq_lengths or sizes.ep > 1:
+        # Megatron's all-to-all token dispatcher: each rank sends its tokens to the expert-parallel ranks holding
+        # their experts (the default "allgather" gathers every token on every rank); also the one Megatron accepts
+        # with variable lengths. At ep=1 "allgather" exchanges nothing. Both route the same tokens to the same experts.
+        config["moe_token_dispatcher_type"] = "alltoall"
     if variable_seq_lengths:
-        # Megatron refuses its default MoE token dispatcher ("allgather", built for dense models too) with variable
-        # lengths; "alltoall" routes the same tokens to the same experts.
-        config.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        config["variable_seq_lengths"] = True
     return [
         ChunkSpec(
             pre_process=first,

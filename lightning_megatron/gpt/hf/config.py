@@ -56,6 +56,11 @@ def check_exportable(config: ModelConfig) -> Family:
         "gated_linear_unit": not config.gated_linear_unit,
         "apply_residual_connection_post_layernorm": config.apply_residual_connection_post_layernorm,
         "seq_len_interpolation_factor": config.rope_scaling and config.seq_len_interpolation_factor is not None,
+        # Routers no supported HF MoE architecture has (DeepSeek-V3 style).
+        "moe_router_score_function": config.moe_router_score_function != "softmax",
+        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+        "moe_router_num_groups": config.moe_router_num_groups is not None,
+        "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor is not None,
     }
     bad = [name for name, is_bad in unsupported.items() if is_bad]
     if bad:

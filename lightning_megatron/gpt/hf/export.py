@@ -24,7 +24,7 @@ from lightning_megatron.gpt.hf.config import check_exportable, hf_config_dict
 from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, hf_weight_shapes
 from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, split_local
-from lightning_megatron.gpt.lora.config import LoRAConfig
+from lightning_megatron.gpt.lora.config import LoRAConfig, adapts_experts
 
 _NOT_RUNNING = (
     "HF export needs the built model and Megatron's parallel state: call it from a hook while the Trainer runs "
@@ -56,17 +56,20 @@ def check_running(module: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- export
-Owner = tuple[int, int, Param]
-"""(pipeline rank, chunk index on that rank, param): who holds one exported parameter."""
+Owner = tuple[int, int, Param, int | None]
+"""(pipeline rank, chunk index on that rank, param, expert-parallel rank): who holds one exported parameter; the
+expert-parallel rank is None for a parameter every expert-parallel rank holds (all but the experts)."""
 
 
 def _owners(chunks: Sequence[nn.Module], config: ModelConfig, lora: LoRAConfig | None = None) -> list[Owner]:
     """Who holds every HF tensor of the model (with ``lora``: every PEFT tensor of its adapters), in HF order."""
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     tconfig = chunks[0].config
     pp, vpp = tconfig.pipeline_model_parallel_size, tconfig.virtual_pipeline_model_parallel_size
     per_chunk = config.num_layers // (pp * (vpp or 1))
+    per_ep_rank = (config.num_moe_experts or 1) // ps.get_expert_model_parallel_world_size()
     stages = []
     for vp in range(vpp or 1):
         for rank in range(pp):
@@ -80,9 +83,14 @@ def _owners(chunks: Sequence[nn.Module], config: ModelConfig, lora: LoRAConfig |
     owners, seen = [], set()
     for _, rank, vp, params in sorted(stages, key=lambda s: s[0]):
         for p in params:
-            if p.hf[0][0] not in seen:  # the last stage's copy of tied embeddings is not exported twice
-                seen.update(name for name, _ in p.hf)
-                owners.append((rank, vp, p))
+            if p.hf[0][0] in seen:  # the last stage's copy of tied embeddings is not exported twice
+                continue
+            seen.update(name for name, _ in p.hf)
+            if p.expert is None:
+                owners.append((rank, vp, p, None))
+            else:  # all experts' tables, by global index: which EP rank holds it, as its local expert
+                ep_rank, local = divmod(p.expert, per_ep_rank)
+                owners.append((rank, vp, dataclasses.replace(p, expert=local), ep_rank))
     return owners
 
 
@@ -111,7 +119,7 @@ def _buckets(owners: list[Owner], itemsize: int, bucket_bytes: int | None) -> li
     def nbytes(owner: Owner) -> int:
         return itemsize * sum(int(torch.Size(shape).numel()) for _, shape in owner[2].hf)
 
-    return _group(owners, nbytes, bucket_bytes, key=lambda owner: owner[0])
+    return _group(owners, nbytes, bucket_bytes, key=lambda owner: (owner[0], owner[3]))
 
 
 def export_weights(
@@ -125,18 +133,28 @@ def export_weights(
     from megatron.core import parallel_state as ps
 
     check_exportable(config)  # before any collective: every rank raises alike
+    if lora is not None and adapts_experts(lora, config):
+        raise ValueError(
+            f"LoRAConfig(target_modules={list(lora.target_modules)}) adapts the experts of this MoE model, whose "
+            "adapters have no PEFT export yet; export the merged weights (save_hf(path), export_hf_weights()), or "
+            "keep the adapters in an adapter-only checkpoint (ModelCheckpoint on a module built with from_hf)"
+        )
     owners = _owners(chunks, config, lora)
     if config.share_embeddings_and_output_weights and include_tied and lora is None:
-        rank, vp, embed = owners[0]
-        owners.append((rank, vp, dataclasses.replace(embed, hf=(("lm_head.weight", embed.hf[0][1]),))))
+        rank, vp, embed, _ = owners[0]
+        owners.append((rank, vp, dataclasses.replace(embed, hf=(("lm_head.weight", embed.hf[0][1]),)), None))
     first = next(chunks[0].parameters())
     pp_group, my_rank = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
+    ep_group, my_ep = ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_rank()
     for bucket in _buckets(owners, first.dtype.itemsize, bucket_bytes):
-        rank, names = bucket[0][0], [hf for _, _, p in bucket for hf in p.hf]
-        if rank == my_rank:
+        (rank, _, _, ep_rank), names = bucket[0], [hf for _, _, p, _ in bucket for hf in p.hf]
+        if rank == my_rank and ep_rank in (None, my_ep):
             tensors = _gather(chunks, bucket, config, merged and lora is None)
         else:
             tensors = [torch.empty(shape, dtype=first.dtype, device=first.device) for _, shape in names]
+        if ep_rank is not None and rank == my_rank and ps.get_expert_model_parallel_world_size() > 1:
+            # Experts: from the EP rank that holds them to the others of their pipeline stage first.
+            tensors = _broadcast(tensors, torch.distributed.get_global_rank(ep_group, ep_rank), ep_group)
         if ps.get_pipeline_model_parallel_world_size() > 1:
             tensors = _broadcast(tensors, torch.distributed.get_global_rank(pp_group, rank), pp_group)
         yield [(name, tensor) for (name, _), tensor in zip(names, tensors, strict=True)]
@@ -165,9 +183,12 @@ def _local(chunk: nn.Module, p: Param, merged: bool) -> Tensor:
     from lightning_megatron.gpt.lora.layers import is_adapter
 
     local = chunk.get_parameter(p.megatron).detach()
+    if p.expert is not None:
+        local = local[p.expert]
     owner, _, leaf = p.megatron.rpartition(".")
     if merged and leaf == "weight" and is_adapter(module := chunk.get_submodule(owner)):
-        local = local + module.delta_weight().detach().to(local.dtype)  # type: ignore[operator]
+        delta = module.delta_weight().detach()  # type: ignore[operator]
+        local = local + (delta if p.expert is None else delta[p.expert]).to(local.dtype)
     return local
 
 
@@ -175,24 +196,27 @@ def _gather(chunks: Sequence[nn.Module], bucket: list[Owner], config: ModelConfi
     """Full HF tensors of the bucket's params from this tensor-parallel group's shards: one all-gather."""
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
-    locals_ = [_local(chunks[vp], p, merged) for _, vp, p in bucket]
-    split = [i for i, (_, _, p) in enumerate(bucket) if SPLIT_DIM[p.kind] is not None]
+    if bucket[0][3] is None:
+        tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    else:  # a bucket of experts (buckets do not mix them with other params): the expert-TP group's shards
+        tp, group = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()
+    locals_ = [_local(chunks[vp], p, merged) for _, vp, p, _ in bucket]
+    split = [i for i, (_, _, p, _) in enumerate(bucket) if SPLIT_DIM[p.kind] is not None]
     per_rank = {i: [locals_[i]] for i in split}  # param index -> its shard on every TP rank
     if tp > 1 and split:
         flat = _flat([locals_[i] for i in split])
         shards = [torch.empty_like(flat) for _ in range(tp)]
-        torch.distributed.all_gather(shards, flat, group=ps.get_tensor_model_parallel_group())
+        torch.distributed.all_gather(shards, flat, group=group)
         for i, *pieces in zip(split, *(_unflat(shard, [locals_[i] for i in split]) for shard in shards), strict=True):
             per_rank[i] = pieces
     full: list[Tensor] = []
-    for i, (_, _, p) in enumerate(bucket):
+    for i, (_, _, p, _) in enumerate(bucket):
         if i not in per_rank:  # replicated
             full.append(locals_[i].clone())
             continue
         parts = [split_local(p, shard, config, tp) for shard in per_rank[i]]  # [tp][HF tensors of p]
         full += [torch.cat([rank_parts[j] for rank_parts in parts], dim=SPLIT_DIM[p.kind]) for j in range(len(p.hf))]
-    for tensor, (name, shape) in zip(full, [hf for _, _, p in bucket for hf in p.hf], strict=True):
+    for tensor, (name, shape) in zip(full, [hf for _, _, p, _ in bucket for hf in p.hf], strict=True):
         assert tuple(tensor.shape) == shape, f"{name}: exported {tuple(tensor.shape)}, expected {shape}"
     return full
 

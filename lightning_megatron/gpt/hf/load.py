@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf import pickled
 from lightning_megatron.gpt.hf.fields import architecture
-from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, hf_weight_shapes
+from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, expert_ranges, hf_weight_shapes
 from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, combine
 from lightning_megatron.gpt.lora.config import LoRAConfig, is_adapter_param
 
@@ -141,7 +141,11 @@ def open_safetensors(file: Path) -> Any:
 
 def load_chunk(chunk: nn.Module, checkpoint: HFCheckpoint, config: ModelConfig, vp_stage: int | None) -> None:
     """Copy this rank's shard of the HF tensors into a freshly built ``GPTModel`` chunk (lazy slice reads)."""
-    params = chunk_params(config, pre=chunk.pre_process, post=chunk.post_process, **_layers(chunk, vp_stage))
+    from megatron.core import parallel_state as ps
+
+    experts = expert_ranges(config, ps.get_expert_model_parallel_world_size())[ps.get_expert_model_parallel_rank()]
+    layers = _layers(chunk, vp_stage)
+    params = chunk_params(config, pre=chunk.pre_process, post=chunk.post_process, **layers, experts=experts)
     # LoRA adapters are not HF weights: they start from their own seeded init (lightning_megatron.gpt.lora).
     own = {name: p for name, p in chunk.named_parameters() if not is_adapter_param(name)}
     unmapped = sorted(set(own) - {p.megatron for p in params})
@@ -169,12 +173,14 @@ def _layers(chunk: nn.Module, vp_stage: int | None) -> dict[str, int]:
 def _copy_shards(own: dict[str, Tensor], params: list[Param], checkpoint: HFCheckpoint, config: ModelConfig) -> None:
     from megatron.core import parallel_state
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    dense = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    # Experts are split over the expert-tensor-parallel group (Megatron's default: as large as TP).
+    expert = parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
     with checkpoint.lazy_tensors() as lazy, torch.no_grad():
         for p in params:
+            rank, tp = dense if p.expert is None else expert
             local = combine(p, [_read_shard(lazy(name), SPLIT_DIM[p.kind], rank, tp) for name, _ in p.hf], config, tp)
-            target = own[p.megatron]
+            target = own[p.megatron] if p.expert is None else own[p.megatron][p.expert]
             if local.shape != target.shape:
                 raise ValueError(f"{[n for n, _ in p.hf]} make {p.megatron} {tuple(local.shape)}, not {target.shape}")
             target.copy_(local)

@@ -29,9 +29,21 @@ def family(c: ModelConfig) -> Family:
     return found
 
 
-def chunk_params(c: ModelConfig, *, pre: bool, post: bool, offset: int, num_layers: int) -> list[Param]:
-    """The parameters of one chunk (local layer i is global layer ``offset + i``), in HF state-dict order."""
-    return family(c).chunk_params(c, pre=pre, post=post, offset=offset, num_layers=num_layers)
+def chunk_params(
+    c: ModelConfig, *, pre: bool, post: bool, offset: int, num_layers: int, experts: range | None = None
+) -> list[Param]:
+    """The parameters of one chunk (local layer i is global layer ``offset + i``; ``experts``: the global indices
+    of the experts this rank holds, None for all), in HF state-dict order."""
+    return family(c).chunk_params(c, pre=pre, post=post, offset=offset, num_layers=num_layers, experts=experts)
+
+
+def expert_ranges(c: ModelConfig, ep: int) -> list[range | None]:
+    """The global expert indices each of ``ep`` expert-parallel ranks holds (Megatron's contiguous split); [None]
+    for a dense model."""
+    if c.num_moe_experts is None:
+        return [None]
+    n = c.num_moe_experts // ep
+    return [range(r * n, (r + 1) * n) for r in range(ep)]
 
 
 def adapter_params(c: ModelConfig, lora: LoRAConfig, *, offset: int, num_layers: int) -> list[Param]:

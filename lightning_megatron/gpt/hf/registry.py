@@ -8,11 +8,14 @@ from typing import Any
 
 from lightning_megatron.gpt.hf.families.base import Family
 from lightning_megatron.gpt.hf.families.llama import Llama
+from lightning_megatron.gpt.hf.families.mixtral import Mixtral
 from lightning_megatron.gpt.hf.families.qwen2 import Qwen2
+from lightning_megatron.gpt.hf.families.qwen2_moe import Qwen2MoE
 from lightning_megatron.gpt.hf.families.qwen3 import Qwen3
+from lightning_megatron.gpt.hf.families.qwen3_moe import Qwen3MoE
 from lightning_megatron.gpt.hf.params import ModelShape
 
-FAMILIES: tuple[Family, ...] = (Llama(), Qwen2(), Qwen3())
+FAMILIES: tuple[Family, ...] = (Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral())
 ARCHITECTURES: tuple[str, ...] = tuple(arch for family in FAMILIES for arch in family.architectures)
 BY_ARCHITECTURE: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 BY_MODEL_TYPE: dict[str, str] = {
@@ -36,5 +39,5 @@ def family_of(config: ModelShape) -> Family | None:
 
 def described(config: Any) -> str:
     """The fields that decide the family, for error messages."""
-    names = ("add_qkv_bias", "qk_layernorm", "num_moe_experts")
+    names = ("add_qkv_bias", "qk_layernorm", "num_moe_experts", "moe_shared_expert_intermediate_size")
     return ", ".join(f"{name}={getattr(config, name)!r}" for name in names)

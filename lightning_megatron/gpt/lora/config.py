@@ -104,11 +104,31 @@ def check_lora(lora: LoRAConfig, model: ModelConfig) -> None:
             f"LoRAConfig(target_modules=...) names {missing}, which this model does not have (gated_linear_unit="
             f"{model.gated_linear_unit}: linear_fc1 holds {list(_names('linear_fc1', model))})"
         )
-    mlp = sorted(t for t in lora.target_modules if HF_BLOCK[PROJECTIONS.get(t, t)] == "mlp")
-    if model.num_moe_experts is not None and mlp:
+    if adapts_experts(lora, model) and model.gated_linear_unit and lora.adapts("linear_fc1"):
+        fc1 = set(lora.target_modules) & {"linear_fc1", "gate_proj", "up_proj"}
+        if fc1 in ({"gate_proj"}, {"up_proj"}):
+            raise ValueError(
+                f"LoRAConfig(target_modules=...) names {sorted(fc1)} alone on an MoE model: each expert's gate and up "
+                "projections share one adapter (as PEFT's on HF's fused experts.gate_up_proj); target 'linear_fc1' "
+                "(or both 'gate_proj' and 'up_proj')"
+            )
+
+
+def adapts_experts(lora: LoRAConfig, model: ModelConfig) -> bool:
+    """Whether ``lora`` adapts an MoE model's experts (any MLP target; lightning_megatron.gpt.lora.experts)."""
+    mlp = [t for t in lora.target_modules if HF_BLOCK[PROJECTIONS.get(t, t)] == "mlp"]
+    return model.num_moe_experts is not None and bool(mlp)
+
+
+def check_lora_parallel(lora: LoRAConfig, model: ModelConfig, tp: int) -> None:
+    """Raise ``ValueError`` for expert adapters under tensor parallelism (the experts would be split over expert TP,
+    which the expert adapters do not support)."""
+    if tp > 1 and adapts_experts(lora, model):
         raise ValueError(
-            f"LoRAConfig(target_modules=...) targets {mlp} of an MoE model (num_moe_experts={model.num_moe_experts}):"
-            " adapters on experts are not supported; use target_modules=('linear_qkv', 'linear_proj')"
+            f"LoRAConfig(target_modules={list(lora.target_modules)}) puts adapters on the experts of an MoE model, "
+            f"and tp={tp} splits the experts over expert tensor parallelism, which expert adapters do not support; "
+            "use tp=1 (expert and data parallelism split MoE models), or adapters on attention only "
+            "(target_modules=('linear_qkv', 'linear_proj'))"
         )
 
 

@@ -158,20 +158,22 @@ class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
     Args:
         parts: the HF projections fused in this linear and their full output sizes, in the order Megatron lays
             them out within a group: ``(("q_proj", q), ("k_proj", kv), ("v_proj", kv))`` for linear_qkv,
-            ``(("gate_proj", ffn), ("up_proj", ffn))`` for a gated linear_fc1.
+            ``(("gate_proj", None), ("up_proj", None))`` for a gated linear_fc1 (None: equal parts of the base's
+            output, which is a dense MLP's or an MoE layer's shared expert's).
         adapted: the parts that get an adapter (default: all).
         query_groups: linear_qkv's query groups, which interleave q, k and v (split over TP ranks); for gate/up,
             ``None``: every rank's rows are [its gate rows; its up rows].
     """
 
     def __init__(
-        self, *args: Any, lora: LoRAConfig, parts: tuple[tuple[str, int], ...], query_groups: int | None = None,
+        self, *args: Any, lora: LoRAConfig, parts: tuple[tuple[str, int | None], ...], query_groups: int | None = None,
         adapted: tuple[str, ...] | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         tp = self.tp_group.size()
         self.groups = 1 if query_groups is None else query_groups // tp  # a rank holds whole query groups
-        rows = {name: size // tp for name, size in parts}
+        even = self.output_size_per_partition // len(parts)
+        rows = {name: even if size is None else size // tp for name, size in parts}
         chosen = rows if adapted is None else adapted
         self._add_adapter(lora, rows, {n: ((lora.rank, self.input_size), (rows[n], lora.rank)) for n in chosen})
         for b in self.lora_B.values():
@@ -236,7 +238,10 @@ class LoRARowParallelLinear(_Adapter, RowParallelLinear):
 
 
 def is_adapter(module: nn.Module) -> bool:
-    return isinstance(module, _Adapter)
+    """Whether ``module`` is an adapted linear (dense here, or MoE experts': lightning_megatron.gpt.lora.experts)."""
+    from lightning_megatron.gpt.lora.experts import is_expert_adapter
+
+    return isinstance(module, _Adapter) or is_expert_adapter(module)
 
 
 def init_adapters(chunk: nn.Module, lora: LoRAConfig) -> None:
@@ -250,8 +255,11 @@ def init_adapters(chunk: nn.Module, lora: LoRAConfig) -> None:
         if not isinstance(layer, TransformerLayer):
             continue
         for name, module in layer.named_modules():
-            if isinstance(module, _Adapter):
+            if is_adapter(module):
                 leaf = name.rsplit(".", 1)[-1]
-                module.reset_adapter((lora.seed * 1_000_003 + layer.layer_number) * 10 + TARGETS.index(leaf))
+                seed = (lora.seed * 1_000_003 + layer.layer_number) * 10 + TARGETS.index(leaf)
+                # An MoE layer's shared expert and experts both have linear_fc1/fc2: seeds of their own
+                where = 1 if ".shared_experts." in f".{name}" else 2 if ".experts." in f".{name}" else 0
+                module.reset_adapter(seed if where == 0 else -(seed * 3 + where))
                 for param in [*module.lora_A.values(), *module.lora_B.values()]:
                     param.requires_grad_(True)

@@ -45,13 +45,16 @@ class Family:
         return {}
 
     # ------------------------------------------------------------------------------------------- weights
-    def chunk_params(self, c: ModelShape, *, pre: bool, post: bool, offset: int, num_layers: int) -> list[Param]:
+    def chunk_params(
+        self, c: ModelShape, *, pre: bool, post: bool, offset: int, num_layers: int, experts: range | None = None
+    ) -> list[Param]:
         """The parameters of one model chunk (local layer i is global layer ``offset + i``), in HF state-dict
-        order: the embedding on the first stage, the final norm and LM head on the last."""
+        order: the embedding on the first stage, the final norm and LM head on the last. ``experts``: the global
+        indices of this expert-parallel rank's experts (None: all of them)."""
         embed = ("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         params = [Param("embedding.word_embeddings.weight", (embed,), "rows")] if pre else []
         for i in range(num_layers):
-            params += self.layer_params(c, i, offset + i)
+            params += self.layer_params(c, i, offset + i, experts)
         if post:
             params.append(Param("decoder.final_layernorm.weight", (("model.norm.weight", (c.hidden_size,)),), "copy"))
             tied = c.share_embeddings_and_output_weights
@@ -61,13 +64,14 @@ class Family:
                 params.append(Param("output_layer.weight", (head,), "rows"))
         return params
 
-    def layer_params(self, c: ModelShape, local: int, layer: int) -> list[Param]:
+    def layer_params(self, c: ModelShape, local: int, layer: int, experts: range | None = None) -> list[Param]:
         """Decoder layer ``layer`` (the chunk's ``local``-th): attention, MLP, then the two norms, as HF orders them."""
         m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
         norms = [Param(m + "input_layernorm.weight", ((h + "input_layernorm.weight", (c.hidden_size,)),), "copy")]
         post_norm = ((h + "post_attention_layernorm.weight", (c.hidden_size,)),)
         norms.append(Param(m + "pre_mlp_layernorm.weight", post_norm, "copy"))
-        return [*self.attention_params(c, m, h + "self_attn."), *self.mlp_params(c, m, h, layer), *norms]
+        mlp = self.mlp_params(c, m, h, layer, experts)
+        return [*self.attention_params(c, m, h + "self_attn."), *mlp, *norms]
 
     def attention_params(self, c: ModelShape, m: str, att: str) -> list[Param]:
         """Fused q/k/v (with their biases when ``add_qkv_bias``), the output projection, q/k norms when
@@ -83,7 +87,7 @@ class Family:
             params.append(Param(m + "self_attention.k_layernorm.weight", ((att + "k_norm.weight", (d,)),), "copy"))
         return params
 
-    def mlp_params(self, c: ModelShape, m: str, h: str, layer: int) -> list[Param]:
+    def mlp_params(self, c: ModelShape, m: str, h: str, layer: int, experts: range | None) -> list[Param]:
         """A dense SwiGLU MLP: HF's gate/up projections fused in linear_fc1, down_proj as linear_fc2."""
         return dense_mlp(m + "mlp.", h + "mlp.", c.hidden_size, c.effective_ffn_hidden_size)
 

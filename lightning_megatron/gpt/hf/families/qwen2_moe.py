@@ -1,0 +1,45 @@
+"""Qwen2-MoE (``Qwen2MoeForCausalLM``, e.g. Qwen1.5-MoE-A2.7B): Qwen2's attention (q/k/v biases), softmax top-k
+routing, and a shared expert behind a sigmoid gate in every MoE layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_megatron.gpt.hf.families.base import dense_mlp
+from lightning_megatron.gpt.hf.families.moe import MoEFamily, hf_layer_kwargs, qwen_sparse_layers
+from lightning_megatron.gpt.hf.params import ModelShape, Param
+
+
+class Qwen2MoE(MoEFamily):
+    """Qwen2-MoE: router ``mlp.gate``, experts ``mlp.experts.{e}.*_proj``, shared expert ``mlp.shared_expert.*_proj``
+    with its gate ``mlp.shared_expert_gate`` (Megatron's ``moe_shared_expert_gate``)."""
+
+    architectures = ("Qwen2MoeForCausalLM",)
+    model_types = ("qwen2_moe",)
+    export_architecture = "Qwen2MoeForCausalLM"
+    config_class = "Qwen2MoeConfig"
+
+    def fields(self, hf: Any) -> dict[str, Any]:
+        moe = self.moe_fields(
+            hf, experts=hf.num_experts, sparse=qwen_sparse_layers(hf), renormalise=bool(hf.norm_topk_prob)
+        )
+        shared = {"moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size}
+        return {"add_qkv_bias": True, "qk_layernorm": False, **moe, **shared, "moe_shared_expert_gate": True}
+
+    def matches(self, c: ModelShape) -> bool:
+        shared = c.moe_shared_expert_intermediate_size is not None and c.moe_shared_expert_gate
+        return c.num_moe_experts is not None and c.add_qkv_bias and not c.qk_layernorm and shared
+
+    def shared_expert_params(self, c: ModelShape, m: str, hb: str) -> list[Param]:
+        ffn, hidden = c.moe_shared_expert_intermediate_size or 0, c.hidden_size
+        params = dense_mlp(m + "mlp.shared_experts.", hb + "shared_expert.", hidden, ffn)
+        gate = ((hb + "shared_expert_gate.weight", (1, hidden)),)
+        return [*params, Param(m + "mlp.shared_experts.gate_weight", gate, "copy")]
+
+    def hf_config_kwargs(self, c: ModelShape) -> dict[str, Any]:
+        return {
+            "num_experts": c.num_moe_experts, "num_experts_per_tok": c.moe_router_topk,
+            "moe_intermediate_size": c.moe_ffn_hidden_size or c.effective_ffn_hidden_size,
+            "shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size,
+            "norm_topk_prob": not c.moe_router_pre_softmax, **hf_layer_kwargs(c),
+        }  # fmt: skip

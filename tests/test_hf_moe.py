@@ -1,0 +1,378 @@
+"""Hugging Face mixture-of-experts models in and out: Qwen3-MoE, Qwen2-MoE and Mixtral (tiny random models written
+with ``save_pretrained``; nothing is downloaded).
+
+Against ``transformers`` in float32 with eager attention: logits, validation loss and log-probs at one process (in
+this process), at EP=2, TP=2 and PP=2 (one 2-process worker run); three training steps follow ``transformers`` +
+``torch.optim.AdamW``; the export is the HF checkpoint, and a trained export loads in ``transformers`` with our logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronLMModule, MegatronStrategy, MegatronValueModule, ModelConfig
+from lightning_megatron.gpt.hf.mapping import family, hf_weight_shapes
+from tests.conftest import child_env, run_forked
+
+SEQ = 16
+BASE = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 64, "initializer_range": 0.1, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Layer 1 dense (mlp_only_layers), renormalised top-2 of 4 experts, q/k norms.
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": True, "mlp_only_layers": [1], "head_dim": 16}),
+    # A gated shared expert, top-2 kept unrenormalised, q/k/v biases, tied embeddings.
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48, "norm_topk_prob": False,
+                                     "tie_word_embeddings": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+}  # fmt: skip
+FAMILY = {"qwen3_moe": "Qwen3MoE", "qwen2_moe": "Qwen2MoE", "mixtral": "Mixtral"}
+
+
+def make_hf_model(arch: str, path: Path) -> Path:
+    config_name, overrides = ARCHS[arch]
+    config = getattr(transformers, config_name)(**{**BASE, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms start at 1 and biases at 0: randomise them so that a wrong mapping shows
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(path)
+    return path
+
+
+def hf_model(path: Path) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+
+
+def hf_forward(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """Logits, loss and the log-probability of each next token (HF's shift)."""
+    with torch.no_grad():
+        out = hf_model(path)(input_ids=tokens, labels=tokens)
+    logprobs = torch.log_softmax(out.logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return out.logits, float(out.loss), logprobs
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_moe")
+    return {arch: make_hf_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _trainer(micro_batch_size: int = 2, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=micro_batch_size), logger=False,
+        enable_progress_bar=False, enable_model_summary=False, **{"enable_checkpointing": False, **kwargs},
+    )  # fmt: skip
+
+
+class Export(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def on_predict_end(self, trainer: L.Trainer, module: MegatronLMModule) -> None:  # type: ignore[override]
+        self.tensors = {name: t.clone() for name, t in module.export_hf_weights()}
+        self.buckets = [pair for b in module.export_hf_weights(bucket_bytes=20_000) for pair in b]
+        module.save_hf(self.path)
+
+
+@pytest.fixture(scope="module")
+def one_process(models: dict[str, Path], tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    results = {}
+    for arch, path in models.items():
+        module = MegatronLMModule.from_hf(path, seq_length=SEQ)
+        export = Export(tmp_path_factory.mktemp("saved") / arch)
+        loader = DataLoader(tokens, batch_size=4)
+        logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
+        val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+        module.prediction = "logprobs"
+        logprobs = torch.cat([p["logprobs"] for p in _trainer().predict(module, loader)])
+        results[arch] = {
+            "logits": logits,
+            "val_loss": val_loss,
+            "logprobs": logprobs,
+            "export": export,
+            "module": module,
+        }
+    return results
+
+
+def test_config_from_hf_maps_each_moe_architecture(models: dict[str, Path]) -> None:
+    qwen3 = ModelConfig.from_hf(models["qwen3_moe"])
+    assert (qwen3.num_moe_experts, qwen3.moe_router_topk, qwen3.moe_ffn_hidden_size) == (4, 2, 32)
+    assert (qwen3.ffn_hidden_size, qwen3.moe_layer_freq, qwen3.moe_router_pre_softmax) == (96, (1, 0), False)
+    assert qwen3.qk_layernorm
+    assert not qwen3.add_qkv_bias
+    qwen2 = ModelConfig.from_hf(models["qwen2_moe"])
+    assert (qwen2.moe_shared_expert_intermediate_size, qwen2.moe_shared_expert_gate) == (48, True)
+    assert qwen2.moe_router_pre_softmax
+    assert qwen2.add_qkv_bias
+    assert qwen2.moe_layer_freq == 1
+    mixtral = ModelConfig.from_hf(models["mixtral"])
+    assert (mixtral.num_moe_experts, mixtral.moe_ffn_hidden_size, mixtral.moe_router_pre_softmax) == (4, 32, False)
+    for arch, path in models.items():
+        assert type(family(ModelConfig.from_hf(path))).__name__ == FAMILY[arch]
+        assert ModelConfig.from_hf(path).moe_aux_loss_coeff == 0.0  # HF adds it only with output_router_logits
+
+
+def test_unsupported_hf_moe_settings_are_named(models: dict[str, Path]) -> None:
+    config = json.loads((models["mixtral"] / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 is not supported"):
+        ModelConfig.from_hf({**config, "router_jitter_noise": 0.1})
+    aux = ModelConfig.from_hf({**config, "output_router_logits": True, "router_aux_loss_coef": 0.02})
+    assert aux.moe_aux_loss_coeff == pytest.approx(0.02 * 2 / 2)  # x top-k / MoE layers: Megatron's per-layer loss
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_one_process_matches_transformers(arch: str, one_process: dict, models: dict, tokens: torch.Tensor) -> None:
+    logits, loss, logprobs = hf_forward(models[arch], tokens)
+    got = one_process[arch]
+    torch.testing.assert_close(got["logits"], logits, rtol=1e-4, atol=1e-4)
+    assert got["val_loss"] == pytest.approx(loss, rel=1e-5)
+    torch.testing.assert_close(got["logprobs"][:, : SEQ - 1], logprobs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_export_is_the_hf_checkpoint(arch: str, one_process: dict, models: dict, tokens: torch.Tensor) -> None:
+    """Per-tensor and bucketed exports, save_hf and the family's to_hf/from_hf all give back the HF files."""
+    original = load_file(models[arch] / "model.safetensors")
+    export = one_process[arch]["export"]
+    tied = {"lm_head.weight"} if arch == "qwen2_moe" else set()
+    assert export.tensors.keys() - tied == original.keys()
+    assert list(export.tensors) == list(hf_weight_shapes(one_process[arch]["module"].config))
+    for name, tensor in original.items():
+        assert torch.equal(export.tensors[name], tensor), name
+    assert [n for n, _ in export.buckets] == list(export.tensors)
+    written = load_file(export.path / "model.safetensors")
+    assert written.keys() == original.keys()
+    assert all(torch.equal(written[n], t) for n, t in original.items())
+    module = one_process[arch]["module"]
+    params = {name: p.detach() for name, p in module.chunks[0].named_parameters()}
+    adapter = family(module.config)
+    assert all(torch.equal(t, params[n]) for n, t in adapter.from_hf(original, module.config).items())
+    assert all(torch.equal(t, original[n]) for n, t in adapter.to_hf(params, module.config).items())
+
+
+def test_a_moe_model_not_from_hf_is_written_in_its_family(tmp_path: Path, tokens: torch.Tensor) -> None:
+    """A ModelConfig-built Qwen3-MoE-shaped model gets a generated config.json that transformers loads."""
+    from lightning_megatron import tiny_gpt
+
+    config = tiny_gpt(num_layers=2, vocab_size=128, num_query_groups=2, seq_length=SEQ, qk_layernorm=True,
+                      num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=(0, 1))  # fmt: skip
+    export = Export(tmp_path / "out")
+    logits = torch.cat(_trainer(callbacks=[export]).predict(MegatronLMModule(config), DataLoader(tokens, batch_size=4)))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["architectures"], written["mlp_only_layers"]) == (["Qwen3MoeForCausalLM"], [0])
+    torch.testing.assert_close(hf_forward(tmp_path / "out", tokens)[0], logits, rtol=1e-4, atol=1e-4)
+
+
+AUX_COEF = 0.05
+
+
+@pytest.mark.parametrize(("arch", "aux"), [*((arch, False) for arch in ARCHS), ("qwen3_moe", True)])
+def test_training_follows_transformers_and_adamw(arch: str, aux: bool, models: dict, tmp_path: Path) -> None:
+    """Three steps of full fine-tuning step for step: the aux loss off (HF without output_router_logits), and on
+    (qwen3_moe: one MoE layer, where Megatron's per-layer loss is HF's pooled one) with router_aux_loss_coef.
+
+    With the aux loss on, the batch is one micro-batch (Megatron's "aux_loss" is each micro-batch's, HF's the
+    batch's), and Megatron normalises the routers' loss gradient by the loss tokens of the batch, as the
+    language-model loss, having weighted it by the routed tokens: S / (S - 1) more than HF's (the last token of a
+    row has no label), so HF runs with its coefficient times S / (S - 1)."""
+    path = models[arch]
+    if aux:
+        path = tmp_path / arch
+        hf_model(models[arch]).save_pretrained(path)
+        config = json.loads((path / "config.json").read_text())
+        config.update(output_router_logits=True, router_aux_loss_coef=AUX_COEF)
+        (path / "config.json").write_text(json.dumps(config))
+    samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(3))
+    settings = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    model = hf_model(path).train()
+    if aux:
+        model.router_aux_loss_coef = AUX_COEF * SEQ / (SEQ - 1)
+    optimizer = torch.optim.AdamW(model.parameters(), **settings)
+    want, want_aux = [], []
+    for batch in samples.split(4):
+        out = model(input_ids=batch, labels=batch)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        lm_loss = out.loss - (model.router_aux_loss_coef * out.aux_loss if aux else 0.0)
+        want.append(float(lm_loss))
+        want_aux.append(float(AUX_COEF * out.aux_loss) if aux else None)
+    module = MegatronLMModule.from_hf(path, seq_length=SEQ, clip_grad=0.0, warmup_steps=0, decay_style="constant",
+                                      **settings)  # fmt: skip
+    assert module.config.moe_aux_loss_coeff == (AUX_COEF * 2 if aux else 0.0)  # x top-k / one MoE layer
+    got, got_aux = [], []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            got.append(float(outputs["loss"]))
+            aux_loss = trainer.callback_metrics.get("moe_aux_loss")
+            got_aux.append(None if aux_loss is None else float(aux_loss))
+
+    trainer = _trainer(4 if aux else 2, max_steps=3, callbacks=[Record()], use_distributed_sampler=False)
+    trainer.fit(module, DataLoader(samples, batch_size=4))
+    assert len(set(want)) == 3
+    assert got == pytest.approx(want, rel=1e-4)
+    assert got_aux == (pytest.approx(want_aux, rel=1e-4) if aux else want_aux)  # the logged coefficient x loss
+
+
+def test_value_module_on_an_moe_checkpoint(models: dict, tokens: torch.Tensor) -> None:
+    """The critic imports the MoE body (not its LM head) and gives one value per token."""
+    module = MegatronValueModule.from_hf(models["qwen3_moe"], seq_length=SEQ)
+    values = torch.cat(_trainer().predict(module, DataLoader(tokens, batch_size=4)))
+    assert values.shape[:2] == (4, SEQ)
+    assert torch.isfinite(values).all()
+
+
+# One 2-process run: each architecture at expert, tensor and pipeline parallelism (qwen3_moe's dense layer 1 on its own
+# stage at PP=2, qwen2_moe's tied embeddings on both stages); the same HF checkpoints as the one-process tests.
+LAYOUTS = {
+    "qwen3_moe_ep2": {"arch": "qwen3_moe", "ep": 2}, "qwen3_moe_tp2": {"arch": "qwen3_moe", "tp": 2},
+    "qwen3_moe_pp2": {"arch": "qwen3_moe", "pp": 2}, "qwen2_moe_ep2": {"arch": "qwen2_moe", "ep": 2},
+    "qwen2_moe_pp2": {"arch": "qwen2_moe", "pp": 2}, "mixtral_tp2": {"arch": "mixtral", "tp": 2},
+    "mixtral_ep2": {"arch": "mixtral", "ep": 2},
+    # LoRA on every linear: attention, the experts (one adapter per expert and projection), the shared expert
+    "qwen2_moe_ep2_lora": {"arch": "qwen2_moe", "ep": 2, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0,
+                                                                                    "seed": 3}, "peft": False},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def layouts(models: dict[str, Path], tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("hf_moe_layouts")
+    torch.save(tokens, tmp / "tokens.pt")
+    torch.save([], tmp / "packed.pt")
+    jobs = [{**job, "model": str(models[job["arch"]]), "logprobs": True, "save": str(tmp / f"saved-{name}")}
+            for name, job in LAYOUTS.items()]  # fmt: skip
+    out = tmp / "result"
+    args = {"devices": 2, "tokens": str(tmp / "tokens.pt"), "packed": str(tmp / "packed.pt"), "out": str(out),
+            "jobs": jobs}  # fmt: skip
+    run_forked("hf_worker:main", args, 2, tmp, child_env(CUDA_VISIBLE_DEVICES=""), expect=Path(f"{out}.rank1.json"))
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    logits = [[torch.load(f"{out}.job{i}.rank{r}.pt") for r in range(2)] for i in range(len(LAYOUTS))]
+    return {name: {"ranks": [ranks[r][i] for r in range(2)], "logits": logits[i], "save": Path(jobs[i]["save"])}
+            for i, name in enumerate(LAYOUTS)}  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", [name for name, job in LAYOUTS.items() if "train_steps" not in job])
+def test_layouts_match_transformers(name: str, layouts: dict, models: dict, tokens: torch.Tensor) -> None:
+    """Validation loss, logits and log-probs equal transformers' on every rank, and the export (experts gathered
+    from their expert-parallel ranks, shards from their tensor-parallel ones) is the HF checkpoint."""
+    job = LAYOUTS[name]
+    arch, data_parallel = job["arch"], 2 // (job.get("tp", 1) * job.get("pp", 1))
+    logits, loss, logprobs = hf_forward(models[arch], tokens)
+    shapes = {n: list(t.shape) for n, t in load_file(models[arch] / "model.safetensors").items()}
+    for rank, result in enumerate(layouts[name]["ranks"]):
+        rows = slice(rank % data_parallel, None, data_parallel)  # the distributed sampler's rows of this DP rank
+        assert result["val_loss"] == pytest.approx(loss, rel=1e-5), rank
+        torch.testing.assert_close(layouts[name]["logits"][rank], logits[rows], rtol=1e-4, atol=1e-4)
+        got = torch.tensor(result["logprobs"])[:, : SEQ - 1]
+        torch.testing.assert_close(got, logprobs[rows], rtol=1e-4, atol=1e-5)
+        tied = {"lm_head.weight"} if arch == "qwen2_moe" else set()
+        assert {n: s for n, s in result["export_shapes"].items() if n not in tied} == shapes
+        assert result["export_max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_recorded_routing_is_what_transformers_chooses(arch: str, models: dict, tokens: torch.Tensor) -> None:
+    """Routing replay records, per MoE layer and token, the experts the HF model routes to on the same weights."""
+    overrides = {"moe_enable_routing_replay": True}
+    module = MegatronLMModule.from_hf(models[arch], seq_length=SEQ, config_overrides=overrides)
+    recorded: list[torch.Tensor] = []
+
+    class Record(L.Callback):
+        def on_validation_end(self, trainer: L.Trainer, pl_module: MegatronLMModule) -> None:  # type: ignore[override]
+            recorded.append(pl_module.record_routing(tokens))
+
+    _trainer(callbacks=[Record()]).validate(module, DataLoader(tokens, batch_size=4))
+    with torch.no_grad():
+        router_logits = hf_model(models[arch])(input_ids=tokens, output_router_logits=True).router_logits
+    sparse = [i for i, moe in enumerate(module.config.moe_layers) if moe]
+    assert len(router_logits) == len(sparse) > 0
+    topk = module.config.moe_router_topk
+    for layer, logits in zip(sparse, router_logits, strict=True):  # HF: [B * S, experts] per MoE layer
+        want = logits.topk(topk, dim=-1).indices.sort(dim=-1).values.view(tokens.shape[0], SEQ, topk)
+        assert torch.equal(recorded[0][:, layer].sort(dim=-1).values, want), layer
+
+
+@pytest.mark.multiprocess
+def test_lora_on_experts_at_ep2_equals_one_process(layouts: dict, models: dict, tokens: torch.Tensor,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """LoRA on every linear of an MoE model, experts split over two ranks, trains as one process does; only the
+    adapters change; the merged export loads in transformers with the trained model's logits."""
+    import hf_worker
+
+    # One process takes both ranks' batches at once: the same global batches (Lightning's sampler deals the same
+    # shuffled order to one rank in batches of 8 as to two in batches of 4).
+    job = {**LAYOUTS["qwen2_moe_ep2_lora"], "ep": 1, "batch_size": 8, "model": str(models["qwen2_moe"]),
+           "save": str(tmp_path / "one")}  # fmt: skip
+    one, one_logits = hf_worker.run_job(1, job, tokens, [])
+    ep2 = layouts["qwen2_moe_ep2_lora"]
+    assert len(set(one["train_losses"])) == 3
+    for rank, result in enumerate(ep2["ranks"]):
+        assert result["train_losses"] == pytest.approx(one["train_losses"], rel=1e-5), rank
+        assert result["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5), rank
+        assert result["trainable"] == ["lora_A", "lora_B"]
+        rows = slice(rank, None, 2)
+        torch.testing.assert_close(ep2["logits"][rank], one_logits[rows], rtol=1e-4, atol=1e-4)
+    merged = hf_forward(ep2["save"], tokens)[0]  # the adapters merged into the experts' and the others' weights
+    torch.testing.assert_close(merged, one_logits, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(merged, hf_forward(models["qwen2_moe"], tokens)[0], atol=1e-3)  # the adapters moved
+
+
+def test_expert_adapter_checkpoints_hold_the_adapters_and_resume_exactly(models: dict, tmp_path: Path) -> None:
+    """An MoE model from HF with LoRA on its experts: the checkpoint holds the adapters (per expert, on the global
+    expert axis) and their optimizer state, not the frozen experts; resuming continues the curve exactly."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    samples = torch.randint(0, 128, (4 * 4, SEQ), generator=torch.Generator().manual_seed(6))
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": ["linear_fc1", "linear_fc2"]}
+
+    def fit(root: Path, ckpt_path: str | None = None) -> dict[int, float]:
+        losses: dict[int, float] = {}
+
+        class Record(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+                losses[trainer.global_step] = float(outputs["loss"])
+
+        module = MegatronLMModule.from_hf(models["mixtral"], seq_length=SEQ, lr=5e-2, lora=lora)
+        saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)
+        trainer = _trainer(max_steps=4, callbacks=[Record(), saver], enable_checkpointing=True)
+        trainer.fit(module, DataLoader(samples, batch_size=4), ckpt_path=ckpt_path)
+        return losses
+
+    full = fit(tmp_path / "run")
+    assert len(set(full.values())) == 4
+    checkpoint = tmp_path / "run" / "epoch=0-step=2.ckpt"
+    keys = load_tensors_metadata(checkpoint).keys()
+    experts = sorted(k for k in keys if "experts" in k and "optimizer" not in k)
+    assert experts == ["decoder.layers.mlp.experts.experts.linear_fc1.lora_A.gate_up_proj",
+                       "decoder.layers.mlp.experts.experts.linear_fc1.lora_B.gate_up_proj",
+                       "decoder.layers.mlp.experts.experts.linear_fc2.lora_A.down_proj",
+                       "decoder.layers.mlp.experts.experts.linear_fc2.lora_B.down_proj"]  # fmt: skip
+    assert load_tensors_metadata(checkpoint)[experts[0]].global_shape == (2, 4, 4, 64)  # layers, experts, rank, hidden
+    resumed = fit(tmp_path / "again", ckpt_path=str(checkpoint))
+    assert resumed == {step: full[step] for step in (3, 4)}

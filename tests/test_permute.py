@@ -1,0 +1,69 @@
+"""MoE token permutation without atomic adds (lightning_megatron.kernels.permute, patches.UniformTokenPermutation)
+against Megatron-Core's own permute/unpermute: the same rows, probs, indices, outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+from lightning_megatron import patches
+from lightning_megatron.kernels import permute
+
+
+def routing(tokens: int, experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k routing map [tokens, experts] (bool) and its probabilities."""
+    scores = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed)).softmax(-1)
+    top = scores.topk(k, dim=-1)
+    probs = torch.zeros_like(scores).scatter(1, top.indices, top.values)
+    return probs > 0, probs
+
+
+@pytest.mark.parametrize(("experts", "k"), [(8, 2), (4, 1), (6, 6)])
+def test_permutation_equals_megatrons(experts: int, k: int) -> None:
+    tokens, hidden = 37, 16
+    routing_map, probs = routing(tokens, experts, k, seed=experts + k)
+    x = torch.randn(tokens, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grad_rows = torch.randn(tokens * k, hidden, dtype=torch.float64)
+    grad_out = torch.randn(tokens, hidden, dtype=torch.float64)
+    results = []
+    for ours in (False, True):
+        inputs = x.clone().requires_grad_()
+        if ours:
+            rows, row_probs, indices = permute.permute(inputs, routing_map, k, probs)
+        else:
+            rows, row_probs, indices, _, _ = moe_utils.permute(inputs, routing_map, probs, num_out_tokens=tokens * k)
+        weighted = (rows * 3.0).detach().requires_grad_()  # what the experts would return, per row
+        if ours:
+            out = permute.unpermute(weighted, indices, tokens)
+        else:
+            out = moe_utils.unpermute(weighted, indices, restore_shape=x.shape, routing_map=routing_map)
+        (rows * grad_rows).sum().backward()
+        (out * grad_out).sum().backward()
+        results.append((rows, row_probs, indices, out, inputs.grad, weighted.grad))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_map_without_k_experts_per_token_is_refused() -> None:
+    routing_map, probs = routing(8, 4, 2, seed=0)
+    routing_map[0] = False  # token 0 routed nowhere: 7 x 2 + 0 rows, not 8 x 2
+    with pytest.raises(RuntimeError, match="exactly k routed experts"):
+        permute.permute(torch.randn(8, 4), routing_map, 2, probs)
+
+
+def test_the_patch_takes_only_calls_it_reproduces() -> None:
+    routing_map, probs = routing(10, 4, 2, seed=3)
+    x = torch.randn(10, 8)
+    with patches.UniformTokenPermutation(permute):
+        rows, _, indices, _, _ = token_dispatcher.permute(x, routing_map, num_out_tokens=20)
+        assert permute.has_token_order(indices)
+        out = token_dispatcher.unpermute(rows, indices, restore_shape=x.shape, routing_map=routing_map)
+        torch.testing.assert_close(out, x * 2)  # each token's two rows summed
+        # A device tensor as num_out_tokens, or probs at unpermute: Megatron's own functions.
+        _, _, megatron_indices, _, _ = token_dispatcher.permute(x, routing_map, num_out_tokens=torch.tensor(20))
+        assert not permute.has_token_order(megatron_indices)
+        weighted = token_dispatcher.unpermute(rows, indices, x.shape, probs=probs, routing_map=routing_map)
+        torch.testing.assert_close(weighted, x * probs.sum(1, keepdim=True))
+    assert token_dispatcher.permute is moe_utils.permute
+    assert token_dispatcher.unpermute is moe_utils.unpermute
