@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.recorders import hf_counts, megatron_counts, start_profiler, timeline_path, total_steps, write_profile
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: benchmarks.*
+from benchmarks.recorders import hf_counts, megatron_counts, start_profiler, timeline_path, total_steps, write_profile  # noqa: E402
 from lightning_megatron.parallel.counts import model_flops_per_token
 
 SHAPES = {
@@ -82,24 +83,7 @@ def parse() -> argparse.Namespace:
         "kernels), c (Trainer + HF Llama), d (HF Llama + FSDP2 + torch.compile)",
     )  # fmt: skip
     p.add_argument("--variant", help=argparse.SUPPRESS)  # set for the per-variant child job
-    p.add_argument("--shape", default="1b", choices=list(SHAPES))
-    p.add_argument("--num-layers", type=int, default=None, help="the shape's layers, cut or grown to this many")
-    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE shapes, variant a)")
-    p.add_argument(
-        "--moe-gemm", choices=["auto", "loop"], default="auto",
-        help="MoE experts: grouped GEMMs where the GPU has them (ModelConfig(moe_grouped_gemm=None)), or Megatron's "
-        "loop over the experts on the same module (moe_grouped_gemm=False)",
-    )  # fmt: skip
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "local"])
-    p.add_argument("--devices", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--vpp", type=int, default=None)
-    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
-    p.add_argument(
-        "--cp", type=int, default=1,
-        help="context parallelism, variant a only (raw Megatron-Core's needs Transformer Engine; c and d have none)",
-    )  # fmt: skip
+    add_layout_arguments(p)
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=2, help="per optimizer step and data-parallel rank")
@@ -123,6 +107,37 @@ def parse() -> argparse.Namespace:
         "--cuda-graphs", action="store_true",
         help="variants a and b: ModelConfig(cuda_graphs=True), Megatron's per-layer CUDA graphs",
     )  # fmt: skip
+    add_measurement_arguments(p)
+    args = p.parse_args()
+    if args.devices % (args.tp * args.pp * args.cp):
+        p.error(f"--devices {args.devices} is not a multiple of --tp x --pp x --cp = {args.tp * args.pp * args.cp}")
+    return args
+
+
+def add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    """The model shape and the parallel layout."""
+    p.add_argument("--shape", default="1b", choices=list(SHAPES))
+    p.add_argument("--num-layers", type=int, default=None, help="the shape's layers, cut or grown to this many")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE shapes, variant a)")
+    p.add_argument(
+        "--moe-gemm", choices=["auto", "loop"], default="auto",
+        help="MoE experts: grouped GEMMs where the GPU has them (ModelConfig(moe_grouped_gemm=None)), or Megatron's "
+        "loop over the experts on the same module (moe_grouped_gemm=False)",
+    )  # fmt: skip
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "local"])
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    p.add_argument(
+        "--cp", type=int, default=1,
+        help="context parallelism, variant a only (raw Megatron-Core's needs Transformer Engine; c and d have none)",
+    )  # fmt: skip
+
+
+def add_measurement_arguments(p: argparse.ArgumentParser) -> None:
+    """How many steps are timed, and what else is recorded about them."""
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", help="write each variant's torch.profiler kernel table to PROFILE.<variant>")
@@ -145,10 +160,6 @@ def parse() -> argparse.Namespace:
         "--sync-debug", action="store_true",
         help="count the host-GPU synchronisations of the timed steps by call site (slows the run: no timing)",
     )  # fmt: skip
-    args = p.parse_args()
-    if args.devices % (args.tp * args.pp * args.cp):
-        p.error(f"--devices {args.devices} is not a multiple of --tp x --pp x --cp = {args.tp * args.pp * args.cp}")
-    return args
 
 
 def model_config(args: argparse.Namespace) -> Any:

@@ -32,7 +32,8 @@ class MegatronThroughput(L.Callback):
 
     MFU = tokens/s x (6 N + 6 layers hidden seq) / (peak FLOP/s x GPUs), ``N`` the parameters without the input
     embedding table (a tied embedding counted once, as the output head; a frozen parameter, LoRA's base, counts 4
-    FLOPs instead of 6: no weight gradient), ``6 layers hidden seq`` the attention scores and values for causal
+    FLOPs instead of 6: no weight gradient; an MoE model's routed experts count ``moe_router_topk / num_moe_experts``
+    of their parameters, the active ones), ``6 layers hidden seq`` the attention scores and values for causal
     attention, the whole model counted across tensor, pipeline and expert parallelism. NeMo/Megatron-Bridge count
     the same; torchtitan also leaves the embedding out of ``6 N`` but counts the full attention matrix
     (``12 layers hidden seq``), which gives a higher MFU for the same run.

@@ -313,7 +313,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         # Logged here, before any callback's on_train_batch_end of this step reads trainer.callback_metrics.
         assert self._step is not None
         metrics = schedule.train_metrics(self._step, self.last_step, self.skipped_steps, self._log_names)
-        self.module.log_train_step(metrics)
+        self.module.log_train_step({**metrics, **self.module.step_metrics()})
         self._step = None  # grad_norms() outside a step raises instead of reading stale buffers
         self._accumulation.close()
         return result

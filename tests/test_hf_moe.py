@@ -376,3 +376,43 @@ def test_expert_adapter_checkpoints_hold_the_adapters_and_resume_exactly(models:
     assert load_tensors_metadata(checkpoint)[experts[0]].global_shape == (2, 4, 4, 64)  # layers, experts, rank, hidden
     resumed = fit(tmp_path / "again", ckpt_path=str(checkpoint))
     assert resumed == {step: full[step] for step in (3, 4)}
+
+
+def test_expert_adapters_go_to_peft_and_back(models: dict, tokens: torch.Tensor, tmp_path: Path) -> None:
+    """Trained adapters on every linear of an MoE model written as a PEFT adapter (attention's as target_modules,
+    each expert's on HF's fused experts as target_parameters) give our logits in PEFT, and load back here."""
+    import peft
+
+    arch, lora = "mixtral", {"rank": 4, "alpha": 8.0, "seed": 1}
+    module = MegatronLMModule.from_hf(models[arch], seq_length=SEQ, lr=5e-2, lora=lora)
+    samples = torch.randint(0, 128, (8, SEQ), generator=torch.Generator().manual_seed(8))
+
+    class Save(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: MegatronLMModule) -> None:  # type: ignore[override]
+            pl_module.save_hf(tmp_path / "adapter", adapter=True)
+
+    _trainer(max_steps=2, callbacks=[Save()]).fit(module, DataLoader(samples, batch_size=4))
+    loader = DataLoader(tokens, batch_size=4)
+    ours = torch.cat(_trainer().predict(module, loader))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(hf_model(models[arch]), tmp_path / "adapter")(input_ids=tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(ours, hf_forward(models[arch], tokens)[0], atol=1e-3)  # the adapters moved the logits
+    back = MegatronLMModule.from_hf(models[arch], seq_length=SEQ, adapter=tmp_path / "adapter")
+    assert back.lora.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    torch.testing.assert_close(torch.cat(_trainer().predict(back, loader)), ours, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_on_a_shared_expert_have_no_peft_form(models: dict, tmp_path: Path) -> None:
+    """PEFT reads an MoE model's MLP targets as its experts': adapters on Qwen2-MoE's shared expert are refused."""
+    module = MegatronLMModule.from_hf(models["qwen2_moe"], seq_length=SEQ, lora={"rank": 4})
+
+    class Save(L.Callback):
+        def on_predict_end(self, trainer: L.Trainer, pl_module: MegatronLMModule) -> None:  # type: ignore[override]
+            pl_module.save_hf(tmp_path / "adapter", adapter=True)
+
+    with pytest.raises(ValueError, match=r"shared expert besides its experts.*no PEFT form.*save_hf\(path\)"):
+        _trainer(callbacks=[Save()]).predict(module, DataLoader(torch.zeros(4, SEQ, dtype=torch.long), batch_size=4))

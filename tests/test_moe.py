@@ -178,7 +178,7 @@ def test_deepseek_and_qwen_routers_train_and_log_their_losses() -> None:
     moe = layers[1].mlp
     assert isinstance(moe.router, StepRouter)
     assert moe.shared_experts.gate_weight is not None
-    assert moe.config.moe_token_dispatcher_type == "allgather"  # alltoall fails on CPU: lightning_megatron.gpt.moe
+    assert moe.config.moe_token_dispatcher_type == "allgather"  # ep=1: nothing to send (parallel/state.py)
     assert len(probe.steps) == 2
     assert all(math.isfinite(step["loss"]) for step in probe.steps)
     unmoved = [n for n, p in model.chunks.named_parameters() if torch.equal(p.detach(), before[n])]
@@ -220,3 +220,25 @@ def test_router_losses_are_the_same_on_every_pipeline_stage(tmp_path: Path) -> N
     for metrics in (two["callback_metrics"], json.loads(other.read_text())["callback_metrics"]):
         for name in ("moe_aux_loss", "moe_z_loss", "train_loss"):
             assert metrics[name] == pytest.approx(one[name], rel=1e-5), name
+
+
+def test_training_with_tensor_parallel_experts_needs_sequence_parallelism() -> None:
+    """Megatron's MoE layer refuses to train at tp > 1 without sequence parallelism: refused at connect (fit only)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    module = MegatronLMModule(tiny_gpt(num_moe_experts=4))
+    module.validate_parallel(ParallelSizes(tp=2))  # no Trainer: validate/predict run either way
+    module._trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING))  # what connect sees in fit
+    with pytest.raises(ValueError, match=r"tp=2 needs MegatronStrategy\(sequence_parallel=True\)"):
+        module.validate_parallel(ParallelSizes(tp=2))
+    module.validate_parallel(ParallelSizes(tp=2, sequence_parallel=True))
+    with pytest.raises(ValueError, match=r"moe_ffn_hidden_size=30 must be divisible by tp=4"):
+        tiny_gpt(num_moe_experts=4, moe_ffn_hidden_size=30).validate_parallel(ParallelSizes(tp=4))
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_experts_train_with_sequence_parallelism(tmp_path: Path) -> None:
+    result = run_worker({**MOE, "devices": 2, "tp": 2, "sp": True, "max_steps": 3}, tmp_path)
+    assert len(set(result["train"].values())) == 3  # the experts split over expert TP train

@@ -14,7 +14,7 @@ from typing import Any, Literal, Self
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from lightning_megatron.gpt.moe_config import check_moe, moe_layer_pattern
+from lightning_megatron.gpt.moe_config import check_moe, check_moe_parallel, moe_layer_pattern
 from lightning_megatron.gpt.plan import Kernels, Resolved
 from lightning_megatron.gpt.transformer import LOCAL_BACKEND, kernel_fields
 from lightning_megatron.parallel.sizes import ParallelSizes
@@ -347,7 +347,7 @@ class ModelConfig:
         """Check that this model can be split by ``sizes`` (which checked themselves); raise ValueError otherwise."""
         self._check_tensor_split(sizes.tp)
         self._check_stages(sizes.pp, sizes.vpp)
-        self._check_experts(sizes.ep, sizes.sequence_parallel)
+        check_moe_parallel(self, sizes.ep, sizes.tp, sizes.sequence_parallel)
         self._check_sequence(sizes.tp, sizes.cp, sizes.sequence_parallel)
         self._check_graph_layout(sizes.pp, sizes.cp)
 
@@ -395,21 +395,6 @@ class ModelConfig:
             raise ValueError(
                 f"recompute_num_layers={n} exceeds the {per_chunk} layers per model chunk with "
                 f"pp={pp}, vpp={vpp}; pick recompute_num_layers among 1..{per_chunk}"
-            )
-
-    def _check_experts(self, ep: int, sequence_parallel: bool) -> None:
-        experts = self.num_moe_experts
-        if experts is None and ep > 1:
-            raise ValueError(f"ep={ep} needs an MoE model but num_moe_experts=None; set ep=1 or num_moe_experts")
-        if experts is not None and experts % ep != 0:
-            raise ValueError(
-                f"num_moe_experts={experts} must be divisible by ep={ep}; pick ep among {divisors(experts)}"
-            )
-
-        if sequence_parallel and self.moe_enable_routing_replay:
-            raise ValueError(
-                "sequence_parallel=True splits each router's tokens across TP ranks, so the routing of "
-                "moe_enable_routing_replay=True would be per-shard; use sequence_parallel=False with routing replay"
             )
 
     def _check_sequence(self, tp: int, cp: int, sequence_parallel: bool) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
@@ -149,10 +150,20 @@ class GPTModule(MegatronLightningModule):
         self.config.validate_parallel(sizes)
         if self.lora is not None:
             check_lora_parallel(self.lora, self.config, sizes.tp)
+        fitting = self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.config.num_moe_experts is not None and sizes.tp > 1 and not sizes.sequence_parallel:
+            # Megatron's MoE layer refuses to train so (its dispatcher would gather every token on every TP rank).
+            replay = " (routing replay refuses sequence parallelism: use tp=1)"
+            replay = replay if self.config.moe_enable_routing_replay else ""
+            raise ValueError(
+                f"training an MoE model at tp={sizes.tp} needs MegatronStrategy(sequence_parallel=True): Megatron's "
+                "MoE layer refuses tensor parallelism without it in training (validate/predict run either way); set "
+                f"sequence_parallel=True, or split the experts with ep instead of tp{replay}"
+            )
 
-    def log_train_step(self, metrics: Mapping[str, Tensor]) -> None:
-        # The routers' losses (moe_aux_loss, moe_z_loss: lightning_megatron.gpt.moe) join the step's metrics.
-        super().log_train_step({**metrics, **moe.router_losses(self.config, self.chunks)})
+    def step_metrics(self) -> Mapping[str, Tensor]:
+        """The routers' losses of an MoE model (``moe_aux_loss``, ``moe_z_loss``: :mod:`lightning_megatron.gpt.moe`)."""
+        return moe.router_losses(self.config, self.chunks)
 
     def configure_model(self) -> None:
         super().configure_model()

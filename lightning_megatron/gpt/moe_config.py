@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from lightning_megatron.validation import check_choice, check_positive_int, divisors
 
-__all__ = ["MOE_DEFAULTS", "MoERequest", "check_moe", "moe_layer_pattern"]
+__all__ = ["MOE_DEFAULTS", "MoEParallelRequest", "MoERequest", "check_moe", "check_moe_parallel", "moe_layer_pattern"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -192,3 +192,35 @@ def _check_layers(config: MoERequest) -> None:
                 f"moe_layer_freq={freq!r} makes every layer dense; use num_moe_experts=None for a dense model, or "
                 "mark at least one layer 1"
             )
+
+
+class MoEParallelRequest(Protocol):
+    """The ``ModelConfig`` fields :func:`check_moe_parallel` reads."""
+
+    num_moe_experts: int | None
+    moe_ffn_hidden_size: int | None
+    moe_shared_expert_intermediate_size: int | None
+    moe_enable_routing_replay: bool
+
+    @property
+    def effective_ffn_hidden_size(self) -> int: ...
+
+
+def check_moe_parallel(config: MoEParallelRequest, ep: int, tp: int, sequence_parallel: bool) -> None:
+    """Raise ``ValueError`` where the experts cannot be split by ``ep`` and ``tp`` (the strategy's sizes)."""
+    experts = config.num_moe_experts
+    if experts is None and ep > 1:
+        raise ValueError(f"ep={ep} needs an MoE model but num_moe_experts=None; set ep=1 or num_moe_experts")
+    if experts is not None and experts % ep != 0:
+        raise ValueError(f"num_moe_experts={experts} must be divisible by ep={ep}; pick ep among {divisors(experts)}")
+    # The experts (and a shared expert) are split over expert tensor parallelism, as large as tp.
+    sizes = {"moe_ffn_hidden_size": config.moe_ffn_hidden_size or config.effective_ffn_hidden_size,
+             "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size}  # fmt: skip
+    for name, size in sizes.items() if experts is not None else ():
+        if size is not None and size % tp != 0:
+            raise ValueError(f"{name}={size} must be divisible by tp={tp}; pick tp among {divisors(size)}")
+    if sequence_parallel and config.moe_enable_routing_replay:
+        raise ValueError(
+            "sequence_parallel=True splits each router's tokens across TP ranks, so the routing of "
+            "moe_enable_routing_replay=True would be per-shard; use sequence_parallel=False with routing replay"
+        )

@@ -45,9 +45,9 @@ def _grouped_mm_runs(index: int) -> bool:
     if torch.cuda.get_device_capability(index)[0] < 9:
         return False
     device = torch.device("cuda", index)
-    try:
-        x = torch.randn(32, 16, device=device, dtype=torch.bfloat16)
-        w = torch.randn(2, 16, 16, device=device, dtype=torch.bfloat16)  # [E, out, in]
+    try:  # fixed inputs, not drawn: the probe runs lazily, and must not move the CUDA generator of a training run
+        x = (torch.arange(32 * 16, device=device) % 7 - 3).reshape(32, 16).to(torch.bfloat16) / 4
+        w = (torch.arange(2 * 16 * 16, device=device) % 5 - 2).reshape(2, 16, 16).to(torch.bfloat16) / 4  # [E, out, in]
         offs = torch.tensor([8, 32], device=device, dtype=torch.int32)
         got = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
@@ -178,7 +178,10 @@ def _check_config(config: TransformerConfig, bias: bool) -> None:
             "(or Megatron's SequentialMLP experts)"
         )
     if config.fp8 or config.fp4:
-        raise ValueError("fp8/fp4 MoE experts need Transformer Engine's grouped linears, not these")
+        raise ValueError(
+            f"TransformerConfig(fp8={config.fp8!r}, fp4={config.fp4!r}) with these grouped experts, which run in the "
+            "weights' dtype: leave fp8/fp4 unset (ModelConfig(fp8=...) puts the dense linears in fp8, not the experts)"
+        )
     if config.use_te_activation_func:
         raise ValueError("use_te_activation_func=True needs Transformer Engine's activation; set it False")
     swiglu_like = config.gated_linear_unit and config.activation_func in (torch.nn.functional.silu, quick_gelu)
@@ -246,7 +249,12 @@ class _GroupedLinear(MegatronModule):
         tp = get_pg_size(self.tp_group)
         shape = [output_size, input_size]
         if shape[self.tp_axis] % tp:
-            raise ValueError(f"{type(self).__name__}: size {shape[self.tp_axis]} is not divisible by expert TP {tp}")
+            size = "input" if self.tp_axis else "output"
+            raise ValueError(
+                f"{type(self).__name__}: the experts' {size} size {shape[self.tp_axis]} (moe_ffn_hidden_size, or x2 "
+                f"with a gated unit) is not divisible by the expert tensor-parallel size {tp} (tp); pick tp among "
+                f"{[d for d in range(1, shape[self.tp_axis] + 1) if shape[self.tp_axis] % d == 0]}"
+            )
         shape[self.tp_axis] //= tp
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = nn.Parameter(torch.empty(num_local_experts, *shape, device=device, dtype=config.params_dtype))
@@ -293,7 +301,9 @@ class _GroupedLinear(MegatronModule):
             fits = x.dtype == self.weight.dtype == torch.bfloat16 and aligned and self.config.moe_grouped_gemm
             if not (fits and grouped_mm_available(x.device)):
                 return None
-        return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+        # From pinned memory without blocking: a pageable copy would wait for the GPU work queued before it.
+        return offs.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else offs
 
     def forward(self, x: Tensor, tokens_per_expert: Sequence[int] | Tensor) -> tuple[Tensor, None]:
         """Each expert's linear on its rows of ``x`` ([tokens sorted by local expert, in]); ``tokens_per_expert``

@@ -10,7 +10,9 @@ sorted by token) and summed as a ``[tokens, k, hidden]`` reduction: a gather and
 up to the order of the ``k`` additions (accumulated in fp32 here, then rounded once).
 
 The routing map's row sums are checked against ``k`` on the device (``torch._assert_async``): a map with another
-count per token stops the run instead of mixing tokens.
+count per token stops the run instead of mixing tokens -- on CPU with a ``RuntimeError``, on a GPU with a device-side
+assert, which ends the process's CUDA context. With the strategy's dispatchers only a malformed replayed routing
+(``ModelConfig(moe_enable_routing_replay=True)``) could reach it.
 """
 
 from __future__ import annotations

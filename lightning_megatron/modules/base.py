@@ -194,12 +194,19 @@ class MegatronLightningModule(L.LightningModule):
             )
         super().log(name, value, *args, **kwargs)
 
+    def step_metrics(self) -> Mapping[str, Tensor]:
+        """More metrics of the training step just run, logged with the strategy's (:meth:`log_train_step`), e.g. an
+        MoE model's router losses. Collective: the strategy calls it on every rank after the optimizer step; the
+        values must be identical on every rank. Default: none."""
+        return {}
+
     def log_train_step(self, metrics: Mapping[str, Tensor]) -> None:
         """Log one training step's metrics; called by the strategy right after the optimizer step, before any
         callback's ``on_train_batch_end``, all identical on every rank but ``tokens_per_s`` (each rank's clock). They
-        are host tensors (logging them costs no GPU synchronisation) but for ``grad_norm``, a device tensor that
-        Lightning reads only when a logger writes: keep it off the progress bar, where every step would wait for
-        the optimizer. Override to change what is logged."""
+        are host tensors (logging them costs no GPU synchronisation) but for ``grad_norm`` and those of
+        :meth:`step_metrics` (``moe_aux_loss``, ``moe_z_loss``), device tensors that Lightning reads only when a
+        logger writes: keep them off the progress bar, where every step would wait for the GPU. Override to change
+        what is logged (a local operation: no collective runs here)."""
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name in _PROGRESS_BAR)
 

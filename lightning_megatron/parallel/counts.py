@@ -82,16 +82,15 @@ def flops_parameter_sets(chunks: Sequence[nn.Module]) -> tuple[list[nn.Parameter
 
 def routed_experts(chunks: Sequence[nn.Module]) -> tuple[set[int], float]:
     """The ids of this rank's routed-expert parameters (the ``experts`` of Megatron's MoE layers; not a shared expert,
-    which every token runs) and the part of them one token runs through, ``moe_router_topk / num_moe_experts``."""
+    which every token runs) and the part of them one token runs through, ``moe_router_topk / num_moe_experts`` of the
+    model's config (the same on every rank, also on a pipeline stage without MoE layers)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
-    if not layers:
-        return set(), 1.0
-    config = layers[0].config
-    return {
-        id(p) for layer in layers for p in layer.experts.parameters()
-    }, config.moe_router_topk / config.num_moe_experts
+    config = getattr(chunks[0], "config", None) if chunks else None  # GPTModel, DDP and Float16Module carry it
+    experts = getattr(config, "num_moe_experts", None)
+    share = config.moe_router_topk / experts if experts else 1.0
+    return {id(p) for layer in layers for p in layer.experts.parameters()}, share
 
 
 def flops_parameters(chunks: Sequence[nn.Module]) -> tuple[int, int]:

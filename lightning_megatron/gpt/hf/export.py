@@ -23,8 +23,8 @@ from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf.config import check_exportable, hf_config_dict
 from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, hf_weight_shapes
-from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, split_local
-from lightning_megatron.gpt.lora.config import LoRAConfig, adapts_experts
+from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, expert_piece, join_expert_pieces, split_local
+from lightning_megatron.gpt.lora.config import LoRAConfig
 
 _NOT_RUNNING = (
     "HF export needs the built model and Megatron's parallel state: call it from a hook while the Trainer runs "
@@ -130,26 +130,30 @@ def export_weights(
     tensors per bucket, with one tensor-parallel gather and one pipeline broadcast per bucket. ``merged`` adds
     the LoRA adapters to their base weights; ``lora`` streams the adapters alone (PEFT names) instead of the
     model. Collective: every rank must exhaust it."""
-    from megatron.core import parallel_state as ps
 
     check_exportable(config)  # before any collective: every rank raises alike
-    if lora is not None and adapts_experts(lora, config):
-        raise ValueError(
-            f"LoRAConfig(target_modules={list(lora.target_modules)}) adapts the experts of this MoE model, whose "
-            "adapters have no PEFT export yet; export the merged weights (save_hf(path), export_hf_weights()), or "
-            "keep the adapters in an adapter-only checkpoint (ModelCheckpoint on a module built with from_hf)"
-        )
     owners = _owners(chunks, config, lora)
     if config.share_embeddings_and_output_weights and include_tied and lora is None:
         rank, vp, embed, _ = owners[0]
         owners.append((rank, vp, dataclasses.replace(embed, hf=(("lm_head.weight", embed.hf[0][1]),)), None))
+    buckets = _exported(chunks, owners, config, merged and lora is None, bucket_bytes)
+    # Expert adapters are exported as each expert's piece; PEFT holds all experts in one tensor.
+    yield from (buckets if lora is None else _joined(buckets, config.num_moe_experts or 1))
+
+
+def _exported(
+    chunks: Sequence[nn.Module], owners: list[Owner], config: ModelConfig, merged: bool, bucket_bytes: int | None
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """The buckets of :func:`export_weights`, every table entry's tensors on every rank."""
+    from megatron.core import parallel_state as ps
+
     first = next(chunks[0].parameters())
     pp_group, my_rank = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
     ep_group, my_ep = ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_rank()
     for bucket in _buckets(owners, first.dtype.itemsize, bucket_bytes):
         (rank, _, _, ep_rank), names = bucket[0], [hf for _, _, p, _ in bucket for hf in p.hf]
         if rank == my_rank and ep_rank in (None, my_ep):
-            tensors = _gather(chunks, bucket, config, merged and lora is None)
+            tensors = _gather(chunks, bucket, config, merged)
         else:
             tensors = [torch.empty(shape, dtype=first.dtype, device=first.device) for _, shape in names]
         if ep_rank is not None and rank == my_rank and ps.get_expert_model_parallel_world_size() > 1:
@@ -158,6 +162,27 @@ def export_weights(
         if ps.get_pipeline_model_parallel_world_size() > 1:
             tensors = _broadcast(tensors, torch.distributed.get_global_rank(pp_group, rank), pp_group)
         yield [(name, tensor) for (name, _), tensor in zip(names, tensors, strict=True)]
+
+
+def _joined(buckets: Iterator[list[tuple[str, Tensor]]], num_experts: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """The buckets with each PEFT tensor on fused experts joined from its experts' pieces (in the bucket where its
+    last piece arrives; pieces of other expert-parallel ranks come in other buckets)."""
+    pending: dict[str, dict[int, Tensor]] = {}
+    for bucket in buckets:
+        out = []
+        for name, tensor in bucket:
+            whole, expert = expert_piece(name)
+            if expert is None:
+                out.append((name, tensor))
+                continue
+            pieces = pending.setdefault(whole, {})
+            pieces[expert] = tensor
+            if len(pieces) == num_experts:
+                del pending[whole]
+                joined = join_expert_pieces([pieces[e] for e in range(num_experts)], lora_a=".lora_A." in whole)
+                out.append((whole, joined))
+        if out:
+            yield out
 
 
 def _flat(tensors: list[Tensor]) -> Tensor:
@@ -187,8 +212,8 @@ def _local(chunk: nn.Module, p: Param, merged: bool) -> Tensor:
         local = local[p.expert]
     owner, _, leaf = p.megatron.rpartition(".")
     if merged and leaf == "weight" and is_adapter(module := chunk.get_submodule(owner)):
-        delta = module.delta_weight().detach()  # type: ignore[operator]
-        local = local + (delta if p.expert is None else delta[p.expert]).to(local.dtype)
+        delta = module.delta_weight() if p.expert is None else module.delta_weight(p.expert)  # type: ignore[operator]
+        local = local + delta.detach().to(local.dtype)
     return local
 
 

@@ -9,6 +9,7 @@ rank materialises the full model.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -26,7 +27,7 @@ from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf import pickled
 from lightning_megatron.gpt.hf.fields import architecture
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, expert_ranges, hf_weight_shapes
-from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, combine
+from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, combine, expert_piece, expert_slice
 from lightning_megatron.gpt.lora.config import LoRAConfig, is_adapter_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -158,7 +159,15 @@ def load_adapter_chunk(
     chunk: nn.Module, adapter: HFCheckpoint, config: ModelConfig, lora: LoRAConfig, vp_stage: int | None
 ) -> None:
     """Copy this rank's shard of a PEFT adapter's tensors into the chunk's LoRA factors (every one of them)."""
-    params = adapter_params(config, lora, **_layers(chunk, vp_stage))
+    from megatron.core import parallel_state as ps
+
+    experts = expert_ranges(config, ps.get_expert_model_parallel_world_size())[ps.get_expert_model_parallel_rank()]
+    params = []
+    for p in adapter_params(config, lora, **_layers(chunk, vp_stage)):
+        if p.expert is None or experts is None:
+            params.append(p)
+        elif p.expert in experts:  # this expert-parallel rank's experts, by local index
+            params.append(dataclasses.replace(p, expert=p.expert - experts.start))
     own = {name: p for name, p in chunk.named_parameters() if is_adapter_param(name)}
     assert set(own) == {p.megatron for p in params}, sorted(set(own) ^ {p.megatron for p in params})
     _copy_shards(own, params, adapter, config)
@@ -177,13 +186,35 @@ def _copy_shards(own: dict[str, Tensor], params: list[Param], checkpoint: HFChec
     # Experts are split over the expert-tensor-parallel group (Megatron's default: as large as TP).
     expert = parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
     with checkpoint.lazy_tensors() as lazy, torch.no_grad():
+        pieces = _ExpertPieces(lazy, config.num_moe_experts or 1)
         for p in params:
             rank, tp = dense if p.expert is None else expert
-            local = combine(p, [_read_shard(lazy(name), SPLIT_DIM[p.kind], rank, tp) for name, _ in p.hf], config, tp)
+            read = [pieces.read(name) if pieces.is_piece(name) else _read_shard(lazy(name), SPLIT_DIM[p.kind], rank, tp)
+                    for name, _ in p.hf]  # fmt: skip
+            local = combine(p, read, config, tp)
             target = own[p.megatron] if p.expert is None else own[p.megatron][p.expert]
             if local.shape != target.shape:
                 raise ValueError(f"{[n for n, _ in p.hf]} make {p.megatron} {tuple(local.shape)}, not {target.shape}")
             target.copy_(local)
+
+
+class _ExpertPieces:
+    """One expert's factor from PEFT's tensor on fused experts (read once per tensor; adapters are small)."""
+
+    def __init__(self, lazy: Callable[[str], Any], num_experts: int) -> None:
+        self.lazy, self.num_experts = lazy, num_experts
+        self.read_tensors: dict[str, Tensor] = {}
+
+    @staticmethod
+    def is_piece(name: str) -> bool:
+        return expert_piece(name)[1] is not None
+
+    def read(self, name: str) -> Tensor:
+        whole, expert = expert_piece(name)
+        assert expert is not None
+        if whole not in self.read_tensors:
+            self.read_tensors = {whole: self.lazy(whole)[:]}  # pieces of one tensor come one after another
+        return expert_slice(self.read_tensors[whole], expert, self.num_experts, lora_a=".lora_A." in whole)
 
 
 def _read_shard(lazy: Any, dim: int | None, rank: int, tp: int) -> Tensor:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_megatron.gpt.hf.families.base import Family
-from lightning_megatron.gpt.hf.params import Kind, Param
+from lightning_megatron.gpt.hf.params import Param, expert_piece, lora_pair
 from lightning_megatron.gpt.hf.registry import described, family_of
-from lightning_megatron.gpt.lora.config import COLUMN_TARGETS, HF_BLOCK
+from lightning_megatron.gpt.lora.config import COLUMN_TARGETS
 
 if TYPE_CHECKING:
     from lightning_megatron.gpt.config import ModelConfig
@@ -52,23 +52,29 @@ def adapter_params(c: ModelConfig, lora: LoRAConfig, *, offset: int, num_layers:
     replicated; a row-parallel base's A is split like its columns and B replicated (lightning_megatron.gpt.lora)."""
     params = []
     for i in range(num_layers):
-        for target in HF_BLOCK:  # HF order: q, k, v, o, gate, up, down
-            block = HF_BLOCK[target]
-            column = target in COLUMN_TARGETS
-            m = f"decoder.layers.{i}.{'self_attention' if block == 'self_attn' else 'mlp'}.{target}."
+        h = f"{PEFT_PREFIX}model.layers.{offset + i}."
+        for target in ("linear_qkv", "linear_proj"):  # HF order: q, k, v, o
             for part, n_in, n_out in lora.adapted_parts(target, c):
-                h = f"{PEFT_PREFIX}model.layers.{offset + i}.{block}.{part}."
-                a_kind: Kind = "copy" if column else "cols"
-                b_kind: Kind = "rows" if column else "copy"
-                params.append(Param(f"{m}lora_A.{part}", ((h + "lora_A.weight", (lora.rank, n_in)),), a_kind))
-                params.append(Param(f"{m}lora_B.{part}", ((h + "lora_B.weight", (n_out, lora.rank)),), b_kind))
+                pair = lora_pair(f"decoder.layers.{i}.self_attention.{target}.", f"{h}self_attn.{part}.", part,
+                                 lora.rank, (n_in, n_out), target in COLUMN_TARGETS)  # fmt: skip
+                params += pair
+        params += family(c).mlp_adapter_params(c, lora, f"decoder.layers.{i}.mlp.", f"{h}mlp.", offset + i)
     return params
 
 
 def adapter_shapes(config: ModelConfig, lora: LoRAConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of a PEFT adapter's state dict for this model, in PEFT's order."""
+    """Names and shapes of a PEFT adapter's state dict for this model, in PEFT's order (the experts' pieces of one
+    PEFT tensor as that tensor: :func:`~lightning_megatron.gpt.hf.params.expert_piece`)."""
     params = adapter_params(config, lora, offset=0, num_layers=config.num_layers)
-    return {name: shape for p in params for name, shape in p.hf}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in (hf for p in params for hf in p.hf):
+        whole, expert = expert_piece(name)
+        if expert is None:
+            shapes[name] = shape
+        elif whole not in shapes:  # A [E * r, in] (experts' rows one after another), B [out, r * E]
+            experts = config.num_moe_experts or 1
+            shapes[whole] = (shape[0] * experts, shape[1]) if ".lora_A." in whole else (shape[0], shape[1] * experts)
+    return shapes
 
 
 def hf_weight_shapes(config: ModelConfig, *, include_tied: bool = True) -> dict[str, tuple[int, ...]]:

@@ -107,3 +107,44 @@ def split_local(p: Param, local: Tensor, c: ModelShape, tp: int) -> list[Tensor]
     if p.kind == "gate_up":
         return list(local.chunk(2))
     return [local]
+
+
+EXPERT_PIECE = "@expert"
+"""Suffix of one expert's piece of a PEFT tensor that holds all experts (``...experts.lora_A.weight@expert3``): the
+tables name pieces, export joins them (:func:`join_expert_pieces`) and import slices them."""
+
+
+def expert_piece(name: str) -> tuple[str, int | None]:
+    """``(PEFT tensor name, expert)`` of a piece name; ``(name, None)`` for a name that is no piece."""
+    whole, found, expert = name.rpartition(EXPERT_PIECE)
+    return (whole, int(expert)) if found else (name, None)
+
+
+def join_expert_pieces(pieces: list[Tensor], lora_a: bool) -> Tensor:
+    """PEFT's tensor on fused experts from each expert's factor, in expert order: A ``[E * r, in]`` (each expert's
+    rows in turn), B ``[out, r * E]`` (column ``j * E + e`` for rank ``j`` of expert ``e``: PEFT's ``ParamWrapper``)."""
+    if lora_a:
+        return torch.cat(pieces, dim=0)
+    stacked = torch.stack(pieces, dim=-1)  # [out, r, E]
+    return stacked.reshape(stacked.shape[0], -1)
+
+
+def expert_slice(whole: Tensor, expert: int, num_experts: int, lora_a: bool) -> Tensor:
+    """One expert's factor of PEFT's tensor on fused experts (the inverse of :func:`join_expert_pieces`)."""
+    if lora_a:
+        rank = whole.shape[0] // num_experts
+        return whole[expert * rank : (expert + 1) * rank]
+    return whole.reshape(whole.shape[0], -1, num_experts)[:, :, expert]
+
+
+def lora_pair(m: str, h: str, part: str, rank: int, sizes: tuple[int, int], column: bool) -> list[Param]:
+    """The A and B factors of one dense adapter under Megatron prefix ``m`` (the linear) and PEFT prefix ``h`` (the
+    projection): on a column-parallel base B is split like its rows and A replicated; on a row-parallel one A is
+    split like its columns and B replicated (lightning_megatron.gpt.lora)."""
+    n_in, n_out = sizes
+    a_kind: Kind = "copy" if column else "cols"
+    b_kind: Kind = "rows" if column else "copy"
+    return [
+        Param(f"{m}lora_A.{part}", ((h + "lora_A.weight", (rank, n_in)),), a_kind),
+        Param(f"{m}lora_B.{part}", ((h + "lora_B.weight", (n_out, rank)),), b_kind),
+    ]

@@ -32,8 +32,11 @@ _PLAIN = {
 _HARMLESS = {
     "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
     "init_lora_weights", "megatron_core", "qalora_group_size", "ensure_weight_tying", "r", "lora_alpha",
-    "lora_dropout", "target_modules",
+    "lora_dropout", "target_modules", "target_parameters",
 }  # fmt: skip
+# PEFT's target_parameters on HF's fused MoE experts (transformers >= 5), and the Megatron linear each adapts (PEFT
+# writes them with or without the "mlp.experts." path).
+EXPERT_PARAMETERS = {"mlp.experts.gate_up_proj": "linear_fc1", "mlp.experts.down_proj": "linear_fc2"}
 
 
 def _check_plain(peft_config: dict[str, Any], path: Path) -> None:
@@ -48,16 +51,26 @@ def _check_plain(peft_config: dict[str, Any], path: Path) -> None:
 
 
 def hf_targets(lora: LoRAConfig, config: ModelConfig) -> list[str]:
-    """PEFT's ``target_modules`` for our adapters: the HF projections that have one."""
-    return [part for target in HF_BLOCK for part, _, _ in lora.adapted_parts(target, config)]
+    """PEFT's ``target_modules`` for our adapters: the HF projections that have one (of an MoE model, attention's:
+    its experts' are ``target_parameters``)."""
+    blocks = [t for t in HF_BLOCK if config.num_moe_experts is None or HF_BLOCK[t] == "self_attn"]
+    return [part for target in blocks for part, _, _ in lora.adapted_parts(target, config)]
+
+
+def hf_target_parameters(lora: LoRAConfig, config: ModelConfig) -> list[str]:
+    """PEFT's ``target_parameters`` for our adapters on an MoE model's experts (HF's fused expert tensors)."""
+    if config.num_moe_experts is None:
+        return []
+    return [name for name, target in EXPERT_PARAMETERS.items() if lora.adapts(target)]
 
 
 def adapter_config_dict(lora: LoRAConfig, config: ModelConfig, base: str | None) -> dict[str, Any]:
     """The ``adapter_config.json`` of our adapters (PEFT ``LoraConfig`` fields)."""
+    experts = {"target_parameters": hf_target_parameters(lora, config)} if hf_target_parameters(lora, config) else {}
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
         "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": hf_targets(lora, config),
-        "inference_mode": True, "init_lora_weights": True, **_PLAIN,
+        "inference_mode": True, "init_lora_weights": True, **_PLAIN, **experts,
     }  # fmt: skip
 
 
@@ -84,6 +97,20 @@ def _targets(peft_targets: Any, config: ModelConfig, path: Path) -> tuple[str, .
     return tuple(targets)
 
 
+def _expert_targets(names: Any, config: ModelConfig, path: Path, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The Megatron linears a PEFT ``target_parameters`` list adapts (HF's fused experts of an MoE model)."""
+    if not names:
+        return ()
+    by_leaf = {name.rpartition(".")[2]: target for name, target in EXPERT_PARAMETERS.items()}
+    leaves = {name.rpartition(".")[2] for name in names} if isinstance(names, list) else {None}
+    if config.num_moe_experts is None or leaves - set(by_leaf):
+        raise ValueError(
+            f"{path / ADAPTER_CONFIG}: target_parameters={names!r}; only an MoE model's "
+            f"{sorted(EXPERT_PARAMETERS)} (its fused experts) are read here"
+        )
+    return tuple(by_leaf[leaf] for leaf in by_leaf if leaf in leaves and by_leaf[leaf] not in targets)
+
+
 def _compared(field: str, lora: LoRAConfig, config: ModelConfig) -> Any:
     # Targets as the projections they adapt: ("linear_qkv",) is ("q_proj", "k_proj", "v_proj").
     return set(hf_targets(lora, config)) if field == "target_modules" else getattr(lora, field)
@@ -103,9 +130,11 @@ def open_adapter(
         raise ValueError(f"{path / ADAPTER_CONFIG}: peft_type={peft_config.get('peft_type')!r}; only 'LORA' loads")
     _check_plain(peft_config, path)
     given = dataclasses.asdict(lora) if isinstance(lora, LoRAConfig) else dict(lora or {})
+    targets = _targets(peft_config["target_modules"], config, path)
+    targets += _expert_targets(peft_config.get("target_parameters"), config, path, targets)
     found = LoRAConfig(
         rank=peft_config["r"], alpha=float(peft_config["lora_alpha"]), dropout=float(peft_config["lora_dropout"]),
-        target_modules=_targets(peft_config["target_modules"], config, path),
+        target_modules=targets,
     )  # fmt: skip
     found = dataclasses.replace(found, **{k: v for k, v in given.items() if k in ("dropout", "seed")})
     for field in (f for f in ("rank", "alpha", "target_modules") if f in given):
@@ -144,6 +173,20 @@ def save_adapter(module: Any, path: str | Path, *, dtype: torch.dtype | None = N
 
     check_running(module)
     lora, config = module.lora, module.config
+    dense_mlps = not all(config.moe_layers) or config.moe_shared_expert_intermediate_size is not None
+    if hf_target_parameters(lora, config) and dense_mlps:
+        raise ValueError(
+            f"LoRAConfig(target_modules={list(lora.target_modules)}) adapts the MLPs of this MoE model's "
+            f"{'shared expert' if config.moe_shared_expert_intermediate_size else 'dense layers'} besides its experts, "
+            "and PEFT (with transformers >= 5) reads gate_proj/up_proj/down_proj targets of an MoE model as its "
+            "experts': such adapters have no PEFT form. Save the merged weights (save_hf(path)), or adapt attention "
+            "only (target_modules=('linear_qkv', 'linear_proj')) for a PEFT adapter"
+        )
+    if hf_target_parameters(lora, config) and lora.dropout > 0:
+        raise ValueError(
+            f"LoRAConfig(dropout={lora.dropout}) on experts: PEFT's adapters on fused experts (target_parameters) take "
+            "no dropout, so this adapter would not load there; save the merged weights (save_hf(path)) instead"
+        )
     tensors = {}
     is_writer = torch.distributed.get_rank() == 0
     for bucket in export_weights(list(module.chunks), config, lora=lora):

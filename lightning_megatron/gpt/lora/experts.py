@@ -65,14 +65,18 @@ class _ExpertAdapter:
         bound = 1.0 / math.sqrt(a.shape[2])
         with torch.no_grad():
             for e in range(a.shape[0]):
-                generator = torch.Generator().manual_seed(seed * 1_000 + self.first_expert + e)
+                generator = torch.Generator().manual_seed((seed * 1_000 + self.first_expert + e) % 2**63)
                 draw = torch.empty(a.shape[1:], device=generator.device).uniform_(-bound, bound, generator=generator)
                 a[e].copy_(draw)
             b.zero_()
 
-    def delta_weight(self) -> Tensor:
-        """``scaling * B_e A_e`` per expert: ``[E, out, in]``, laid out like the base weight."""
-        return torch.bmm(self.lora_B[self.part], self.lora_A[self.part]) * self.lora.scaling
+    def delta_weight(self, expert: int | None = None) -> Tensor:
+        """``scaling * B_e A_e`` per expert: ``[E, out, in]``, laid out like the base weight; of local expert
+        ``expert`` alone (``[out, in]``) when given."""
+        a, b = self.lora_A[self.part], self.lora_B[self.part]
+        if expert is not None:
+            return b[expert] @ a[expert] * self.lora.scaling
+        return torch.bmm(b, a) * self.lora.scaling
 
     def expert_gemms(self, rows: Tensor, counts: tuple[int, ...], offs: Tensor | None) -> Tensor:
         out = self.grouped_linear(rows, self.weight, counts, offs)  # type: ignore[attr-defined]

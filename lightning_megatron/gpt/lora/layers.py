@@ -110,7 +110,7 @@ class _Adapter(nn.Module):
             for i, name in enumerate(self.rows):  # the part's place among all: the same draw for any subset
                 if name not in self.lora_A:
                     continue
-                generator = torch.Generator().manual_seed(seed * 10 + i)
+                generator = torch.Generator().manual_seed((seed * 10 + i) % 2**63)
                 self.lora_A[name].copy_(_kaiming_uniform(self.lora.rank, full_in, generator)[:, self.adapter_shard()])
                 self.lora_B[name].zero_()
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_megatron.gpt.hf.params import HFTensor, ModelShape, Param, combine, qkv, split_local
+from lightning_megatron.gpt.hf.params import HFTensor, ModelShape, Param, combine, lora_pair, qkv, split_local
 
 
 class Family:
@@ -91,6 +91,11 @@ class Family:
         """A dense SwiGLU MLP: HF's gate/up projections fused in linear_fc1, down_proj as linear_fc2."""
         return dense_mlp(m + "mlp.", h + "mlp.", c.hidden_size, c.effective_ffn_hidden_size)
 
+    def mlp_adapter_params(self, c: Any, lora: Any, m: str, h: str, layer: int) -> list[Param]:
+        """The LoRA factors of layer ``layer``'s MLP (Megatron prefix ``m``, PEFT prefix ``h``: ``...mlp.``), one
+        adapter per adapted HF projection (``lora``: a :class:`~lightning_megatron.LoRAConfig`)."""
+        return dense_adapters(c, lora, m, h, c.effective_ffn_hidden_size)
+
     # ------------------------------------------------------------------------------------------- whole models
     def to_hf(self, state_dict: Mapping[str, Tensor], c: ModelShape) -> dict[str, Tensor]:
         """A whole model's Megatron ``GPTModel`` state dict (one process: no TP/PP/EP shards) -> the HF state dict,
@@ -115,6 +120,17 @@ class Family:
         for name, slices in experts.items():  # stacked expert weights: [num_experts, out, in]
             out[name] = torch.stack([slices[i] for i in sorted(slices)])
         return out
+
+
+def dense_adapters(c: Any, lora: Any, m: str, h: str, ffn: int) -> list[Param]:
+    """The adapters of a dense SwiGLU MLP of hidden size ``ffn`` under Megatron prefix ``m`` and PEFT prefix ``h``
+    (a dense layer's, or an MoE layer's shared expert: HF's ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
+    params: list[Param] = []
+    for target in ("linear_fc1", "linear_fc2"):
+        for part, _, _ in lora.adapted_parts(target, c):
+            sizes = (c.hidden_size, ffn) if target == "linear_fc1" else (ffn, c.hidden_size)
+            params += lora_pair(f"{m}{target}.", f"{h}{part}.", part, lora.rank, sizes, target == "linear_fc1")
+    return params
 
 
 def dense_mlp(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_megatron.gpt.hf.families.base import Family, dense_mlp
-from lightning_megatron.gpt.hf.params import ModelShape, Param
+from lightning_megatron.gpt.hf.params import EXPERT_PIECE, ModelShape, Param
 from lightning_megatron.gpt.moe_config import moe_layer_pattern
 
 
@@ -37,6 +37,28 @@ class MoEFamily(Family):
 
     def shared_expert_params(self, c: ModelShape, m: str, hb: str) -> list[Param]:
         """The shared expert every token also goes through (none in this family)."""
+        return []
+
+    def mlp_adapter_params(self, c: Any, lora: Any, m: str, h: str, layer: int) -> list[Param]:
+        """An MoE layer's adapters: each expert's on its fused gate/up and its down projection, as pieces of PEFT's
+        tensors on HF's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` (``target_parameters``; with both, PEFT
+        nests the second wrapper, so the first is ``experts.base_layer.lora_*``), then the shared expert's."""
+        if not moe_layer_pattern(c.num_layers, c.moe_layer_freq)[layer]:
+            return super().mlp_adapter_params(c, lora, m, h, layer)
+        hidden, ffn, rank = c.hidden_size, c.moe_ffn_hidden_size or c.effective_ffn_hidden_size, lora.rank
+        fc1, fc2 = lora.adapts("linear_fc1"), lora.adapts("linear_fc2")
+        params = []
+        projections = [("linear_fc1", "gate_up_proj", hidden, 2 * ffn, ".base_layer" if fc2 else "")] if fc1 else []
+        projections += [("linear_fc2", "down_proj", ffn, hidden, "")] if fc2 else []
+        for target, part, n_in, n_out, nest in projections:
+            for e in range(c.num_moe_experts or 0):
+                for factor, shape in (("lora_A", (rank, n_in)), ("lora_B", (n_out, rank))):
+                    piece = f"{h}experts{nest}.{factor}.weight{EXPERT_PIECE}{e}"
+                    params.append(Param(f"{m}experts.{target}.{factor}.{part}", ((piece, shape),), "copy", expert=e))
+        return params + self.shared_adapter_params(c, lora, m, h)
+
+    def shared_adapter_params(self, c: Any, lora: Any, m: str, h: str) -> list[Param]:
+        """The shared expert's adapters (none in this family)."""
         return []
 
     def moe_fields(self, hf: Any, *, experts: int, sparse: tuple[bool, ...], renormalise: bool) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_megatron.gpt.hf.families.base import dense_mlp
+from lightning_megatron.gpt.hf.families.base import dense_adapters, dense_mlp
 from lightning_megatron.gpt.hf.families.moe import MoEFamily, hf_layer_kwargs, qwen_sparse_layers
 from lightning_megatron.gpt.hf.params import ModelShape, Param
 
@@ -35,6 +35,10 @@ class Qwen2MoE(MoEFamily):
         params = dense_mlp(m + "mlp.shared_experts.", hb + "shared_expert.", hidden, ffn)
         gate = ((hb + "shared_expert_gate.weight", (1, hidden)),)
         return [*params, Param(m + "mlp.shared_experts.gate_weight", gate, "copy")]
+
+    def shared_adapter_params(self, c: Any, lora: Any, m: str, h: str) -> list[Param]:
+        ffn = c.moe_shared_expert_intermediate_size or 0
+        return dense_adapters(c, lora, m + "shared_experts.", h + "shared_expert.", ffn)
 
     def hf_config_kwargs(self, c: ModelShape) -> dict[str, Any]:
         return {
