@@ -242,3 +242,26 @@ def test_training_with_tensor_parallel_experts_needs_sequence_parallelism() -> N
 def test_tensor_parallel_experts_train_with_sequence_parallelism(tmp_path: Path) -> None:
     result = run_worker({**MOE, "devices": 2, "tp": 2, "sp": True, "max_steps": 3}, tmp_path)
     assert len(set(result["train"].values())) == 3  # the experts split over expert TP train
+
+
+@pytest.mark.multiprocess
+def test_an_ep2_checkpoint_continues_at_ep1_from_its_weights(tmp_path: Path) -> None:
+    """A checkpoint written at EP=2 holds each expert once; at EP=1 its weights load (the same validation loss as
+    at EP=2) and training continues from them with a fresh optimizer (load_from_checkpoint, then fit)."""
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    run_worker({**MOE, "devices": 2, "ep": 2, "max_steps": 2, "ckpt_dir": str(tmp_path / "ckpt")}, tmp_path)
+    args = {**MOE, "mode": "validate", "limit_val_batches": 2, "resume": str(ckpt)}
+    at_ep2 = run_worker({**args, "devices": 2, "ep": 2}, tmp_path)
+    at_ep1 = run_here({**args, "devices": 1}, tmp_path)
+    assert at_ep1["val"] == pytest.approx(at_ep2["val"], rel=2e-5)
+    module = MegatronLMModule.load_from_checkpoint(ckpt)
+    losses: list[float] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            losses.append(float(outputs["loss"]))
+
+    data = DataLoader(synthetic_tokens(8, 32, 256, seed=5), batch_size=4)
+    one_process_trainer(2, callbacks=[Record()]).fit(module, data)
+    assert len(losses) == 2
+    assert all(math.isfinite(loss) for loss in losses)
