@@ -296,7 +296,7 @@ class UniformTokenPermutation(Patch):
                             drop_and_pad=drop_and_pad, **kwargs)  # fmt: skip
         k = num_out_tokens // num_tokens
         rows, permuted_probs, sorted_indices = self._kernels.permute(tokens, routing_map, k, probs)
-        return rows, permuted_probs, sorted_indices, None, kwargs.get("tokens_per_expert")
+        return rows, permuted_probs, sorted_indices, None, None  # no padding offsets; tokens_per_expert not given
 
     def _unpermute(
         self, permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: Any,

@@ -126,15 +126,8 @@ def check_grouped_gemm(requested: bool | None, device_type: str) -> None:
     (None falls back to the per-expert loop there; the experts module makes that choice when it runs)."""
     if requested is not True:
         return
-    try:
-        from lightning_megatron.kernels.experts import grouped_mm_available
-    except ModuleNotFoundError as error:
-        if error.name != "lightning_megatron.kernels.experts":
-            raise
-        raise ValueError(
-            "ModelConfig(moe_grouped_gemm=True) needs the grouped experts of lightning_megatron.kernels.experts, "
-            "which this install lacks; use moe_grouped_gemm=None or False (Megatron's per-expert loop)"
-        ) from error
+    from lightning_megatron.kernels.experts import grouped_mm_available
+
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     if not grouped_mm_available(device):
         where = "a CPU" if device.type != "cuda" else torch.cuda.get_device_name(device)

@@ -146,10 +146,9 @@ def block_spec(
 def with_moe_parts(spec: Any, fuse_wgrad: bool = False) -> Any:
     """Copy of an MoE layer spec whose router is :class:`~lightning_megatron.gpt.moe.StepRouter` (Megatron's, counting
     the micro-batches whose losses it logs) and whose experts are the grouped experts of
-    :mod:`lightning_megatron.kernels.experts` where that module exists (one ``[experts, out, in]`` weight per
-    projection on every device; grouped GEMMs or a loop is the module's runtime choice), else Megatron's
-    ``SequentialMLP``; ``fuse_wgrad``: their weight gradients accumulate into ``main_grad``. Its shared expert (with
-    its gate) is Megatron's ``SharedExpertMLP``, from the same spec."""
+    :mod:`lightning_megatron.kernels.experts` (one ``[experts, out, in]`` weight per projection on every device;
+    grouped GEMMs or a loop is the module's runtime choice); ``fuse_wgrad``: their weight gradients accumulate into
+    ``main_grad``. Its shared expert (with its gate) is Megatron's ``SharedExpertMLP``, from the same spec."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from lightning_megatron.gpt.moe import StepRouter
@@ -157,29 +156,19 @@ def with_moe_parts(spec: Any, fuse_wgrad: bool = False) -> Any:
     mlp = spec.submodules.mlp
     if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
         raise TypeError(f"with_moe_parts needs an MoE layer spec (functools.partial(MoELayer, ...)), got {mlp!r}")
-    parts = mlp.keywords["submodules"]
-    experts = grouped_experts(fuse_wgrad)
-    parts = dataclasses.replace(parts, router=StepRouter, experts=parts.experts if experts is None else experts)
+    parts = dataclasses.replace(mlp.keywords["submodules"], router=StepRouter, experts=grouped_experts(fuse_wgrad))
     mlp = functools.partial(MoELayer, *mlp.args, **{**mlp.keywords, "submodules": parts})
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
 def grouped_experts(fuse_wgrad: bool = False) -> Any:
-    """The experts builder of :func:`lightning_megatron.kernels.experts.grouped_mlp_spec`, or None while that module
-    (or that function in it) does not exist."""
-    try:
-        from lightning_megatron.kernels import experts as grouped
-    except ModuleNotFoundError as error:
-        if error.name != "lightning_megatron.kernels.experts":
-            raise  # something it imports is missing: not the same as the module not being there
-        return None
-    if not hasattr(grouped, "grouped_mlp_spec"):
-        return None
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    """The experts builder of :func:`lightning_megatron.kernels.experts.grouped_mlp_spec`."""
+    from megatron.core.transformer.spec_utils import build_module
 
-    experts = grouped.grouped_mlp_spec(fuse_wgrad=fuse_wgrad)
+    from lightning_megatron.kernels.experts import grouped_mlp_spec
+
     # MoELayer calls its experts builder as builder(num_local_experts, config, pg_collection=..., name=...).
-    return functools.partial(build_module, experts) if isinstance(experts, ModuleSpec) else experts
+    return functools.partial(build_module, grouped_mlp_spec(fuse_wgrad=fuse_wgrad))
 
 
 def with_torch_norms(spec: Any) -> Any:

@@ -88,14 +88,21 @@ class MoEFamily(Family):
         }
 
 
-def qwen_sparse_layers(hf: Any) -> tuple[bool, ...]:
-    """Which layers of a Qwen2-MoE / Qwen3-MoE config are sparse: every ``decoder_sparse_step``-th (1-based) layer
-    not listed in ``mlp_only_layers`` (transformers' rule)."""
-    step, dense = int(getattr(hf, "decoder_sparse_step", 1) or 1), set(getattr(hf, "mlp_only_layers", None) or [])
-    return tuple(i not in dense and (i + 1) % step == 0 for i in range(hf.num_hidden_layers))
+class QwenMoEFamily(MoEFamily):
+    """What Qwen2-MoE and Qwen3-MoE configs share: ``num_experts``, ``moe_intermediate_size``, ``norm_topk_prob`` and
+    the dense layers of ``decoder_sparse_step`` / ``mlp_only_layers`` (transformers' rule: layer ``i`` is sparse iff
+    it is not listed and ``(i + 1) % decoder_sparse_step == 0``)."""
 
+    def qwen_moe_fields(self, hf: Any) -> dict[str, Any]:
+        step, dense = int(getattr(hf, "decoder_sparse_step", 1) or 1), set(getattr(hf, "mlp_only_layers", None) or [])
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(hf.num_hidden_layers))
+        return self.moe_fields(hf, experts=hf.num_experts, sparse=sparse, renormalise=bool(hf.norm_topk_prob))
 
-def hf_layer_kwargs(c: ModelShape) -> dict[str, Any]:
-    """``decoder_sparse_step`` / ``mlp_only_layers`` of a Qwen MoE config for the model's MoE layers."""
-    pattern = moe_layer_pattern(c.num_layers, c.moe_layer_freq)
-    return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, sparse in enumerate(pattern) if not sparse]}
+    def hf_config_kwargs(self, c: ModelShape) -> dict[str, Any]:
+        pattern = moe_layer_pattern(c.num_layers, c.moe_layer_freq)
+        return {
+            "num_experts": c.num_moe_experts, "num_experts_per_tok": c.moe_router_topk,
+            "moe_intermediate_size": c.moe_ffn_hidden_size or c.effective_ffn_hidden_size,
+            "norm_topk_prob": not c.moe_router_pre_softmax,
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i, sparse in enumerate(pattern) if not sparse],
+        }  # fmt: skip

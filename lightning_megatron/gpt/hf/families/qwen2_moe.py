@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_megatron.gpt.hf.families.base import dense_adapters, dense_mlp
-from lightning_megatron.gpt.hf.families.moe import MoEFamily, hf_layer_kwargs, qwen_sparse_layers
+from lightning_megatron.gpt.hf.families.moe import QwenMoEFamily
 from lightning_megatron.gpt.hf.params import ModelShape, Param
 
 
-class Qwen2MoE(MoEFamily):
+class Qwen2MoE(QwenMoEFamily):
     """Qwen2-MoE: router ``mlp.gate``, experts ``mlp.experts.{e}.*_proj``, shared expert ``mlp.shared_expert.*_proj``
     with its gate ``mlp.shared_expert_gate`` (Megatron's ``moe_shared_expert_gate``)."""
 
@@ -20,11 +20,9 @@ class Qwen2MoE(MoEFamily):
     config_class = "Qwen2MoeConfig"
 
     def fields(self, hf: Any) -> dict[str, Any]:
-        moe = self.moe_fields(
-            hf, experts=hf.num_experts, sparse=qwen_sparse_layers(hf), renormalise=bool(hf.norm_topk_prob)
-        )
         shared = {"moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size}
-        return {"add_qkv_bias": True, "qk_layernorm": False, **moe, **shared, "moe_shared_expert_gate": True}
+        return {"add_qkv_bias": True, "qk_layernorm": False, **self.qwen_moe_fields(hf), **shared,
+                "moe_shared_expert_gate": True}  # fmt: skip
 
     def matches(self, c: ModelShape) -> bool:
         shared = c.moe_shared_expert_intermediate_size is not None and c.moe_shared_expert_gate
@@ -41,9 +39,4 @@ class Qwen2MoE(MoEFamily):
         return dense_adapters(c, lora, m + "shared_experts.", h + "shared_expert.", ffn)
 
     def hf_config_kwargs(self, c: ModelShape) -> dict[str, Any]:
-        return {
-            "num_experts": c.num_moe_experts, "num_experts_per_tok": c.moe_router_topk,
-            "moe_intermediate_size": c.moe_ffn_hidden_size or c.effective_ffn_hidden_size,
-            "shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size,
-            "norm_topk_prob": not c.moe_router_pre_softmax, **hf_layer_kwargs(c),
-        }  # fmt: skip
+        return {**super().hf_config_kwargs(c), "shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size}
