@@ -1,16 +1,20 @@
-"""What a checkpoint costs through the public API, and the checksums' share of it.
+"""What a checkpoint costs through the public API, where the time goes, and the disk's own speed beside it.
 
     python benchmarks/checkpoint.py --out /scratch/ckpt --commit $(git rev-parse --short HEAD)   # 1 GPU, 1.0B
     python benchmarks/checkpoint.py --out /tmp/ckpt --cpu --shape tiny
 
-One process, three fits of ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule`` (Adam, distributed optimizer):
-(1) a synchronous ``trainer.save_checkpoint`` in the middle of training: the time that step is blocked; (2) the same
-with ``async_save=True``: the blocked time and the time until the checkpoint is published (renamed into place by the
-strategy between steps); (3) ``trainer.fit(ckpt_path=...)`` from (1): the time from ``on_fit_start`` to
-``on_train_start``, which holds the load (and its checksum verification). Then, on the checkpoint of (1) alone:
-recording its checksums again (what each rank's writer does after writing) and verifying them (what every load does
-first), and the disk's own write speed (``--disk-probe-gib`` written and fsynced in the same directory).
-Each measurement prints one JSON line; ``normal_step_s`` is the mean step time before the save.
+One process, fits of ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule`` (Adam, distributed optimizer):
+(1) ``--saves`` synchronous ``trainer.save_checkpoint`` calls during training, each once the previous one is
+published: the time each blocks the step and its timeline (``timeline``: building the state and copying it to host
+buffers, planning, writing); before the first, Megatron's own build of the optimizer state beside ours;
+(2) the same with ``async_save=True``: the blocked time and the time until each checkpoint is published (renamed
+into place by the strategy between steps); (3) ``trainer.fit(ckpt_path=...)`` from the first checkpoint of (1),
+from the disk (its pages dropped from the page cache) and again from the page cache: the time from
+``on_fit_start`` to ``on_train_start``, which holds the load (and its checksum verification). Then, on that
+checkpoint: recording its checksums again and verifying them, and the disk's own write (fsynced) and read speed
+(``--disk-probe-gib`` in the same directory). Each measurement prints one JSON line; ``normal_step_s`` is the mean
+step time before the first save. The first save of a structure allocates the host buffers and plans; the second
+reuses the buffers and verifies the plan; the third reuses both.
 """
 
 from __future__ import annotations
@@ -41,22 +45,28 @@ def parse() -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--save-at", type=int, default=5, help="the step after which the checkpoint is saved")
-    p.add_argument("--max-wait-steps", type=int, default=200, help="async: steps to wait for the publish at most")
+    p.add_argument("--saves", type=int, default=3, help="saves per mode (the plan is reused from the third on)")
+    p.add_argument("--max-wait-steps", type=int, default=400, help="steps to wait for the saves at most")
     p.add_argument("--disk-probe-gib", type=float, default=2.0)
     p.add_argument("--commit", default=None, help="the code's git commit, copied into every row")
     return p.parse_args()
 
 
-class SaveOnce(L.Callback):
-    """Times the steps before the save, the save's blocked time, and (async) when the checkpoint appears."""
+class Saves(L.Callback):
+    """Saves ``count`` checkpoints from step ``at`` on, each once the previous one is published (the older one then
+    removed), timing the steps before, each save's blocked time and timeline, and (async) when each appears."""
 
-    def __init__(self, path: Path, at: int, cuda: bool) -> None:
+    def __init__(self, directory: Path, name: str, at: int, count: int, cuda: bool, time_megatron: bool) -> None:
         super().__init__()
-        self.path, self.at, self.cuda = path, at, cuda
+        self.directory, self.name, self.at, self.count, self.cuda = directory, name, at, count, cuda
+        self.time_megatron = time_megatron
         self.step_start = 0.0
         self.step_times: list[float] = []
-        self.saved_at: float | None = None
-        self.result: dict[str, Any] = {}
+        self.saves: list[dict[str, Any]] = []
+        self.pending: tuple[Path, float, int] | None = None  # the save not yet published: path, start, step
+
+    def path(self, index: int) -> Path:
+        return self.directory / f"{self.name}{index}.ckpt"
 
     def _now(self) -> float:
         if self.cuda:
@@ -68,16 +78,61 @@ class SaveOnce(L.Callback):
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         now = self._now()
-        if self.saved_at is None and trainer.global_step > 1:  # the first steps compile and warm up
+        if not self.saves and trainer.global_step > 1:  # the first steps compile and warm up
             self.step_times.append(now - self.step_start)
-        if trainer.global_step == self.at:
-            trainer.save_checkpoint(self.path)
-            self.saved_at, done = now, self._now()
-            self.result = {"save_blocked_s": done - now, "normal_step_s": sum(self.step_times) / len(self.step_times)}
-        if self.saved_at is not None and "published_after_s" not in self.result and self.path.exists():
-            steps = trainer.global_step - self.at  # published by the strategy at a step's start: seen at its end
-            self.result |= {"published_after_s": now - self.saved_at, "published_after_steps": steps}
+        if self.pending is not None and self.pending[0].exists():  # published by the strategy at a step's start
+            path, started, step = self.pending
+            self.saves[-1] |= {"published_after_s": now - started, "published_after_steps": trainer.global_step - step}
+            self.pending = None
+        if trainer.global_step >= self.at and self.pending is None and len(self.saves) < self.count:
+            self._save(trainer)
+        if len(self.saves) == self.count and self.pending is None:
             trainer.should_stop = True
+
+    def _save(self, trainer: Any) -> None:
+        index = len(self.saves)
+        megatron = self._megatron_optimizer_state(trainer) if self.time_megatron and index == 0 else {}
+        if index >= 2:  # keep the first (the resume benchmark loads it) and the last
+            shutil.rmtree(self.path(index - 1), ignore_errors=True)
+        start = self._now()
+        trainer.save_checkpoint(self.path(index))
+        blocked = self._now() - start
+        writer = trainer.strategy.checkpoint_writer
+        self.saves.append({"save": index, "save_blocked_s": blocked, "timeline": writer.last_save,
+                           "host_buffer_bytes": writer.buffers.bytes, **megatron})  # fmt: skip
+        self.pending = (self.path(index), start, trainer.global_step)
+        if self.path(index).exists():  # a synchronous save: published before it returned
+            self.saves[-1] |= {"published_after_s": blocked, "published_after_steps": 0}
+            self.pending = None
+
+    def rows(self) -> list[dict[str, Any]]:
+        normal = sum(self.step_times) / max(1, len(self.step_times))
+        return [{**save, "normal_step_s": normal} for save in self.saves]
+
+    def _megatron_optimizer_state(self, trainer: Any) -> dict[str, float]:
+        """Seconds Megatron's own ``sharded_state_dict`` (fully_reshardable) takes to build the optimizer state a
+        save writes, against :mod:`lightning_megatron.checkpointing.optimizer_state` building it into host buffers."""
+        from lightning_megatron.checkpointing import sharded
+        from lightning_megatron.checkpointing.optimizer_state import optimizer_state
+        from lightning_megatron.checkpointing.staging import HostBuffers
+
+        chunks, optimizer = list(trainer.strategy.module.chunks), trainer.strategy.megatron_optimizer
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        start = self._now()
+        state = optimizer.sharded_state_dict(sharded.sharded_state_dict(chunks), metadata=metadata)
+        megatron = self._now() - start
+        del state
+        buffers = HostBuffers()
+        times = []
+        for _ in range(2):  # the first allocates and pins the host buffers, the second reuses them
+            start = self._now()
+            buffers.begin()
+            state = optimizer_state(optimizer, sharded.sharded_state_dict(chunks), metadata, buffers)
+            times.append(self._now() - start)
+            del state
+        buffers.release()
+        return {"megatron_optimizer_state_s": megatron, "optimizer_state_first_s": times[0],
+                "optimizer_state_s": times[1]}  # fmt: skip
 
 
 class LoadTimer(L.Callback):
@@ -130,7 +185,9 @@ def checksum_costs(path: Path) -> dict[str, float]:
     return {"checksum_record_s": recorded - start, "checksum_verify_s": time.perf_counter() - recorded}
 
 
-def disk_write_speed(directory: Path, gib: float) -> dict[str, float]:
+def disk_speed(directory: Path, gib: float) -> dict[str, float]:
+    """The disk's write (fsynced) and read speed on ``gib`` of data in ``directory``, the read from the disk (the
+    file's pages dropped from the page cache first)."""
     probe, block = directory / "disk_probe", os.urandom(64 << 20)
     blocks = max(1, int(gib * 1024 / 64))
     start = time.perf_counter()
@@ -138,9 +195,28 @@ def disk_write_speed(directory: Path, gib: float) -> dict[str, float]:
         for _ in range(blocks):
             f.write(block)
         os.fsync(f.fileno())
-    seconds = time.perf_counter() - start
+    written = time.perf_counter() - start
+    drop_page_cache([probe])
+    start = time.perf_counter()
+    buffer = bytearray(64 << 20)
+    with open(probe, "rb", buffering=0) as f:
+        while f.readinto(buffer):
+            pass
+    read = time.perf_counter() - start
     probe.unlink()
-    return {"disk_write_gb_s": blocks * len(block) / seconds / 1e9, "disk_probe_bytes": blocks * len(block)}
+    size = blocks * len(block)
+    return {"disk_write_gb_s": size / written / 1e9, "disk_read_gb_s": size / read / 1e9, "disk_probe_bytes": size}
+
+
+def drop_page_cache(files: list[Path]) -> None:
+    """Evict the (written, synced) files' pages from the page cache, so the next read comes from the disk."""
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def main() -> None:
@@ -148,20 +224,27 @@ def main() -> None:
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     common = {"shape": args.shape, "device": "cpu" if args.cpu else torch.cuda.get_device_name(), "commit": args.commit}
-    sync = SaveOnce(args.out / "sync.ckpt", args.save_at, cuda=not args.cpu)
-    fit(args, sync, args.save_at + 1, async_save=False)
-    size = sum(f.stat().st_size for f in (args.out / "sync.ckpt").iterdir())
-    print(json.dumps({**common, "mode": "sync", "checkpoint_bytes": size, **sync.result}), flush=True)
-    saver = SaveOnce(args.out / "async.ckpt", args.save_at, cuda=not args.cpu)
-    fit(args, saver, args.save_at + args.max_wait_steps, async_save=True)
-    print(json.dumps({**common, "mode": "async", **saver.result}), flush=True)
-    load = LoadTimer(cuda=not args.cpu)
-    fit(args, load, args.save_at + 1, async_save=False, ckpt_path=args.out / "sync.ckpt")
-    print(json.dumps({**common, "mode": "resume", "checkpoint_bytes": size, **load.result}), flush=True)
-    costs = checksum_costs(args.out / "sync.ckpt")
+    for mode in ("sync", "async"):  # a first save (allocates, plans), then later ones (reuse)
+        saves = Saves(args.out, mode, args.save_at, args.saves, cuda=not args.cpu, time_megatron=mode == "sync")
+        fit(args, saves, args.save_at + args.max_wait_steps, async_save=mode == "async")
+        size = sum(f.stat().st_size for f in saves.path(0).iterdir())
+        for row in saves.rows():
+            print(json.dumps({**common, "mode": mode, "checkpoint_bytes": size, **row}), flush=True)
+        for index in range(1 if mode == "sync" else 0, args.saves):  # sync0.ckpt stays for the loads
+            shutil.rmtree(saves.path(index), ignore_errors=True)
+    checkpoint = args.out / "sync0.ckpt"
+    shards = sorted(checkpoint.iterdir())
+    for cache in ("cold", "warm"):  # from the disk (pages dropped), then from the page cache
+        if cache == "cold":
+            drop_page_cache([f for f in shards if f.is_file()])
+        load = LoadTimer(cuda=not args.cpu)
+        fit(args, load, args.save_at + 1, async_save=False, ckpt_path=checkpoint)
+        print(json.dumps({**common, "mode": "resume", "cache": cache, "checkpoint_bytes": size, **load.result}),
+              flush=True)  # fmt: skip
+    costs = checksum_costs(checkpoint)
     rates = {f"{k.removesuffix('_s')}_gb_s": size / v / 1e9 for k, v in costs.items()}
     print(json.dumps({**common, "mode": "checksums", "checkpoint_bytes": size, **costs, **rates}), flush=True)
-    print(json.dumps({**common, "mode": "disk", **disk_write_speed(args.out, args.disk_probe_gib)}), flush=True)
+    print(json.dumps({**common, "mode": "disk", **disk_speed(args.out, args.disk_probe_gib)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@
 #   moe       the dense 1B shape, the ~1B-active MoE (moe1b) and Qwen3-30B-A3B's layers (qwen3moe: 8 layers on an
 #             H200, 4 on an H100's 80 GB) in one call, variant a (~5 min)
 #   moe_tests the grouped-expert GPU tests, then the expert MLP alone (benchmarks/moe_experts.py) (~2 min)
+#   checkpoint  1B: three sync and three async saves with their timelines, Megatron's optimizer-state build beside
+#             ours, a resume from the disk and from the page cache, the disk's own speed (checkpoints under
+#             ./ckbench, ~40 GB at most; ~6 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -67,6 +70,12 @@ moe)
     tp --shape 1b --variants a
     tp --shape moe1b --variants a
     tp --shape qwen3moe --num-layers "$layers" --variants a
+    ;;
+checkpoint)
+    mkdir -p ckbench
+    timeout 540 python3 benchmarks/checkpoint.py --out ckbench/run --commit "$(git rev-parse --short HEAD)" \
+        2>"$out/$section.log" | tee -a "$log"
+    rm -rf ckbench
     ;;
 moe_tests)
     timeout 150 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_grouped_experts.py >"$out/$section.log" 2>&1

@@ -296,29 +296,43 @@ def throughput_tables(table: Throughput) -> list[str]:
 
 
 def checkpoint_table(all_rows: list[Row]) -> list[str]:
-    found = [r for r in all_rows if "-checkpoint-" in r.file and r.data.get("mode") in ("sync", "async", "resume")]
+    """The newest checkpoint benchmark file's rows: each save (its timeline), the loads and the disk's own speed."""
+    found = [r for r in all_rows if "-checkpoint-" in r.file]
     if not found:
         return []
+    newest = max(r.file for r in found)
+    found = [r for r in found if r.file == newest]
+    disk = next((r.data for r in found if r.data.get("mode") == "disk"), {})
+    size = next((r.data["checkpoint_bytes"] for r in found if "checkpoint_bytes" in r.data), 0)
     out = [
         "#### Checkpoints (benchmarks/checkpoint.py)",
         "",
-        "| shape | mode | size GB | step blocked s | published after s | resume load s | date | code | machine |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"Checkpoint {number(size / 1e9)} GB; the disk writes {number(disk.get('disk_write_gb_s'), 2)} GB/s "
+        f"(fsynced) and reads {number(disk.get('disk_read_gb_s'), 2)} GB/s. Each save's step blocked for `blocked`; "
+        "`stage` builds the state and copies it to host buffers, `plan` plans (and for async saves hands the shards "
+        "to the writer), `write` writes, checksums and publishes (sync). Loads from the disk (cold) and the page "
+        "cache (warm).",
+        "",
+        "| shape | mode | save | blocked s | stage s | plan s | write s | published after s | load s | date | code "
+        "| machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    latest = {(r.data.get("shape"), r.data["mode"]): r for r in found}
-    size = next((r.data["checkpoint_bytes"] for r in found if "checkpoint_bytes" in r.data), None)
-
-    def number(value: Any) -> str:
-        return f"{value:.1f}" if isinstance(value, int | float) else "-"
-
-    for (shape, mode), row in latest.items():
-        data = row.data
+    for row in found:
+        data, timeline = row.data, row.data.get("timeline", {})
+        if data.get("mode") not in ("sync", "async", "resume"):
+            continue
+        which = data.get("save", data.get("cache", "-"))
         out.append(
-            f"| {shape} | {mode} | {number((data.get('checkpoint_bytes') or size or 0) / 1e9)} | "
-            f"{number(data.get('save_blocked_s'))} | {number(data.get('published_after_s'))} | "
-            f"{number(data.get('resume_load_s'))} | {row.date} | {row.code or '-'} | {row.machine} |"
+            f"| {data.get('shape')} | {data['mode']} | {which} | {number(data.get('save_blocked_s'))} | "
+            f"{number(timeline.get('stage_s'))} | {number(timeline.get('plan_s'))} | {number(timeline.get('write_s'))} "
+            f"| {number(data.get('published_after_s'))} | {number(data.get('resume_load_s'))} | {row.date} | "
+            f"{row.code or '-'} | {row.machine} |"
         )
     return [*out, ""]
+
+
+def number(value: Any, digits: int = 1) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "-"
 
 
 def render(results: Path = RESULTS) -> str:

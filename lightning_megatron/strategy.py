@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, override
 
 import lightning as L
@@ -68,8 +69,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         timeout: timeout of every collective (Lightning's default group and Megatron's groups; sub-minute values
             work): a rank that stops answering makes the others fail with an error after this long.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on GPU by default.
-        async_save: write checkpoints in background processes (Megatron's async dist-checkpointing), each published
-            once every rank has written it, at the latest before the next save and at the end of training.
+        async_save: write checkpoints in background processes (Megatron's async dist-checkpointing) from pinned host
+            copies, each published once every rank has written it (at the latest at the next save or the end).
         nonfinite: what a non-finite loss or gradient does: ``"error"`` (default) stops with an error naming the
             step, ``"skip"`` leaves the weights unchanged for that step and counts it in ``skipped_steps``.
         check_batches: compare a fingerprint of every batch over each model replica's ranks (tensor x pipeline x
@@ -112,7 +113,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._offload = Offloader()
         self._guard = guards.StepGuard(nonfinite)
         self._grad_reads = GradNormReads()  # warns once if on_before_optimizer_step hooks never read grad_norms()
-        self._writer = CheckpointWriter(async_save)
+        self.checkpoint_writer = CheckpointWriter(async_save)  # pending saves, host buffers and plans saves reuse
         self._failed = False
         self._collective_timeout = timeout
         self._groups: state.Groups | None = None  # Megatron's groups of this strategy's last run
@@ -370,9 +371,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def sync_params(self) -> None:
-        """Finish a parameter all-gather that ``overlap_param_gather`` deferred to the next forward (for checkpoints,
-        HF export, the end of training); first, under ``nonfinite="error"``, raise ``FloatingPointError`` if that
-        update came from a non-finite step (guards.StepGuard), so nothing saves or exports it."""
+        """Finish a parameter all-gather ``overlap_param_gather`` deferred (checkpoints, HF export, end of training);
+        first, under ``nonfinite="error"``, raise ``FloatingPointError`` if that update was non-finite (StepGuard)."""
         self._guard.check_pending()
         ddp.sync_params(self._ddp_chunks or [])
 
@@ -403,18 +403,18 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"MegatronStrategy.save_checkpoint takes no storage_options, got {storage_options!r}")
-        # During a run nothing is needed; after it, what the run kept comes back for the save.
-        after_run = self._run_chunks is None and self._retained is not None  # set up from setup to teardown
+        # After a run (set up from setup to teardown) what the run kept comes back for the save.
+        after_run = self._run_chunks is None and self._retained is not None
         with self._retained.restored(self.module.chunks, self._megatron_optimizer) if after_run else nullcontext():
             self.sync_params()  # with overlapped param gather the last step's update may be pending
-            state_to_save = sharded.module_state(checkpoint, self.module, self._megatron_optimizer, self._scheduler)
-            # After fit/validate no later hook would publish an async save: published right away then.
-            self._writer.save(state_to_save, filepath, publish=self._ddp_chunks is None)
+            build = partial(sharded.module_state, checkpoint, self.module, self._megatron_optimizer, self._scheduler)
+            self.checkpoint_writer.save(build, filepath, publish=self._ddp_chunks is None)  # after a run: right away
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        self._writer.finalize()  # a checkpoint still being written by this run is published first
-        loaded = sharded.load_module(self.module, self._megatron_optimizer, checkpoint_path, self._scheduler)
+        self.checkpoint_writer.finalize()  # a checkpoint still being written by this run is published first
+        optimizer, buffers = self._megatron_optimizer, self.checkpoint_writer.buffers
+        loaded = sharded.load_module(self.module, optimizer, checkpoint_path, self._scheduler, buffers)
         if self._megatron_optimizer is not None:  # the loaded param groups carry the writer's fused/foreach flags
             optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
         return loaded
@@ -429,7 +429,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        self._writer.remove(filepath)  # waits for pending async saves: the last good checkpoint always stays
+        self.checkpoint_writer.remove(filepath)  # waits for pending async saves: the last good checkpoint stays
 
     # ------------------------------------------------------------------ SIGTERM: every rank stops at one step
     @override
@@ -450,13 +450,13 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._stop_if_signalled()
-        self._writer.poll()
+        self.checkpoint_writer.poll()
 
     @override
     def on_train_end(self) -> None:
         self._stop_if_signalled()  # a signal in the last step or the last saves
         self.sync_params()  # the final weights, for whatever runs after fit
-        self._writer.finalize()
+        self.checkpoint_writer.finalize()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -470,7 +470,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         failed, self._failed = self._failed, False
         # Every step runs even if one raises: no global patch (patches.py), RNG state or graph outlives the run.
         run_all(
-            self._writer.abort if failed else self._writer.finalize,  # finalize: e.g. save_checkpoint after fit
+            lambda: self.checkpoint_writer.close(failed),  # publish (e.g. save_checkpoint after fit) or abort
             lambda: self._offload.reload(strict=False),  # never leave released storages behind
             self._drop_step_state,
             super().teardown,

@@ -97,6 +97,78 @@ def _summary(trainer: L.Trainer) -> dict:
             "trainable": summary.trainable_parameters, "size_mb": summary.model_size}  # fmt: skip
 
 
+class SaveProbe(L.Callback):
+    """What each save reused (host buffers, plans), and, before the first save, how the optimizer state a save
+    writes compares with Megatron's own ``sharded_state_dict`` of it."""
+
+    def __init__(self) -> None:
+        self.saves: list[dict] = []
+        self.optimizer_state_differs: dict[str, list[str]] | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        writer = trainer.strategy.checkpoint_writer
+        if trainer.global_step > 0:  # after the previous step's save
+            self.saves.append({"allocations": writer.buffers.allocations, "plans": writer.plans.made})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if self.optimizer_state_differs is None:
+            trainer.strategy.sync_params()  # the weights of the step just taken (a deferred all-gather)
+            self.optimizer_state_differs = optimizer_state_differences(pl_module, trainer.strategy.megatron_optimizer)
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.on_train_batch_start(trainer, pl_module, None, 0)
+        self.saves[-1]["plan_reused"] = trainer.strategy.checkpoint_writer.plans.reused()
+
+
+def optimizer_state_differences(module: L.LightningModule, optimizer: object) -> dict[str, list[str]]:
+    """How the optimizer state :mod:`lightning_megatron.checkpointing.optimizer_state` builds compares with
+    Megatron's ``optimizer.sharded_state_dict(..., fully_reshardable)``: ``structure`` (keys, replica ids, shapes:
+    must agree), ``ours_wrong`` (our fp32 ``param`` entries against the model's weights, equal in fp32 training),
+    ``values`` (moments and weights where Megatron's ``param`` entry is the weight), and ``megatron_misaligned``
+    (Megatron's ``param`` entries that are not the weight: it slices its gathered state by offsets that count the
+    padding at the end of earlier gradient buckets, which it leaves out of the gathered state)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from lightning_megatron.checkpointing import sharded
+    from lightning_megatron.checkpointing.optimizer_state import optimizer_state
+    from lightning_megatron.checkpointing.staging import HostBuffers
+
+    def tensors(state: dict) -> dict:
+        apply_factories(state)
+        return {(i.key, tuple(i.global_offset)): i for i in nested_values(state) if isinstance(i, ShardedTensor)}
+
+    chunks = list(module.chunks)
+    weights = {key: item.data.detach() for key, item in tensors(sharded.sharded_state_dict(chunks)).items()}
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    buffers = HostBuffers()
+    buffers.begin()
+    ours = optimizer_state(optimizer, sharded.sharded_state_dict(chunks), metadata, buffers)
+    theirs = optimizer.sharded_state_dict(sharded.sharded_state_dict(chunks), metadata=metadata)
+    mine, megatron = tensors(ours["param_state"]), tensors(theirs["param_state"])
+    found: dict[str, list[str]] = {"structure": [], "ours_wrong": [], "values": [], "megatron_misaligned": []}
+    if set(mine) != set(megatron) or not mine:
+        found["structure"].append(f"keys differ: {sorted(set(mine) ^ set(megatron))[:5]}")
+    if {k: v for k, v in ours.items() if k != "param_state"} != {k: v for k, v in theirs.items() if k != "param_state"}:
+        found["structure"].append("the optimizer's other entries differ")
+    for name in sorted(set(mine) & set(megatron)):
+        a, b = mine[name], megatron[name]
+        if (a.replica_id, a.global_shape, a.local_shape) != (b.replica_id, b.global_shape, b.local_shape):
+            found["structure"].append(f"{name}: {a.replica_id, a.global_shape} != {b.replica_id, b.global_shape}")
+        weight_key = (name[0].replace("optimizer.state.param.", "", 1), name[1])
+        if not name[0].startswith("optimizer.state.param."):
+            continue
+        if not torch.equal(a.data, weights[weight_key]):
+            found["ours_wrong"].append(str(name))
+        if not torch.equal(b.data.cpu(), weights[weight_key].cpu()):
+            found["megatron_misaligned"].append(str(name))
+            continue
+        for key in [k for k in mine if k[1] == name[1] and k[0].endswith("." + weight_key[0])]:
+            if not torch.equal(mine[key].data, megatron[key].data.cpu()):
+                found["values"].append(str(key))
+    return found
+
+
 def main(args: dict) -> None:
     devices = args.get("devices", 1)
     tp, pp, vpp, cp = args.get("tp", 1), args.get("pp", 1), args.get("vpp"), args.get("cp", 1)
@@ -131,7 +203,8 @@ def main(args: dict) -> None:
 
         model.forward_step = recording  # type: ignore[method-assign]
     recorder = Recorder(logs=bool(args.get("logs")))
-    callbacks: list = [recorder]
+    probe = SaveProbe()
+    callbacks: list = [recorder] + ([probe] if args.get("save_probe") else [])
     if args.get("ckpt_dir"):
         callbacks.append(
             ModelCheckpoint(dirpath=args["ckpt_dir"], every_n_train_steps=args.get("ckpt_every", 2), save_top_k=-1)
@@ -157,6 +230,7 @@ def main(args: dict) -> None:
         sequence_parallel=args.get("sp", False),
         micro_batch_size=args.get("micro_batch_size", 2),
         max_tokens_per_micro_batch=args.get("max_tokens"),
+        async_save=args.get("async_save", False),
     )
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -188,6 +262,7 @@ def main(args: dict) -> None:
         result["val"] = recorder.val
         result["contract"] = recorder.contract
         result["shapes"] = shapes
+        result["saves"], result["optimizer_state_differs"] = probe.saves, probe.optimizer_state_differs
         result["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
         if args.get("summary"):
             result["summary"] = {**_summary(trainer), "printed": "\n".join(printed.lines)}

@@ -27,6 +27,8 @@ import torch
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _SAFE_NAMES = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # A file-name prefix (one string) in the local plans Megatron keeps for reusing a cached save plan.
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("collections", "OrderedDict"),

@@ -23,6 +23,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,16 @@ class PendingSave:
         return _failure(error, self.partial, self.path, self.lock)
 
 
-def save(state: dict[str, Any], path: str | Path, async_queue: Any | None = None) -> PendingSave | None:
+def save(
+    state: dict[str, Any], path: str | Path, async_queue: Any | None = None, strategy: Any | None = None,
+    validate: bool = True, timings: dict[str, float] | None = None,
+) -> PendingSave | None:  # fmt: skip
     """Collective: every rank writes its shards of ``state`` (sharded tensors + common objects) to ``path``.
+
+    ``strategy``: Megatron's save strategy (default: a fresh one; :class:`.plans.SavePlans` keeps one per structure,
+    with its cached plan); ``validate``: check that the shards cover every tensor exactly once (a new structure);
+    ``timings`` receives the seconds spent planning (``plan_s``) and, for a synchronous save, writing (``write_s``:
+    shards, checksums, publish).
 
     With ``async_queue`` (Megatron's ``AsyncCallsQueue``, see :func:`async_queue`) the shards are written by a
     background process and the publish (checksum check, rename) is the last finalisation step, run on every rank by
@@ -62,25 +71,51 @@ def save(state: dict[str, Any], path: str | Path, async_queue: Any | None = None
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     rank = torch.distributed.get_rank()
     lock = _prepare(partial, rank)
-    strategy = "mcore" if async_queue is None else _async_strategy()  # sync: Megatron's own sync path runs "mcore"
+    writer = "mcore" if async_queue is None else _async_strategy()  # sync: Megatron's own sync path runs "mcore"
+    timings = {} if timings is None else timings
+    start = time.perf_counter()
     try:
-        request = dist_checkpointing.save(state, str(partial), async_sharded_save=True, async_strategy=strategy)
+        request = dist_checkpointing.save(
+            state, str(partial), sharded_strategy=strategy, validate_access_integrity=validate,
+            async_sharded_save=True, async_strategy=writer,
+        )  # fmt: skip
         if isinstance(request, AsyncRequest):  # the writer records its files' checksums right after writing them
             if request.async_fn is not None:  # None: this rank writes no file
                 request = request._replace(async_fn=functools.partial(_write, request.async_fn, partial, rank))
         else:  # NVIDIA's resiliency extension writes: record them once it is done
             request.add_finalize_fn(lambda: checksums.record(partial, rank))
         request.add_finalize_fn(lambda: _publish(partial, path, lock))  # after Megatron's metadata.json finaliser
+        timings["plan_s"] = time.perf_counter() - start
         if async_queue is None:
-            request.execute_sync()
+            with _without_zip_crc32():
+                request.execute_sync()
+            timings["write_s"] = time.perf_counter() - start - timings["plan_s"]
             return None
     except (Exception, CheckpointException) as error:
         raise _failure(error, partial, path, lock) from error
     except BaseException:  # e.g. KeyboardInterrupt: the lock must not outlive the save in this process
         lock.release()
         raise
-    async_queue.schedule_async_request(request)
+    with _without_zip_crc32():  # the writer process is forked in here and keeps the setting
+        async_queue.schedule_async_request(request)
     return PendingSave(partial, path, lock)
+
+
+@contextlib.contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """``torch.save`` without the CRC-32 of each zip record, while Megatron's writer writes the shards.
+
+    Computing it caps ``torch.save`` at a fraction of a disk's write speed (one core, well under 1 GB/s), and it
+    is redundant here: every shard file gets our own CRC-32 per 64 KiB block (:mod:`.checksums`), verified before
+    every load. ``torch.load`` reads records without it (torch does not check it when reading)."""
+    import torch.serialization
+
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 def _prepare(partial: Path, rank: int) -> WriterLock:

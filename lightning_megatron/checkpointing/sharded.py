@@ -24,7 +24,9 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from lightning_megatron import patches
 from lightning_megatron.checkpointing import checks, checksums, mcore_fixes
+from lightning_megatron.checkpointing.optimizer_state import optimizer_state
 from lightning_megatron.checkpointing.saving import PARTIAL_SUFFIX
+from lightning_megatron.checkpointing.staging import HostBuffers, stage_state
 
 # Reshardable across TP, PP, VPP and DP: the optimizer state is gathered per parameter on save.
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -49,10 +51,12 @@ def chunk_key(index: int) -> str:
 
 
 def sharded_state_dict(
-    chunks: Sequence[nn.Module], optimizer: Any | None = None, *, is_loading: bool = False, weights: Weights = "all"
-) -> dict[str, Any]:
+    chunks: Sequence[nn.Module], optimizer: Any | None = None, *, is_loading: bool = False, weights: Weights = "all",
+    buffers: HostBuffers | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Model chunks' (and optionally the Megatron optimizer's) sharded state dict: all weights, the trainable
-    parameters only (LoRA adapters count as trainable even if frozen for a while), or all but those (``weights``)."""
+    parameters only (LoRA adapters count as trainable even if frozen for a while), or all but those (``weights``).
+    With ``buffers`` (a save) every tensor is staged into those host buffers (:mod:`.staging`)."""
     state: dict[str, Any] = {}
     for i, chunk in enumerate(chunks):
         chunk_state = chunk.sharded_state_dict(metadata=_METADATA)  # type: ignore[operator]
@@ -64,19 +68,30 @@ def sharded_state_dict(
         # Loading into a fresh optimizer, or saving before its first step: the state it has after a step, all zeros
         # (Adam's first step from it is the same as from no state at all).
         mcore_fixes.init_adam_state(optimizer)
-        state[_OPTIMIZER_KEY] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_METADATA)
+        if buffers is not None:  # the optimizer state built on the device, in host buffers (.optimizer_state)
+            buffers.begin()
+            state[_OPTIMIZER_KEY] = optimizer_state(optimizer, state, _METADATA, buffers, is_loading=is_loading)
+        else:
+            state[_OPTIMIZER_KEY] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_METADATA)
+    if buffers is not None and not is_loading:
+        if optimizer is None:
+            buffers.begin()
+        stage_state(state, buffers)
+        buffers.finish()
     return state
 
 
 def checkpoint_state(
     checkpoint: dict[str, Any], chunks: Sequence[nn.Module], optimizer: Any | None, scheduler: Any | None,
     model_config: dict[str, Any] | None, frozen_base: dict[str, str] | None = None,
+    buffers: HostBuffers | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """What a save writes: Lightning's checkpoint dict (loops, callbacks, hyper-parameters; its placeholder
     ``state_dict``/``optimizer_states`` dropped), the ``ModelConfig`` and the sharded model chunks -- plus the
     optimizer state and LR schedule unless Lightning asked for weights only (its dict has no ``optimizer_states``)
     or there is no optimizer (after validate/test/predict). With ``frozen_base`` (where the frozen weights can be
-    read again) only the trainable weights are written, and the reference.
+    read again) only the trainable weights are written, and the reference. With ``buffers`` the tensors are host
+    copies in those buffers (:mod:`.staging`), so training may change the originals while the save is written.
 
     Raises ``ValueError`` naming an entry that loading (``weights_only``) would refuse, before anything is written.
     """
@@ -90,22 +105,28 @@ def checkpoint_state(
         state[SCHEDULER_KEY] = scheduler.state_dict()
     checks.check_loadable(state)
     weights: Weights = "trainable" if frozen_base else "all"
-    state.update(sharded_state_dict(chunks, optimizer if with_optimizer else None, weights=weights))
+    optimizer = optimizer if with_optimizer else None
+    state.update(sharded_state_dict(chunks, optimizer, weights=weights, buffers=buffers))
     return state
 
 
-def module_state(checkpoint: dict[str, Any], module: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+def module_state(
+    checkpoint: dict[str, Any], module: Any, optimizer: Any, scheduler: Any, buffers: HostBuffers | None = None
+) -> dict[str, Any]:
     """:func:`checkpoint_state` of a MegatronLightningModule: its unwrapped chunks (the DDP wrappers' state-dict
     keys carry a "module." prefix), its ``ModelConfig`` and where its frozen weights can be read again."""
-    chunks, config = list(module.chunks), model_config_dict(module)
-    return checkpoint_state(checkpoint, chunks, optimizer, scheduler, config, frozen_base=module.frozen_base())
+    chunks, config, base = list(module.chunks), model_config_dict(module), module.frozen_base()
+    return checkpoint_state(checkpoint, chunks, optimizer, scheduler, config, frozen_base=base, buffers=buffers)
 
 
-def load_module(module: Any, optimizer: Any | None, path: str | Path, scheduler: Any | None) -> dict[str, Any]:
+def load_module(
+    module: Any, optimizer: Any | None, path: str | Path, scheduler: Any | None, buffers: HostBuffers | None = None
+) -> dict[str, Any]:
     """Collective: :func:`load` into a MegatronLightningModule's chunks (and ``optimizer``, ``scheduler``); the
     checkpoint's non-tensor entries, with the empty ``state_dict`` Lightning expects."""
     config, frozen = model_config_dict(module), module.frozen_base()
-    loaded = load(list(module.chunks), optimizer, path, config, scheduler=scheduler, frozen_base=frozen)
+    chunks = list(module.chunks)
+    loaded = load(chunks, optimizer, path, config, scheduler=scheduler, frozen_base=frozen, buffers=buffers)
     loaded.setdefault("state_dict", {})
     return loaded
 
@@ -119,6 +140,7 @@ def model_config_dict(module: object) -> dict[str, Any] | None:
 def load(
     chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path, model_config: dict[str, Any] | None = None,
     *, scheduler: Any | None = None, frozen_base: dict[str, str] | None = None, weights: Weights | None = None,
+    buffers: HostBuffers | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Collective: load model (and optimizer, LR schedule) state from ``path`` into ``chunks`` (``optimizer``,
     ``scheduler``).
@@ -132,16 +154,20 @@ def load(
     ``weights``: ``None`` loads what the checkpoint holds -- all weights, or only the trainable ones when it was
     saved so (then the chunks must already hold its frozen base: ``frozen_base`` names where theirs came from);
     ``"frozen"`` loads all but the trainable parameters (a base for LoRA adapters, which keep their own init).
+    ``buffers``: the host buffers of the strategy's saves, which the optimizer state is read into (then copied to
+    the GPU from pinned memory; the next save reuses them).
     """
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     plan: dict[str, Any] = {}
-    _raise_on_every_rank(lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights)))
+    _raise_on_every_rank(
+        lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights, buffers))
+    )
     state = plan["state"]
     try:
         with checks.weights_only():
-            loaded = dist_checkpointing.load(state, str(path))
+            loaded = dist_checkpointing.load(state, str(path), sharded_strategy=_parallel_load(path))
     except (Exception, CheckpointException) as error:
         raise ValueError(
             f"cannot load checkpoint {path}: {type(error).__name__}: {error}. Objects other than tensors, containers "
@@ -175,6 +201,15 @@ def load(
     return loaded
 
 
+def _parallel_load(path: Path) -> Any:
+    """Megatron's fully-parallel load: a tensor that several ranks load (replicas across data-parallel ranks, the
+    optimizer state every rank reads whole) is read from the files by one of them and sent to the others."""
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)))
+
+
 def _weights(
     path: Path, common: dict[str, Any], frozen_base: dict[str, str] | None, weights: Weights | None
 ) -> Weights:
@@ -205,7 +240,7 @@ def _weights(
 
 def _plan(
     path: Path, chunks: Sequence[nn.Module], optimizer: Any | None, model_config: dict[str, Any] | None,
-    frozen_base: dict[str, str] | None, weights: Weights | None,
+    frozen_base: dict[str, str] | None, weights: Weights | None, buffers: HostBuffers | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Check the files and the model against them; the state dict to load into and which weights it holds."""
     metadata = open_checkpoint(path)
@@ -218,7 +253,7 @@ def _plan(
             f"YourModule.load_from_checkpoint({str(path)!r}) and call trainer.fit without ckpt_path"
         )
     selected = _weights(path, common, frozen_base, weights)
-    state = sharded_state_dict(chunks, optimizer, is_loading=True, weights=selected)
+    state = sharded_state_dict(chunks, optimizer, is_loading=True, weights=selected, buffers=buffers)
     diff = checks.config_mismatch(common.get(MODEL_CONFIG_KEY), model_config)
     model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
     checks.check_shapes(path, metadata, model_state, diff)  # a model of another shape first: the clearer error

@@ -15,7 +15,8 @@ import contextlib
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,21 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from lightning_megatron.checkpointing import saving
+from lightning_megatron.checkpointing.plans import SavePlans
+from lightning_megatron.checkpointing.staging import HostBuffers
 
 
 class CheckpointWriter:
-    """Owns the async-save queue of one strategy, its saves not yet published and the removals waiting for them."""
+    """Owns the async-save queue of one strategy, its saves not yet published, the removals waiting for them, and
+    what later saves reuse: the host buffers the tensors are staged in and the save plans."""
 
     def __init__(self, async_save: bool) -> None:
         self.async_save = async_save
+        self.buffers = HostBuffers()
+        self.plans = SavePlans()
+        self.last_save: dict[str, Any] = {}
+        """Seconds the last save took on this rank: ``stage_s`` (state dict and host copies), ``plan_s``, ``write_s``
+        (synchronous saves), ``blocked_s`` (all of it: what training waited), ``new_structure``."""
         self._queue: Any | None = None
         self._saves: list[saving.PendingSave] = []  # oldest first, as Megatron's queue finalises them
         self._removals: list[Path] = []
@@ -39,15 +48,22 @@ class CheckpointWriter:
         """Saves handed to background writers and not yet published."""
         return self._queue.get_num_unfinalized_calls() if self._queue is not None else 0
 
-    def save(self, state: dict[str, Any], path: str | Path, publish: bool = False) -> None:
-        """Collective. Synchronous, or asynchronous after publishing any earlier pending save (and, with
-        ``publish``, this one too before returning)."""
+    def save(self, build: Callable[[HostBuffers], dict[str, Any]], path: str | Path, publish: bool = False) -> None:
+        """Collective. Publishes any earlier pending save, then saves ``build(buffers)`` (the state, its tensors
+        staged in the host buffers, which the earlier save no longer reads) synchronously or asynchronously (and,
+        with ``publish``, publishes it before returning)."""
         self.finalize()
+        start = time.perf_counter()
+        state = build(self.buffers)
+        timings = {"stage_s": time.perf_counter() - start}
         if self.async_save and self._queue is None:
             self._queue = saving.async_queue()
+        strategy, new = self.plans.strategy_for(state)
         with _children_ignore_sigterm():
             _start_result_queue()
-            pending = saving.save(state, path, async_queue=self._queue if self.async_save else None)
+            queue = self._queue if self.async_save else None
+            pending = saving.save(state, path, async_queue=queue, strategy=strategy, validate=new, timings=timings)
+        self.last_save = {**timings, "blocked_s": time.perf_counter() - start, "new_structure": new}
         if pending is not None:
             self._saves.append(pending)
         if publish:
@@ -81,6 +97,15 @@ class CheckpointWriter:
             raise failed.failed(error) from error
         finally:
             del self._saves[: len(self._saves) - self.pending]  # published
+
+    def close(self, failed: bool) -> None:
+        """At the end of a run: :meth:`finalize` (or :meth:`abort` after a failure), then free the host buffers and
+        plans (a later save makes them again)."""
+        try:
+            self.abort() if failed else self.finalize()
+        finally:
+            self.buffers.release()
+            self.plans.clear()
 
     def abort(self) -> None:
         """After a failure (peers may be gone): stop local writers without any collective; nothing is published,

@@ -1,0 +1,99 @@
+"""What makes saves cheap keeps checkpoints exact: optimizer state built on the device, host buffers and save plans
+reused across saves, replicated tensors written once across data-parallel ranks, async saves equal to sync ones.
+
+Two DP=2 runs (gloo, several gradient buckets, parameters split between the ranks' optimizer shards) save after
+every step, one asynchronously and one synchronously; their checkpoints are compared tensor by tensor and resumed at
+DP=2 and DP=1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_here, run_worker, run_workers
+
+STEPS = 4
+RUN = {"devices": 2, "overlap": True, "max_steps": STEPS, "ckpt_every": 1, "save_probe": True}
+
+
+def _ckpt(directory: Path, step: int) -> Path:
+    return directory / f"epoch=0-step={step}.ckpt"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("saves")
+    runs = [{**RUN, "async_save": True, "ckpt_dir": str(tmp / "async")}, {**RUN, "ckpt_dir": str(tmp / "sync")}]
+    async_run, sync_run = run_workers(runs, tmp)
+    return {"async": async_run, "sync": sync_run, "tmp": tmp}
+
+
+def _tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """Every tensor stored in the checkpoint at ``path``, by its global key (shards joined)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{path.parent.name}-{path.name}.pt"
+    dcp_to_torch_save(path, out)
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.multiprocess
+def test_optimizer_state_is_megatrons_format_with_the_right_values(saved: dict) -> None:
+    # The entries Megatron's own fully_reshardable state has (keys, replica ids, shapes), which its loader reads.
+    found = saved["sync"]["optimizer_state_differs"]
+    assert found["structure"] == []
+    assert found["ours_wrong"] == []  # every fp32 main weight is the model's weight (fp32 training)
+    assert found["values"] == []  # and the moments equal Megatron's wherever its slicing is aligned
+    # With several gradient buckets Megatron's own method misplaces most parameters' state (here it does):
+    assert found["megatron_misaligned"], "the run no longer has padded buckets: the test lost its hard case"
+
+
+@pytest.mark.multiprocess
+def test_async_saves_equal_sync_saves(saved: dict) -> None:
+    # Training went on while each async save was written: what it holds is still the state of its step.
+    tmp = saved["tmp"]
+    for step in range(1, STEPS + 1):
+        written = _tensors(_ckpt(tmp / "async", step), tmp)
+        expected = _tensors(_ckpt(tmp / "sync", step), tmp)
+        assert sorted(written) == sorted(expected)
+        assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in written)
+        for key, tensor in expected.items():
+            assert torch.equal(written[key], tensor), f"step {step}: {key} differs"
+    first, last = _tensors(_ckpt(tmp / "sync", 1), tmp), _tensors(_ckpt(tmp / "sync", STEPS), tmp)
+    assert any(not torch.equal(first[key], last[key]) for key in first)  # the saves are of different steps
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_later_saves_allocate_nothing_and_reuse_the_plan(saved: dict, mode: str) -> None:
+    saves = saved[mode]["saves"]
+    assert len(saves) == STEPS
+    assert saves[0]["allocations"] > 0
+    assert all(s["allocations"] == saves[0]["allocations"] and s["plans"] == 1 for s in saves)
+    assert saves[-1]["plan_reused"] == [True]  # Megatron verified the cached plan; later saves skip planning
+
+
+@pytest.mark.multiprocess
+def test_each_data_parallel_rank_writes_half(saved: dict) -> None:
+    # Every tensor is replicated on both ranks at DP=2 (TP=PP=1); each is written once, the work split evenly.
+    path = _ckpt(saved["tmp"] / "sync", STEPS)
+    written = [sum(f.stat().st_size for f in path.glob(f"__{rank}_*.distcp")) for rank in range(2)]
+    assert 0.35 < written[0] / sum(written) < 0.65, written
+    tensors = _tensors(path, saved["tmp"])
+    stored = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert sum(written) < 1.2 * stored, (written, stored)  # nothing written twice
+
+
+@pytest.mark.multiprocess
+def test_dp2_checkpoint_resumes_at_dp2_and_dp1(saved: dict, tmp_path: Path) -> None:
+    ckpt = str(_ckpt(saved["tmp"] / "async", 2))
+    later = {k: v for k, v in saved["sync"]["train"].items() if int(k) > 2}
+    resumed = run_worker({"devices": 2, "overlap": True, "max_steps": STEPS, "resume": ckpt}, tmp_path)
+    assert resumed["train"] == later  # the same layout: bit-identical
+    one = run_here({"devices": 1, "max_steps": STEPS, "resume": ckpt}, tmp_path)
+    assert sorted(one["train"]) == sorted(later)
+    for step, loss in later.items():
+        assert one["train"][step] == pytest.approx(loss, rel=2e-4)
