@@ -108,7 +108,10 @@ class SaveProbe(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
         writer = trainer.strategy.checkpoint_writer
         if trainer.global_step > 0:  # after the previous step's save
-            self.saves.append({"allocations": writer.buffers.allocations, "plans": writer.plans.made})
+            params = list(pl_module.parameters())  # this rank's: at most its weights and their fp32 Adam state
+            bound = sum(p.numel() * (p.element_size() + 12) for p in params)
+            self.saves.append({"allocations": writer.buffers.allocations, "plans": writer.plans.made,
+                               "host_bytes": writer.buffers.bytes, "host_bytes_bound": bound})  # fmt: skip
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         if self.optimizer_state_differs is None:
@@ -145,12 +148,19 @@ def optimizer_state_differences(module: L.LightningModule, optimizer: object) ->
     buffers.begin()
     ours = optimizer_state(optimizer, sharded.sharded_state_dict(chunks), metadata, buffers)
     theirs = optimizer.sharded_state_dict(sharded.sharded_state_dict(chunks), metadata=metadata)
-    mine, megatron = tensors(ours["param_state"]), tensors(theirs["param_state"])
+    # A chained optimizer (MoE at EP > 1): one entry per member optimizer.
+    our_parts, their_parts = ([o] if "param_state" in o else list(o.values()) for o in (ours, theirs))
+    mine, megatron = {}, {}
+    for part in our_parts:
+        mine |= tensors(part["param_state"])
+    for part in their_parts:
+        megatron |= tensors(part["param_state"])
     found: dict[str, list[str]] = {"structure": [], "ours_wrong": [], "values": [], "megatron_misaligned": []}
     if set(mine) != set(megatron) or not mine:
         found["structure"].append(f"keys differ: {sorted(set(mine) ^ set(megatron))[:5]}")
-    if {k: v for k, v in ours.items() if k != "param_state"} != {k: v for k, v in theirs.items() if k != "param_state"}:
-        found["structure"].append("the optimizer's other entries differ")
+    for a, b in zip(our_parts, their_parts, strict=True):
+        if {k: v for k, v in a.items() if k != "param_state"} != {k: v for k, v in b.items() if k != "param_state"}:
+            found["structure"].append("the optimizer's other entries differ")
     for name in sorted(set(mine) & set(megatron)):
         a, b = mine[name], megatron[name]
         if (a.replica_id, a.global_shape, a.local_shape) != (b.replica_id, b.global_shape, b.local_shape):

@@ -74,6 +74,22 @@ def test_later_saves_allocate_nothing_and_reuse_the_plan(saved: dict, mode: str)
     assert saves[0]["allocations"] > 0
     assert all(s["allocations"] == saves[0]["allocations"] and s["plans"] == 1 for s in saves)
     assert saves[-1]["plan_reused"] == [True]  # Megatron verified the cached plan; later saves skip planning
+    assert 0 < saves[0]["host_bytes"] <= saves[0]["host_bytes_bound"]  # one host copy of what the rank holds
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_saves_resume_exactly(tmp_path: Path) -> None:
+    # EP=2: Megatron chains a dense and an expert optimizer (their entries prefixed chained_0/1), each staged once.
+    moe = {"devices": 2, "ep": 2, "model": {"num_moe_experts": 4, "moe_router_topk": 2}, "max_steps": STEPS}
+    ckpt_dir = tmp_path / "ckpt"
+    run = run_worker({**moe, "async_save": True, "ckpt_dir": str(ckpt_dir), "ckpt_every": 1, "save_probe": True},
+                     tmp_path)  # fmt: skip
+    assert run["optimizer_state_differs"]["structure"] == []
+    assert run["optimizer_state_differs"]["ours_wrong"] == []
+    assert all(s["allocations"] == run["saves"][0]["allocations"] for s in run["saves"])
+    assert run["saves"][0]["host_bytes"] <= run["saves"][0]["host_bytes_bound"]
+    resumed = run_worker({**moe, "resume": str(_ckpt(ckpt_dir, 2))}, tmp_path)
+    assert resumed["train"] == {k: v for k, v in run["train"].items() if int(k) > 2}
 
 
 @pytest.mark.multiprocess

@@ -60,7 +60,7 @@ def covered(optimizer: Any) -> bool:
         type(optimizer) is DistributedOptimizer
         and isinstance(optimizer.optimizer, torch.optim.Optimizer)
         and type(optimizer.optimizer).__name__ != "HybridDeviceOptimizer"
-        and not optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        and not optimizer.config.use_precision_aware_optimizer
         and not optimizer.ddp_config.use_megatron_fsdp
     )
 
@@ -89,13 +89,29 @@ def _load_targets(optimizer: Any, model_tensors: dict[Tensor, Any], buffers: Hos
     state: dict[int, Any] = {}
     for buffer in optimizer.buffers:
         for param in buffer.param_index_map:
-            entry, tensors = model_tensors[param], {}
+            entry, tensors = _entry(model_tensors, param), {}
             for key in keys:
-                tensors[key] = target = _renamed(entry, key, torch.empty(entry.data.shape, dtype=torch.float32))
-                if not isinstance(entry, ShardedTensorFactory):  # (a factory's pieces are merged: its own tensor)
-                    target.data = buffers.take(name_of(target), target.data.shape, target.data.dtype, param.is_cuda)
+                tensors[key] = target = _renamed(entry, key, entry.data)  # (its data is replaced right away)
+                if isinstance(entry, ShardedTensorFactory):  # loaded in pieces, then merged: a tensor of its own
+                    target.data = torch.empty(entry.data.shape, dtype=torch.float32)
+                else:  # the buffer the next save stages this tensor into
+                    target.dtype = torch.float32
+                    target.data = buffers.take(name_of(target), entry.data.shape, torch.float32, param.is_cuda)
             state[len(state)] = tensors
     return state
+
+
+def _entry(model_tensors: dict[Tensor, Any], param: Tensor) -> Any:
+    """The model's sharded tensor (or factory) of ``param``, which names its optimizer state."""
+    entry = model_tensors.get(param)
+    if entry is None:
+        raise ValueError(
+            f"a parameter of shape {tuple(param.shape)} the optimizer holds is not in the model's sharded state dict "
+            "(every trainable parameter must be: its sharded_state_dict must keep the parameters themselves)"
+        )
+    if getattr(entry, "flattened_range", None) is not None:
+        raise ValueError(f"{entry.key}: flattened sharded tensors are not supported by the fully_reshardable format")
+    return entry
 
 
 def _renamed(entry: Any, key: str, data: Tensor) -> Any:
@@ -129,42 +145,38 @@ def _param_state(optimizer: Any, model_tensors: dict[Tensor, Any], buffers: Host
         assert len(ranges) == 1, "one dtype per gradient buffer, as Megatron's own method assumes"
         local = {p: r["param"] for bucket in next(iter(ranges.values())) for p, r in bucket["param_map"].items()}
         for param, (start, end, bucket) in buffer.param_index_map.items():
-            entry = model_tensors.get(param)
-            if entry is None:
-                raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in the model's sharded state dict")
+            entry = _entry(model_tensors, param)
             offset = buffer.buckets[bucket].offset
             span = (start - offset, end - offset, buffer.buckets[bucket].grad_data.numel())
-            flats = _whole_state(optimizer, param, param in local, span, keys)
-            state[len(state)] = _param_entries(entry, flats, buffers)
+            mine = _state_of(optimizer, param) if param in local else {}
+            # One state at a time: the device holds at most one state of one parameter beside the model.
+            state[len(state)] = {key: _staged(entry, key, _whole(optimizer, mine.get(key), param, span), buffers)
+                                 for key in keys}  # fmt: skip
     buffers.finish()
     return state
 
 
-def _whole_state(
-    optimizer: Any, param: Tensor, held: bool, span: tuple[int, int, int], keys: tuple[str, ...]
-) -> dict[str, Tensor]:
-    """``{state key: the parameter's whole flat fp32 state}``: this rank's own tensors at DP=1, else each piece
-    broadcast by the rank holding it (rank ``r`` holds ``[r, r + 1) * bucket / DP`` of the bucket; ``span`` is the
-    parameter's ``(start, end)`` in its bucket and the bucket's size), so the device holds one parameter's state."""
+def _whole(optimizer: Any, mine: Tensor | None, param: Tensor, span: tuple[int, int, int]) -> Tensor:
+    """One state of ``param`` as a whole flat fp32 tensor: this rank's own at DP=1, else each piece broadcast by the
+    rank holding it (rank ``r`` holds ``[r, r + 1) * bucket / DP`` of the bucket; ``span`` is the parameter's
+    ``(start, end)`` in its bucket and the bucket's size). ``mine``: this rank's piece, if it holds one."""
     group = optimizer.data_parallel_group
     size = group.size() if group is not None else 1
-    mine = _state_of(optimizer, param) if held else {}
     if size == 1:
-        return {key: mine[key].detach().view(-1) for key in keys}
+        assert mine is not None
+        return mine.detach().view(-1).float()
     start, end, bucket_numel = span
     shard, rank = bucket_numel // size, group.rank()
-    flat = torch.empty(len(keys), end - start, dtype=torch.float32, device=param.device)
+    flat = torch.empty(end - start, dtype=torch.float32, device=param.device)
     for r in range(size):
         first, last = max(start, r * shard), min(end, (r + 1) * shard)
-        if first >= last:
-            continue
-        if r == rank:
-            piece = torch.stack([mine[key].detach().view(-1).float() for key in keys])
-        else:
-            piece = torch.empty(len(keys), last - first, dtype=torch.float32, device=param.device)
-        torch.distributed.broadcast(piece, src=torch.distributed.get_global_rank(group, r), group=group)
-        flat[:, first - start : last - start].copy_(piece)
-    return {key: flat[i] for i, key in enumerate(keys)}
+        if first < last:
+            piece = flat[first - start : last - start]  # a contiguous slice: broadcast into it in place
+            if r == rank:
+                assert mine is not None
+                piece.copy_(mine.detach().view(-1))
+            torch.distributed.broadcast(piece, src=torch.distributed.get_global_rank(group, r), group=group)
+    return flat
 
 
 def _state_of(optimizer: Any, param: Tensor) -> dict[str, Tensor]:
@@ -175,9 +187,10 @@ def _state_of(optimizer: Any, param: Tensor) -> dict[str, Tensor]:
     return {"param": main, **{k: v for k, v in states.items() if isinstance(v, Tensor) and k != "step"}}
 
 
-def _param_entries(entry: Any, flats: dict[str, Tensor], buffers: HostBuffers) -> dict[str, Any]:
-    """The parameter's state tensors as sharded tensors named like Megatron's (``optimizer.state.<key>.<name>``,
-    the parameter's replica id), staged."""
-    tensors = {key: _renamed(entry, key, flat.view(entry.data.shape)) for key, flat in flats.items()}
-    stage_state(tensors, buffers)  # now, while the gathered bucket is alive
-    return tensors
+def _staged(entry: Any, key: str, flat: Tensor, buffers: HostBuffers) -> Any:
+    """The state ``key`` of the parameter of ``entry`` as a sharded tensor named like Megatron's
+    (``optimizer.state.<key>.<name>``, the parameter's replica id), staged now, while ``flat`` is alive. A factory
+    (e.g. SwiGLU's two halves) becomes its pieces, as saving it would."""
+    tensors = {key: _renamed(entry, key, flat.view(entry.data.shape))}
+    stage_state(tensors, buffers)
+    return tensors[key]

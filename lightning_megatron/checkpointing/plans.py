@@ -19,31 +19,42 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.parallel.state import data_parallel_group
+
 
 class SavePlans:
-    """The save strategies of one strategy's checkpoints, by structure."""
+    """The save strategies of one strategy's checkpoints, by structure (the last few structures saved)."""
+
+    KEPT = 4
+    """Structures kept: a run saves one or two (a full save, a weights-only or adapter save)."""
 
     def __init__(self) -> None:
         self._by_structure: dict[str, Any] = {}
         self.made = 0
         """Strategies made so far: one per structure (a later save of the same structure adds none)."""
 
-    def strategy_for(self, state: dict[str, Any]) -> tuple[Any, bool]:
-        """Collective (one small all-gather). The save strategy for ``state``, and whether it is new (then the
-        save must check the sharding: ``validate_access_integrity``)."""
+    def strategy_for(self, state: dict[str, Any]) -> tuple[Any, str | None]:
+        """Collective (one small all-gather). The save strategy for ``state``, and, when every rank has not saved
+        this structure before, its fingerprint (the save must then check the sharding, and :meth:`remember` the
+        strategy once it succeeded); ``None`` for a known structure."""
         fingerprint = structure(state)
         known = [fingerprint in self._by_structure] * torch.distributed.get_world_size()
         if len(known) > 1:
             torch.distributed.all_gather_object(known, known[0])
         if all(known):
-            return self._by_structure[fingerprint], False
-        strategy = _new_strategy()
-        self._by_structure[fingerprint] = strategy
+            self._by_structure[fingerprint] = self._by_structure.pop(fingerprint)  # the most recent last
+            return self._by_structure[fingerprint], None
         self.made += 1
-        return strategy, True
+        return _new_strategy(), fingerprint
+
+    def remember(self, fingerprint: str, strategy: Any) -> None:
+        """Keep ``strategy`` for later saves of the structure ``fingerprint`` (after its first save succeeded)."""
+        self._by_structure[fingerprint] = strategy
+        while len(self._by_structure) > self.KEPT:
+            del self._by_structure[next(iter(self._by_structure))]
 
     def reused(self) -> list[bool]:
-        """For each structure saved: whether its next save reuses the cached plan (Megatron has verified it)."""
+        """For each structure kept: whether its next save reuses the cached plan (Megatron has verified it)."""
         return [bool(s.base_strategy.validated_cache_reuse) for s in self._by_structure.values()]
 
     def clear(self) -> None:
@@ -51,29 +62,20 @@ class SavePlans:
 
 
 def structure(state: dict[str, Any]) -> str:
-    """A fingerprint of what ``state`` saves and how it is sharded on this rank (not the values)."""
+    """A fingerprint of the sharded tensors and objects ``state`` saves and how they are sharded on this rank (not
+    their values, and not the common entries: Lightning's dict changes from save to save, e.g. ModelCheckpoint's
+    best-k paths, and is saved as one object whatever it holds)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     digest = hashlib.sha256()
-
-    def visit(path: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key in sorted(value, key=str):
-                visit(f"{path}/{key}", value[key])
-        elif isinstance(value, list | tuple):
-            for i, item in enumerate(value):
-                visit(f"{path}/{i}", item)
-        elif isinstance(value, ShardedTensor):
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor):
             fields = (value.key, value.global_shape, value.global_offset, value.axis_fragmentations, value.dtype,
                       value.replica_id, value.flattened_range, value.prepend_axis_num)  # fmt: skip
-            digest.update(f"{path}:T{fields}".encode())
+            digest.update(f"T{fields}".encode())
         elif isinstance(value, ShardedObject):
-            fields = (value.key, value.global_shape, value.global_offset, value.replica_id)
-            digest.update(f"{path}:O{fields}".encode())
-        else:  # common state: its values change between saves, its place does not matter for the plan
-            digest.update(f"{path}:C".encode())
-
-    visit("", state)
+            digest.update(f"O{(value.key, value.global_shape, value.global_offset, value.replica_id)}".encode())
     return digest.hexdigest()
 
 
@@ -81,8 +83,8 @@ def _new_strategy() -> Any:
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    # Over the whole world: the replicas of dense weights (data-parallel ranks) and of experts (expert-data-
-    # parallel ranks) are both spread; Megatron finds who holds what from the replica ids.
+    # Over the data-parallel (x context-parallel) group, where the replicas of a weight are (expert weights are
+    # replicated over a part of it): each replicated tensor is written by one of its holders there.
     return FullyParallelSaveStrategyWrapper(
-        TorchDistSaveShardedStrategy(cached_metadata=True), do_cache_distribution=True
+        TorchDistSaveShardedStrategy(cached_metadata=True), data_parallel_group(), do_cache_distribution=True
     )

@@ -107,7 +107,9 @@ def _without_zip_crc32() -> Iterator[None]:
 
     Computing it caps ``torch.save`` at a fraction of a disk's write speed (one core, well under 1 GB/s), and it
     is redundant here: every shard file gets our own CRC-32 per 64 KiB block (:mod:`.checksums`), verified before
-    every load. ``torch.load`` reads records without it (torch does not check it when reading)."""
+    every load. ``torch.load`` reads records without it (torch does not check it when reading). Megatron's writer
+    process is forked inside this context and keeps the setting; NVIDIA's resiliency extension's persistent writer
+    (used where it is installed) is not, and computes it as usual: slower, not wrong."""
     import torch.serialization
 
     before = torch.serialization.get_crc32_options()

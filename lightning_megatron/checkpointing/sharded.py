@@ -27,6 +27,7 @@ from lightning_megatron.checkpointing import checks, checksums, mcore_fixes
 from lightning_megatron.checkpointing.optimizer_state import optimizer_state
 from lightning_megatron.checkpointing.saving import PARTIAL_SUFFIX
 from lightning_megatron.checkpointing.staging import HostBuffers, stage_state
+from lightning_megatron.parallel.state import data_parallel_group
 
 # Reshardable across TP, PP, VPP and DP: the optimizer state is gathered per parameter on save.
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -186,7 +187,12 @@ def load(
         mcore_fixes.untie_adam_steps(optimizer)
     else:
         loaded.pop(_OPTIMIZER_KEY, None)
-    scheduler_state = loaded.pop(SCHEDULER_KEY, None)
+    _load_schedule(scheduler, loaded.pop(SCHEDULER_KEY, None), path)
+    return loaded
+
+
+def _load_schedule(scheduler: Any | None, scheduler_state: dict[str, Any] | None, path: Path) -> None:
+    """Megatron's LR schedule from the checkpoint (with the optimizer state only); a changed schedule is refused."""
     if scheduler is not None and scheduler_state is not None:
         try:
             scheduler.load_state_dict(scheduler_state)
@@ -198,16 +204,17 @@ def load(
                 "(OptimizerSpec(override_lr_schedule=True) from your own configure_optimizers): this run's schedule "
                 "then continues from the saved step"
             ) from error
-    return loaded
 
 
 def _parallel_load(path: Path) -> Any:
-    """Megatron's fully-parallel load: a tensor that several ranks load (replicas across data-parallel ranks, the
-    optimizer state every rank reads whole) is read from the files by one of them and sent to the others."""
+    """Megatron's fully-parallel load over the data-parallel (x context-parallel) group: a tensor that several of
+    its ranks load (a replicated weight, the optimizer state every rank loads whole) is read by one of them and
+    broadcast to the others. (Each rank still reads the blocks of everything it loads once before, to verify their
+    checksums.)"""
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
-    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)))
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), data_parallel_group())
 
 
 def _weights(

@@ -24,6 +24,7 @@ class HostBuffers:
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], Tensor] = {}
         self._staged: set[tuple[Any, ...]] = set()
+        self._taken: set[int] = set()  # ids of the buffers this save holds (a renamed entry is staged already)
         self._cuda = False
         self.allocations = 0
         """Buffers allocated so far: a second save of the same tensors adds none."""
@@ -33,12 +34,14 @@ class HostBuffers:
     def begin(self) -> None:
         """Start a save: each buffer may be staged into once until :meth:`finish`."""
         self._staged.clear()
+        self._taken.clear()
         self._cuda = False
 
     def stage(self, name: tuple[Any, ...], tensor: Tensor) -> Tensor:
         """A host copy of ``tensor`` in the buffer ``name`` (allocated if new or of another shape). Copies from the
-        GPU are queued without waiting (:meth:`finish` waits for them). A tensor already staged is returned as is."""
-        if tensor is self._buffers.get(name) and name in self._staged:
+        GPU are queued without waiting (:meth:`finish` waits for them). A buffer of this save is returned as is
+        (also under another name: a chained optimizer's entries are renamed after they were staged)."""
+        if id(tensor) in self._taken:
             return tensor
         buffer = self.take(name, tensor.shape, tensor.dtype, pinned=tensor.is_cuda)
         buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
@@ -59,6 +62,7 @@ class HostBuffers:
             self._buffers[name] = buffer
             self.allocations += 1
             self.bytes += buffer.nbytes
+        self._taken.add(id(buffer))
         return buffer
 
     def finish(self) -> None:
@@ -70,6 +74,7 @@ class HostBuffers:
         """Free every buffer (the next save allocates them again)."""
         self._buffers.clear()
         self._staged.clear()
+        self._taken.clear()
         self.bytes = 0
 
 

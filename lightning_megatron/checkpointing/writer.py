@@ -37,8 +37,9 @@ class CheckpointWriter:
         self.buffers = HostBuffers()
         self.plans = SavePlans()
         self.last_save: dict[str, Any] = {}
-        """Seconds the last save took on this rank: ``stage_s`` (state dict and host copies), ``plan_s``, ``write_s``
-        (synchronous saves), ``blocked_s`` (all of it: what training waited), ``new_structure``."""
+        """Seconds the last save took on this rank: ``wait_s`` (for the previous async save to be published),
+        ``stage_s`` (state dict and host copies), ``plan_s``, ``write_s`` (synchronous saves), ``blocked_s`` (all
+        of it: what training waited), ``new_structure``."""
         self._queue: Any | None = None
         self._saves: list[saving.PendingSave] = []  # oldest first, as Megatron's queue finalises them
         self._removals: list[Path] = []
@@ -52,18 +53,22 @@ class CheckpointWriter:
         """Collective. Publishes any earlier pending save, then saves ``build(buffers)`` (the state, its tensors
         staged in the host buffers, which the earlier save no longer reads) synchronously or asynchronously (and,
         with ``publish``, publishes it before returning)."""
-        self.finalize()
         start = time.perf_counter()
+        self.finalize()  # the earlier save no longer reads the host buffers once published
+        assert not self.pending, "a save must not stage into host buffers a pending save still reads"
+        staging = time.perf_counter()
         state = build(self.buffers)
-        timings = {"stage_s": time.perf_counter() - start}
+        timings = {"wait_s": staging - start, "stage_s": time.perf_counter() - staging}
         if self.async_save and self._queue is None:
             self._queue = saving.async_queue()
         strategy, new = self.plans.strategy_for(state)
         with _children_ignore_sigterm():
             _start_result_queue()
             queue = self._queue if self.async_save else None
-            pending = saving.save(state, path, async_queue=queue, strategy=strategy, validate=new, timings=timings)
-        self.last_save = {**timings, "blocked_s": time.perf_counter() - start, "new_structure": new}
+            pending = saving.save(state, path, queue, strategy, validate=new is not None, timings=timings)
+        if new is not None:
+            self.plans.remember(new, strategy)
+        self.last_save = {**timings, "blocked_s": time.perf_counter() - start, "new_structure": new is not None}
         if pending is not None:
             self._saves.append(pending)
         if publish:
