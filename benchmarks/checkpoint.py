@@ -6,7 +6,7 @@
 One process, fits of ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule`` (Adam, distributed optimizer):
 (1) ``--saves`` synchronous ``trainer.save_checkpoint`` calls during training, each once the previous one is
 published: the time each blocks the step and its timeline (``timeline``: building the state and copying it to host
-buffers, planning, writing); before the first, Megatron's own build of the optimizer state beside ours;
+buffers, planning, writing); before the second, Megatron's own build of the optimizer state beside ours;
 (2) the same with ``async_save=True``: the blocked time and the time until each checkpoint is published (renamed
 into place by the strategy between steps); (3) ``trainer.fit(ckpt_path=...)`` from the first checkpoint of (1),
 from the disk (its pages dropped from the page cache) and again from the page cache: the time from
@@ -91,7 +91,8 @@ class Saves(L.Callback):
 
     def _save(self, trainer: Any) -> None:
         index = len(self.saves)
-        megatron = self._megatron_optimizer_state(trainer) if self.time_megatron and index == 0 else {}
+        # After the first save (a cold one: its host buffers are the process's first pinned memory), beside them.
+        megatron = self._megatron_optimizer_state(trainer) if self.time_megatron and index == 1 else {}
         if index >= 2:  # keep the first (the resume benchmark loads it) and the last
             shutil.rmtree(self.path(index - 1), ignore_errors=True)
         start = self._now()
