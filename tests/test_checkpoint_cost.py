@@ -113,3 +113,19 @@ def test_dp2_checkpoint_resumes_at_dp2_and_dp1(saved: dict, tmp_path: Path) -> N
     assert sorted(one["train"]) == sorted(later)
     for step, loss in later.items():
         assert one["train"][step] == pytest.approx(loss, rel=2e-4)
+
+
+def test_plan_structure_ignores_the_common_entries() -> None:
+    # ModelCheckpoint(monitor=...) keys its best-k models by path: every save changes the common entries, which
+    # are saved as one object whatever they hold; only the sharded tensors and objects decide the plan.
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from lightning_megatron.checkpointing.plans import structure
+
+    def state(rows: int, best: dict) -> dict:
+        weight = ShardedTensor.from_rank_offsets("w", torch.zeros(rows, 4), replica_id=0)
+        return {"model0": {"w": weight}, "callbacks": {"ModelCheckpoint": {"best_k_models": best}}}
+
+    first = structure(state(2, {"epoch=0-step=1.ckpt": 1.0}))
+    assert structure(state(2, {"epoch=0-step=2.ckpt": 0.5, "epoch=0-step=1.ckpt": 1.0})) == first
+    assert structure(state(3, {"epoch=0-step=1.ckpt": 1.0})) != first
