@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, ClassVar, Self
+from typing import Any, Self
 
 import torch
 
@@ -38,6 +38,44 @@ class Patch:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+class ModuleFunctions(Patch):
+    """A patch that replaces named functions of one module (:meth:`module`) by :meth:`replacements` while installed,
+    the originals kept in ``_originals`` (what the replacements hand calls back to)."""
+
+    def __init__(self) -> None:
+        self._originals: dict[str, Any] = {}
+
+    def module(self) -> Any:
+        raise NotImplementedError
+
+    def replacements(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def wanted(self) -> bool:
+        """Whether to install (checked before anything is replaced)."""
+        return True
+
+    def install(self) -> None:
+        if self.installed or not self.wanted():
+            return
+        module, replacements = self.module(), self.replacements()
+        self._originals = {name: getattr(module, name) for name in replacements}
+        for name, function in replacements.items():
+            setattr(module, name, function)
+        self.installed = True
+
+    def remove(self) -> None:
+        module = self.module()
+        originals, self._originals = self._originals, {}
+        self.installed = False
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+    def targets(self) -> list[tuple[Any, str]]:
+        module = self.module()
+        return [(module, name) for name in self.replacements()]
 
 
 class CpuMode(Patch):
@@ -104,7 +142,7 @@ class QuietRun(Patch):
         return [(warnings, "filters")]  # catch_warnings swaps the list; the logger filters are appended and removed
 
 
-class ForeachClipGrads(Patch):
+class ForeachClipGrads(ModuleFunctions):
     """Megatron's gradient clipping on torch's multi-tensor kernels, and the token-count division folded into it.
 
     Without Transformer Engine or apex, ``megatron.core.optimizer.clip_grads`` falls back to
@@ -125,36 +163,23 @@ class ForeachClipGrads(Patch):
     coefficient and accepts a gradient pre-scale; not fixed upstream as of megatron-core 0.19.2.
     """
 
-    _NAMES: ClassVar = ("l2_norm_impl", "multi_tensor_scale_impl", "multi_tensor_scale_tensor_impl")
-
     def __init__(self) -> None:
-        self._originals: dict[str, Any] = {}
+        super().__init__()
         self._token_scale: torch.Tensor | float | None = None
 
-    def install(self) -> None:
+    def module(self) -> Any:
+        from megatron.core.optimizer import clip_grads
+
+        return clip_grads
+
+    def replacements(self) -> dict[str, Any]:
+        return {"l2_norm_impl": self._l2_norm, "multi_tensor_scale_impl": self._scale,
+                "multi_tensor_scale_tensor_impl": self._scale_by_tensor}  # fmt: skip
+
+    def wanted(self) -> bool:
         from megatron.core import utils
-        from megatron.core.optimizer import clip_grads
 
-        if self.installed or clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
-            return
-        self._originals = {name: getattr(clip_grads, name) for name in self._NAMES}
-        clip_grads.l2_norm_impl = self._l2_norm
-        clip_grads.multi_tensor_scale_impl = self._scale
-        clip_grads.multi_tensor_scale_tensor_impl = self._scale_by_tensor
-        self.installed = True
-
-    def remove(self) -> None:
-        from megatron.core.optimizer import clip_grads
-
-        originals, self._originals = self._originals, {}
-        self.installed = False
-        for name, original in originals.items():
-            setattr(clip_grads, name, original)
-
-    def targets(self) -> list[tuple[Any, str]]:
-        from megatron.core.optimizer import clip_grads
-
-        return [(clip_grads, name) for name in self._NAMES]
+        return self.module().l2_norm_impl is utils.local_multi_tensor_l2_norm  # not TE's or apex's kernels
 
     @contextlib.contextmanager
     def token_scale(self, factor: torch.Tensor | float | None) -> Iterator[None]:
@@ -239,7 +264,7 @@ class KeepAdamStepOnLoad(Patch):
         return [(part, self._NAME) for part in self._parts]
 
 
-class UniformTokenPermutation(Patch):
+class UniformTokenPermutation(ModuleFunctions):
     """MoE token permutation by gathers and sums instead of atomic adds (:mod:`lightning_megatron.kernels.permute`).
 
     Without Transformer Engine, Megatron's token dispatchers call ``moe_utils.permute`` / ``unpermute``, whose
@@ -254,35 +279,18 @@ class UniformTokenPermutation(Patch):
     upstream as of megatron-core 0.19.2.
     """
 
-    _NAMES: ClassVar = ("permute", "unpermute")
-
     def __init__(self, kernels: Any) -> None:
         """``kernels``: :mod:`lightning_megatron.kernels.permute` (passed in: this module sits below the kernels)."""
+        super().__init__()
         self._kernels = kernels
-        self._originals: dict[str, Any] = {}
 
-    def install(self) -> None:
+    def module(self) -> Any:
         from megatron.core.transformer.moe import token_dispatcher
 
-        if self.installed:
-            return
-        self._originals = {name: getattr(token_dispatcher, name) for name in self._NAMES}
-        token_dispatcher.permute = self._permute
-        token_dispatcher.unpermute = self._unpermute
-        self.installed = True
+        return token_dispatcher
 
-    def remove(self) -> None:
-        from megatron.core.transformer.moe import token_dispatcher
-
-        originals, self._originals = self._originals, {}
-        self.installed = False
-        for name, original in originals.items():
-            setattr(token_dispatcher, name, original)
-
-    def targets(self) -> list[tuple[Any, str]]:
-        from megatron.core.transformer.moe import token_dispatcher
-
-        return [(token_dispatcher, name) for name in self._NAMES]
+    def replacements(self) -> dict[str, Any]:
+        return {"permute": self._permute, "unpermute": self._unpermute}
 
     def _permute(
         self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,

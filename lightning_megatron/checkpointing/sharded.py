@@ -57,7 +57,10 @@ def sharded_state_dict(
 ) -> dict[str, Any]:  # fmt: skip
     """Model chunks' (and optionally the Megatron optimizer's) sharded state dict: all weights, the trainable
     parameters only (LoRA adapters count as trainable even if frozen for a while), or all but those (``weights``).
-    With ``buffers`` (a save) every tensor is staged into those host buffers (:mod:`.staging`)."""
+    With ``buffers`` a save stages every tensor into those host buffers (:mod:`.staging`), and a load reads the
+    optimizer state into them."""
+    if buffers is not None:
+        buffers.begin()
     state: dict[str, Any] = {}
     for i, chunk in enumerate(chunks):
         chunk_state = chunk.sharded_state_dict(metadata=_METADATA)  # type: ignore[operator]
@@ -70,13 +73,10 @@ def sharded_state_dict(
         # (Adam's first step from it is the same as from no state at all).
         mcore_fixes.init_adam_state(optimizer)
         if buffers is not None:  # the optimizer state built on the device, in host buffers (.optimizer_state)
-            buffers.begin()
             state[_OPTIMIZER_KEY] = optimizer_state(optimizer, state, _METADATA, buffers, is_loading=is_loading)
         else:
             state[_OPTIMIZER_KEY] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_METADATA)
     if buffers is not None and not is_loading:
-        if optimizer is None:
-            buffers.begin()
         stage_state(state, buffers)
         buffers.finish()
     return state
