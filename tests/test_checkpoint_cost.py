@@ -129,3 +129,43 @@ def test_plan_structure_ignores_the_common_entries() -> None:
     first = structure(state(2, {"epoch=0-step=1.ckpt": 1.0}))
     assert structure(state(2, {"epoch=0-step=2.ckpt": 0.5, "epoch=0-step=1.ckpt": 1.0})) == first
     assert structure(state(3, {"epoch=0-step=1.ckpt": 1.0})) != first
+
+
+def test_checksums_are_computed_while_the_shards_are_written(tmp_path: Path) -> None:
+    """checksums.Recorder follows the files as they grow: blocks get their checksum before the writer is done, and
+    the table is the CRC-32 of every 64 KiB block of the final files (a partial last block included)."""
+    import json
+    import os
+    import time
+    import zlib
+
+    from lightning_megatron.checkpointing import checksums
+
+    block = checksums.BLOCK_BYTES
+    data = {name: os.urandom(size) for name, size in [("a__0_0.distcp", 5 * block + 123), ("a__0_1.distcp", block)]}
+    (tmp_path / "b__1_0.distcp").write_bytes(b"another rank's file")
+    with checksums.Recorder(tmp_path, rank=0) as recorder:
+        for name, content in data.items():
+            with open(tmp_path / name, "wb") as f:
+                for start in range(0, len(content), 40_000):  # appends that straddle the blocks
+                    f.write(content[start : start + 40_000])
+                    f.flush()
+        deadline = time.monotonic() + 30
+        while recorder.blocks < 6 and time.monotonic() < deadline:  # the complete blocks, before the exit
+            time.sleep(0.01)
+        assert recorder.blocks == 6
+    table = json.loads((tmp_path / "checksums_0.json").read_text())
+    want = {
+        name: {
+            "size": len(content),
+            "blocks": [zlib.crc32(content[i : i + block]) for i in range(0, len(content), block)],
+        }
+        for name, content in data.items()
+    }
+    assert table["files"] == want
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    with checksums.Recorder(failed, rank=0) as recorder:
+        (failed / "a__0_0.distcp").write_bytes(b"incomplete")
+        recorder.discard()
+    assert not (failed / "checksums_0.json").exists()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from typing import Any
 
 BLOCK_BYTES = 1 << 16  # 64 KiB: a damaged block names few tensors; 13 GB of shards make ~2 MB of checksums
 _READ_BLOCKS = 256  # blocks read at once (16 MiB)
+_FOLLOW_SECONDS = 0.05  # how often the files being written are looked at
 _PATTERN = "checksums_{rank}.json"
 _SHARD_SUFFIX = ".distcp"
 _METADATA_TABLE = "metadata_checksums.json"
@@ -31,14 +33,72 @@ _METADATA_FILES = (".metadata", "metadata.json")  # torch DCP's index of the sha
 
 def record(directory: Path, rank: int) -> None:
     """Write ``checksums_<rank>.json`` for the shard files ``rank`` wrote into ``directory``."""
-    files = sorted(directory.glob(f"*__{rank}_*{_SHARD_SUFFIX}"))
-    blocks = _crcs([(file, range(_ceil(file.stat().st_size))) for file in files])
-    table = {
-        "algorithm": "crc32",
-        "block_bytes": BLOCK_BYTES,
-        "files": {file.name: {"size": file.stat().st_size, "blocks": crcs} for file, crcs in zip(files, blocks)},
-    }
-    (directory / _PATTERN.format(rank=rank)).write_text(json.dumps(table))
+    with Recorder(directory, rank, follow=False):
+        pass
+
+
+class Recorder:
+    """``with Recorder(directory, rank): <write rank's shard files>`` records their checksums, as :func:`record`
+    does after the writes, but mostly while they are written: a thread follows the files as they grow and
+    checksums each 64 KiB block once it is complete (read back from the page cache; the writer only appends, so a
+    complete block does not change), and the exit checksums what is left and writes ``checksums_<rank>.json`` --
+    unless the block raised or called :meth:`discard`, when no table is written."""
+
+    def __init__(self, directory: Path, rank: int, follow: bool = True) -> None:
+        self.directory, self.rank = directory, rank
+        self._crcs: dict[str, list[int]] = {}
+        self._written = threading.Event()
+        self._discarded = False
+        self._thread = threading.Thread(target=self._follow, name="checksums", daemon=True) if follow else None
+
+    def __enter__(self) -> Recorder:
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self._written.set()
+        if self._thread is not None:
+            self._thread.join()
+        if kind is not None or self._discarded:
+            return
+        sizes = self._catch_up(final=True)
+        table = {
+            "algorithm": "crc32",
+            "block_bytes": BLOCK_BYTES,
+            "files": {name: {"size": size, "blocks": self._crcs[name]} for name, size in sizes.items()},
+        }
+        (self.directory / _PATTERN.format(rank=self.rank)).write_text(json.dumps(table))
+
+    @property
+    def blocks(self) -> int:
+        """How many blocks have their checksum so far."""
+        return sum(len(crcs) for crcs in list(self._crcs.values()))
+
+    def discard(self) -> None:
+        """Write no table at the exit (the files are incomplete: the writer reported a failure)."""
+        self._discarded = True
+
+    def _follow(self) -> None:
+        while not self._written.wait(_FOLLOW_SECONDS):
+            try:
+                self._catch_up(final=False)
+            except OSError:  # e.g. the directory removed by a failed save: the exit finds out
+                return
+
+    def _catch_up(self, final: bool) -> dict[str, int]:
+        """Checksum the blocks written since the last call (with ``final``: also each file's last, partial block);
+        returns each file's size."""
+        files = sorted(self.directory.glob(f"*__{self.rank}_*{_SHARD_SUFFIX}"))
+        sizes = {file.name: file.stat().st_size for file in files}
+        tasks = []
+        for file in files:
+            done = len(self._crcs.setdefault(file.name, []))
+            size = sizes[file.name]
+            tasks.append((file, range(done, _ceil(size) if final else size // BLOCK_BYTES)))
+        for (file, _), crcs in zip(tasks, _crcs(tasks), strict=True):
+            self._crcs[file.name].extend(crcs)
+        return sizes
 
 
 def read(directory: Path) -> dict[str, dict[str, Any]] | None:

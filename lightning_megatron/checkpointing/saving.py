@@ -143,7 +143,7 @@ def _prepare(partial: Path, rank: int) -> WriterLock:
 
 
 def _write(write: Any, directory: Path, rank: int, *args: Any, **kwargs: Any) -> None:
-    """Megatron's writer function, then the checksums of what it wrote (in the writer process for async saves).
+    """Megatron's writer function, with the checksums of what it writes (in the writer process for async saves).
 
     Megatron's writer threads report a failure only by logging it (the exception it passes on names the exception
     type alone), so the log records are kept: in ``writer_errors_<rank>.txt``, which :func:`_failure` reads."""
@@ -151,13 +151,14 @@ def _write(write: Any, directory: Path, rank: int, *args: Any, **kwargs: Any) ->
     logger = logging.getLogger(_WRITER_LOGGER)
     logger.addHandler(errors)
     try:
-        write(*args, **kwargs)
+        with checksums.Recorder(directory, rank) as recorder:  # checksums computed while the files are written
+            write(*args, **kwargs)
+            if errors.messages:
+                recorder.discard()
     finally:
         logger.removeHandler(errors)
     if errors.messages:
         (directory / _WRITER_ERRORS.format(rank=rank)).write_text("\n".join(errors.messages))
-        return
-    checksums.record(directory, rank)
 
 
 class _Records(logging.Handler):
