@@ -44,7 +44,7 @@ def test_expert_parallel_matches_one_process(moe_run: dict, tmp_path: Path) -> N
     one = run_here({**args, "devices": 1}, tmp_path)
     ep2 = run_worker({**args, "devices": 2, "ep": 2}, tmp_path)
     assert ep2["val"] == pytest.approx(one["val"], rel=2e-5)
-    assert (one["dispatchers"], ep2["dispatchers"]) == (["MoEAllGatherTokenDispatcher"], ["MoEAlltoAllTokenDispatcher"])
+    assert (one["dispatchers"], ep2["dispatchers"]) == (["QueuedCountsDispatcher"], ["MoEAlltoAllTokenDispatcher"])
 
 
 @pytest.mark.multiprocess
@@ -158,9 +158,9 @@ def test_deepseek_and_qwen_routers_train_and_log_their_losses() -> None:
     ``moe_z_loss`` are in ``callback_metrics`` in the step's own ``on_train_batch_end``, equal to the losses computed
     from the routers' logits (mean over both MoE layers and the 4 micro-batches, times the coefficient)."""
     from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from lightning_megatron.gpt.moe import StepRouter
+    from lightning_megatron.gpt.moe_dispatch import QueuedCountsDispatcher, QueuedCountsMoELayer
 
     model = MegatronLMModule(tiny_gpt(**ROUTERS), lr=3e-3)
     probe = RouterProbe()
@@ -174,11 +174,12 @@ def test_deepseek_and_qwen_routers_train_and_log_their_losses() -> None:
     trainer.fit(model, DataLoader(synthetic_tokens(16, 32, 256, seed=1), batch_size=8))
 
     layers = model.chunks[0].decoder.layers
-    assert [type(layer.mlp) for layer in layers] == [MLP, MoELayer, MoELayer, MLP]
+    assert [type(layer.mlp) for layer in layers] == [MLP, QueuedCountsMoELayer, QueuedCountsMoELayer, MLP]
     moe = layers[1].mlp
     assert isinstance(moe.router, StepRouter)
     assert moe.shared_experts.gate_weight is not None
     assert moe.config.moe_token_dispatcher_type == "allgather"  # ep=1: nothing to send (parallel/state.py)
+    assert type(moe.token_dispatcher) is QueuedCountsDispatcher  # its permutation queued before the counts' wait
     assert len(probe.steps) == 2
     assert all(math.isfinite(step["loss"]) for step in probe.steps)
     unmoved = [n for n, p in model.chunks.named_parameters() if torch.equal(p.detach(), before[n])]

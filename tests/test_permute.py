@@ -67,3 +67,38 @@ def test_the_patch_takes_only_calls_it_reproduces() -> None:
         torch.testing.assert_close(weighted, x * probs.sum(1, keepdim=True))
     assert token_dispatcher.permute is moe_utils.permute
     assert token_dispatcher.unpermute is moe_utils.unpermute
+
+
+def test_queued_counts_dispatcher_equals_megatrons() -> None:
+    """The MoE layer's all-gather dispatcher at ep=1 (gpt/moe_dispatch.py): the same rows, counts (on the host),
+    probabilities, combined output and gradients as Megatron's, without the patch installed."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from lightning_megatron.gpt.moe_dispatch import QueuedCountsDispatcher, queued_counts_apply
+    from tests.conftest import one_process_megatron
+    from tests.test_grouped_experts import moe_config
+
+    tokens, k = 23, 2
+    with one_process_megatron(port=29643):
+        config = moe_config(params_dtype=torch.float64)
+        experts = config.num_moe_experts
+        assert queued_counts_apply(config, experts)
+        assert not queued_counts_apply(config, experts // 2)
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        routing_map, probs = routing(tokens, experts, k, seed=5)
+        x = torch.randn(tokens, 1, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        results = []
+        for kind in (MoEAllGatherTokenDispatcher, QueuedCountsDispatcher):
+            dispatcher = kind(experts, list(range(experts)), config=config, pg_collection=groups)
+            inputs, row_probs_in = x.clone().requires_grad_(), probs.clone().requires_grad_()
+            hidden, dispatched_probs = dispatcher.dispatch_preprocess(inputs, routing_map, row_probs_in)
+            hidden, dispatched_probs = dispatcher.token_dispatch(hidden, dispatched_probs)
+            rows, counts, row_probs = dispatcher.dispatch_postprocess(hidden, dispatched_probs)
+            weighted = rows * row_probs.unsqueeze(-1) * 3.0  # what the experts would return, per row
+            out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(weighted)))
+            out.square().sum().backward()
+            assert counts.device.type == "cpu"
+            results.append((rows, counts, row_probs, out, inputs.grad, row_probs_in.grad))
+        for got, want in zip(results[1], results[0], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -148,16 +148,19 @@ def with_moe_parts(spec: Any, fuse_wgrad: bool = False) -> Any:
     the micro-batches whose losses it logs) and whose experts are the grouped experts of
     :mod:`lightning_megatron.kernels.experts` (one ``[experts, out, in]`` weight per projection on every device;
     grouped GEMMs or a loop is the module's runtime choice); ``fuse_wgrad``: their weight gradients accumulate into
-    ``main_grad``. Its shared expert (with its gate) is Megatron's ``SharedExpertMLP``, from the same spec."""
+    ``main_grad``. Its shared expert (with its gate) is Megatron's ``SharedExpertMLP``, from the same spec. The layer
+    is :class:`~lightning_megatron.gpt.moe_dispatch.QueuedCountsMoELayer` (Megatron's ``MoELayer``, its all-gather
+    dispatcher waiting less for the host)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from lightning_megatron.gpt.moe import StepRouter
+    from lightning_megatron.gpt.moe_dispatch import QueuedCountsMoELayer
 
     mlp = spec.submodules.mlp
     if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
         raise TypeError(f"with_moe_parts needs an MoE layer spec (functools.partial(MoELayer, ...)), got {mlp!r}")
     parts = dataclasses.replace(mlp.keywords["submodules"], router=StepRouter, experts=grouped_experts(fuse_wgrad))
-    mlp = functools.partial(MoELayer, *mlp.args, **{**mlp.keywords, "submodules": parts})
+    mlp = functools.partial(QueuedCountsMoELayer, *mlp.args, **{**mlp.keywords, "submodules": parts})
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
