@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
 
 _PATH = str | os.PathLike
+# Runs started and not torn down. Lightning skips the teardown when a callback raises in on_exception (e.g.
+# ModelCheckpoint(save_on_exception=True) failing to save): the next run's start tears such a run down first.
+_UNFINISHED: weakref.WeakSet[MegatronStrategy] = weakref.WeakSet()
 
 
 class MegatronStrategy(DDPStrategy, MegatronRuntime):
@@ -245,6 +249,11 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def setup_environment(self) -> None:
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
+        for unfinished in list(_UNFINISHED):  # its patches, SIGTERM handler, RNG state: as a failed run's teardown
+            unfinished._sigterm.restore_chained()  # not Lightning's SIGTERM handler: its teardown will not run
+            unfinished._failed = True
+            unfinished.teardown()
+        _UNFINISHED.add(self)
         self._sigterm.before_run()
         self._patches.install(patches.QuietRun(self.root_device.type))  # notices of the torch-native path
         if self.root_device.type == "cpu":
@@ -467,6 +476,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def teardown(self) -> None:
+        _UNFINISHED.discard(self)
         failed, self._failed = self._failed, False
         # Every step runs even if one raises: no global patch (patches.py), RNG state or graph outlives the run.
         run_all(

@@ -248,6 +248,34 @@ def test_nonfinite_error_is_not_saved_on_exception_either(tmp_path: Path) -> Non
     assert _complete(tmp_path) == []
 
 
+def test_a_run_lightning_did_not_tear_down_is_torn_down_by_the_next(tmp_path: Path) -> None:
+    """When a callback raises in on_exception, Lightning skips the teardown: the run's patches (gradient clipping)
+    and SIGTERM handler stay. The next run's start tears that run down, so nothing of it reaches the next run."""
+    import signal
+
+    from lightning_megatron import patches
+
+    clip = patches.ForeachClipGrads()
+    saver = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, every_n_train_steps=100, filename="{step}")
+    with pytest.raises(FloatingPointError, match=r"at optimizer step 1"):
+        _trainer(4, callbacks=[saver], enable_checkpointing=True).fit(
+            Poisoned({1: 2}), DataLoader(_data(), batch_size=8)
+        )
+    stale = clip.module().l2_norm_impl
+    assert isinstance(getattr(stale, "__self__", None), patches.ForeachClipGrads)  # Lightning skipped the teardown
+
+    class Seen(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.clipping = clip.module().l2_norm_impl  # this run's patch, installed on the original functions
+
+    seen = Seen()
+    _trainer(1, callbacks=[seen]).fit(Poisoned({}), DataLoader(_data(), batch_size=8))
+    assert isinstance(seen.clipping.__self__, patches.ForeachClipGrads)
+    assert seen.clipping.__self__ is not stale.__self__
+    assert clip.wanted()  # Megatron's own functions again, after the second run's teardown
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # neither ours nor Lightning's handler is left
+
+
 def test_nonfinite_policy_is_checked() -> None:
     with pytest.raises(ValueError, match=r"nonfinite='ignore'.*'error'.*'skip'"):
         MegatronStrategy(nonfinite="ignore")  # type: ignore[arg-type]

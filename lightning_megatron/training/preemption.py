@@ -88,6 +88,14 @@ class SigtermStop:
         signal.signal(signal.SIGTERM, self._handle)
         self._installed = True
 
+    def restore_chained(self) -> None:
+        """For a run whose Lightning teardown will not run (it puts back the handler from before Lightning's): put
+        back the handler from before the run instead of Lightning's. Call it before :meth:`uninstall`."""
+        ours = self._installed and signal.getsignal(signal.SIGTERM) == self._handle
+        if ours and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._chained)  # type: ignore[arg-type]
+            self._installed, self._replaced = False, None
+
     def uninstall(self, redeliver: bool = True) -> None:
         """Put back Lightning's handler (Lightning's teardown then restores the one from before it). A signal that
         came after the last :meth:`check` is not dropped: with ``redeliver`` and the default action before the run,
