@@ -112,9 +112,10 @@ def _trainer(devices: int, job: dict, **kwargs: Any) -> L.Trainer:
     sizes = {"tp": job.get("tp", 1), "pp": job.get("pp", 1), "vpp": job.get("vpp"), "cp": job.get("cp", 1),
              "ep": job.get("ep", 1)}  # fmt: skip
     strategy = MegatronStrategy(**sizes, sequence_parallel=job.get("sp", False), micro_batch_size=2)
+    defaults = {"enable_checkpointing": False}
     return L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, **kwargs,
+        enable_model_summary=False, num_sanity_val_steps=0, **{**defaults, **kwargs},
     )  # fmt: skip
 
 
@@ -136,7 +137,14 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
         data = DataLoader(samples, batch_size=job.get("batch_size", 4))  # per data-parallel rank
         losses = Losses()
         save = SaveAtEnd(job["save"], peft=job.get("peft", True))
-        trainer = _trainer(devices, job, max_steps=job["train_steps"], callbacks=[losses, save])
+        callbacks: list[L.Callback] = [losses, save]
+        if job.get("ckpt"):  # checkpoints every 2 steps (with LoRA: the adapters and their optimizer state)
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            callbacks.append(ModelCheckpoint(dirpath=job["ckpt"], every_n_train_steps=2, save_top_k=-1))
+        trainer = _trainer(
+            devices, job, max_steps=job["train_steps"], callbacks=callbacks, enable_checkpointing=bool(job.get("ckpt"))
+        )
         trainer.fit(module, data, ckpt_path=job.get("resume"))
         result["train_losses"], result["buckets"] = losses.values, save.buckets
         result["trainable"] = sorted({n.split(".")[-2] for n, p in module.named_parameters() if p.requires_grad})

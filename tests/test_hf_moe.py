@@ -255,6 +255,9 @@ LAYOUTS = {
     # LoRA on every linear: attention, the experts (one adapter per expert and projection), the shared expert
     "qwen2_moe_ep2_lora": {"arch": "qwen2_moe", "ep": 2, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0,
                                                                                     "seed": 3}, "peft": False},
+    # LoRA on every linear with the experts split over expert tensor parallelism, checkpointed at step 2
+    "mixtral_tp2_lora": {"arch": "mixtral", "tp": 2, "sp": True, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0,
+                                                                                           "seed": 4}, "ckpt": True},
 }  # fmt: skip
 
 
@@ -263,7 +266,8 @@ def layouts(models: dict[str, Path], tokens: torch.Tensor, tmp_path_factory: pyt
     tmp = tmp_path_factory.mktemp("hf_moe_layouts")
     torch.save(tokens, tmp / "tokens.pt")
     torch.save([], tmp / "packed.pt")
-    jobs = [{**job, "model": str(models[job["arch"]]), "logprobs": True, "save": str(tmp / f"saved-{name}")}
+    jobs = [{**job, "model": str(models[job["arch"]]), "logprobs": True, "save": str(tmp / f"saved-{name}"),
+             "ckpt": str(tmp / f"ckpt-{name}") if job.get("ckpt") else None}
             for name, job in LAYOUTS.items()]  # fmt: skip
     out = tmp / "result"
     args = {"devices": 2, "tokens": str(tmp / "tokens.pt"), "packed": str(tmp / "packed.pt"), "out": str(out),
@@ -271,8 +275,8 @@ def layouts(models: dict[str, Path], tokens: torch.Tensor, tmp_path_factory: pyt
     run_forked("hf_worker:main", args, 2, tmp, child_env(CUDA_VISIBLE_DEVICES=""), expect=Path(f"{out}.rank1.json"))
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     logits = [[torch.load(f"{out}.job{i}.rank{r}.pt") for r in range(2)] for i in range(len(LAYOUTS))]
-    return {name: {"ranks": [ranks[r][i] for r in range(2)], "logits": logits[i], "save": Path(jobs[i]["save"])}
-            for i, name in enumerate(LAYOUTS)}  # fmt: skip
+    return {name: {"ranks": [ranks[r][i] for r in range(2)], "logits": logits[i], "save": Path(jobs[i]["save"]),
+                   "ckpt": jobs[i]["ckpt"]} for i, name in enumerate(LAYOUTS)}  # fmt: skip
 
 
 @pytest.mark.multiprocess
@@ -340,6 +344,38 @@ def test_lora_on_experts_at_ep2_equals_one_process(layouts: dict, models: dict, 
     merged = hf_forward(ep2["save"], tokens)[0]  # the adapters merged into the experts' and the others' weights
     torch.testing.assert_close(merged, one_logits, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(merged, hf_forward(models["qwen2_moe"], tokens)[0], atol=1e-3)  # the adapters moved
+
+
+@pytest.mark.multiprocess
+def test_lora_on_experts_at_tp2_equals_one_process(layouts: dict, models: dict, tokens: torch.Tensor,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """LoRA on every linear of an MoE model, the experts split over expert tensor parallelism (TP=2 with SP: fc1's B
+    split by rows, [gate; up] half by half, fc2's A by columns), trains as one process does; the merged export and
+    the PEFT adapter equal one process's; its checkpoint at step 2 resumes at TP=1 to the same step 3."""
+    import hf_worker
+
+    job = {**LAYOUTS["mixtral_tp2_lora"], "tp": 1, "sp": False, "model": str(models["mixtral"]),
+           "save": str(tmp_path / "one"), "ckpt": None}  # fmt: skip
+    one, one_logits = hf_worker.run_job(1, job, tokens, [])
+    tp2 = layouts["mixtral_tp2_lora"]
+    assert len(set(one["train_losses"])) == 3
+    for rank, result in enumerate(tp2["ranks"]):
+        assert result["train_losses"] == pytest.approx(one["train_losses"], rel=1e-5), rank
+        assert result["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5), rank
+        assert result["trainable"] == ["lora_A", "lora_B"]
+        assert result["buckets"]["equal"]  # bucketed export = per tensor, the experts' adapters gathered over TP
+        torch.testing.assert_close(tp2["logits"][rank], one_logits, rtol=1e-4, atol=1e-4)  # DP=1: every row
+    torch.testing.assert_close(hf_forward(tp2["save"], tokens)[0], one_logits, rtol=1e-4, atol=1e-4)  # merged
+    ours, theirs = (
+        load_file(Path(f"{path}-adapter") / "adapter_model.safetensors") for path in (tp2["save"], job["save"])
+    )
+    assert ours.keys() == theirs.keys()
+    assert any("experts.base_layer.lora_B" in name for name in ours)  # the experts' fused gate_up adapters
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+    resumed, _ = hf_worker.run_job(1, {**job, "resume": str(Path(tp2["ckpt"]) / "epoch=0-step=2.ckpt"),
+                                       "save": str(tmp_path / "resumed")}, tokens, [])  # fmt: skip
+    assert resumed["train_losses"] == pytest.approx(one["train_losses"][2:], rel=1e-5)
 
 
 def test_expert_adapter_checkpoints_hold_the_adapters_and_resume_exactly(models: dict, tmp_path: Path) -> None:

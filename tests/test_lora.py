@@ -27,10 +27,13 @@ def test_lora_config_errors() -> None:
         MegatronLMModule(tiny_gpt(num_moe_experts=4), lora=LoRAConfig(target_modules=("q_proj", "gate_proj")))
     with pytest.raises(ValueError, match=r"alpha=0"):
         LoRAConfig(alpha=0)
-    moe = MegatronLMModule(tiny_gpt(num_moe_experts=4), lora=LoRAConfig())  # experts adapted: not under expert TP
-    with pytest.raises(ValueError, match=r"adapters on the experts.*tp=2.*use tp=1"):
-        moe.validate_parallel(ParallelSizes(tp=2))
-    moe.validate_parallel(ParallelSizes(ep=4))
+    dropped = MegatronLMModule(tiny_gpt(num_moe_experts=4), lora=LoRAConfig(dropout=0.1))  # experts adapted
+    with pytest.raises(ValueError, match=r"dropout=0.1\) on the experts.*tp=2.*use dropout=0.0, or tp=1"):
+        dropped.validate_parallel(ParallelSizes(tp=2, sequence_parallel=True))
+    dropped.validate_parallel(ParallelSizes(ep=4))
+    MegatronLMModule(tiny_gpt(num_moe_experts=4), lora=LoRAConfig()).validate_parallel(
+        ParallelSizes(tp=2, sequence_parallel=True)
+    )
     assert LoRAConfig(target_modules=["linear_qkv"]).target_modules == ("linear_qkv",)  # YAML lists
     with pytest.raises(ValueError, match=r"dropout=1.0 must be in \[0, 1\)"):
         LoRAConfig(dropout=1.0)

@@ -23,7 +23,14 @@ from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf.config import check_exportable, hf_config_dict
 from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, hf_weight_shapes
-from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, expert_piece, join_expert_pieces, split_local
+from lightning_megatron.gpt.hf.params import (
+    SPLIT_DIM,
+    Param,
+    expert_piece,
+    join_expert_pieces,
+    join_rank_blocks,
+    split_local,
+)
 from lightning_megatron.gpt.lora.config import LoRAConfig
 
 _NOT_RUNNING = (
@@ -240,7 +247,7 @@ def _gather(chunks: Sequence[nn.Module], bucket: list[Owner], config: ModelConfi
             full.append(locals_[i].clone())
             continue
         parts = [split_local(p, shard, config, tp) for shard in per_rank[i]]  # [tp][HF tensors of p]
-        full += [torch.cat([rank_parts[j] for rank_parts in parts], dim=SPLIT_DIM[p.kind]) for j in range(len(p.hf))]
+        full += [join_rank_blocks(p.kind, [rank_parts[j] for rank_parts in parts]) for j in range(len(p.hf))]
     for tensor, (name, shape) in zip(full, [hf for _, _, p, _ in bucket for hf in p.hf], strict=True):
         assert tuple(tensor.shape) == shape, f"{name}: exported {tuple(tensor.shape)}, expected {shape}"
     return full

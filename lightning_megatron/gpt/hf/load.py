@@ -27,7 +27,7 @@ from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf import pickled
 from lightning_megatron.gpt.hf.fields import architecture
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, expert_ranges, hf_weight_shapes
-from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, combine, expert_piece, expert_slice
+from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, combine, expert_piece, expert_slice, rank_block
 from lightning_megatron.gpt.lora.config import LoRAConfig, is_adapter_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -189,8 +189,8 @@ def _copy_shards(own: dict[str, Tensor], params: list[Param], checkpoint: HFChec
         pieces = _ExpertPieces(lazy, config.num_moe_experts or 1)
         for p in params:
             rank, tp = dense if p.expert is None else expert
-            read = [pieces.read(name) if pieces.is_piece(name) else _read_shard(lazy(name), SPLIT_DIM[p.kind], rank, tp)
-                    for name, _ in p.hf]  # fmt: skip
+            read = [rank_block(p.kind, pieces.read(name), rank, tp) if pieces.is_piece(name)
+                    else _read_shard(lazy(name), SPLIT_DIM[p.kind], rank, tp) for name, _ in p.hf]  # fmt: skip
             local = combine(p, read, config, tp)
             target = own[p.megatron] if p.expert is None else own[p.megatron][p.expert]
             if local.shape != target.shape:

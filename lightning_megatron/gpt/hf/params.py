@@ -14,9 +14,11 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-Kind = Literal["copy", "rows", "cols", "qkv", "gate_up"]
-SPLIT_DIM: dict[str, int | None] = {"copy": None, "rows": 0, "cols": 1, "qkv": 0, "gate_up": 0}
-"""The dimension each HF tensor of a kind is split along over tensor-parallel ranks (None: replicated)."""
+Kind = Literal["copy", "rows", "cols", "qkv", "gate_up", "halves"]
+SPLIT_DIM: dict[str, int | None] = {"copy": None, "rows": 0, "cols": 1, "qkv": 0, "gate_up": 0, "halves": 0}
+"""The dimension each HF tensor of a kind is split along over tensor-parallel ranks (None: replicated). A "halves"
+tensor (an expert adapter's B on HF's fused gate_up_proj: [gate rows; up rows]) is split half by half: a rank holds
+[its gate rows; its up rows], as Megatron's fused linear_fc1 (:func:`rank_block`, :func:`join_rank_blocks`)."""
 
 HFTensor = tuple[str, tuple[int, ...]]
 """An HF tensor's name and full shape."""
@@ -107,6 +109,26 @@ def split_local(p: Param, local: Tensor, c: ModelShape, tp: int) -> list[Tensor]
     if p.kind == "gate_up":
         return list(local.chunk(2))
     return [local]
+
+
+def rank_block(kind: Kind, whole: Tensor, rank: int, tp: int) -> Tensor:
+    """A tensor-parallel rank's block of a whole HF tensor of ``kind`` (all of it for a replicated kind)."""
+    dim = SPLIT_DIM[kind]
+    if dim is None or tp == 1:
+        return whole
+    if kind == "halves":
+        return torch.cat([half.chunk(tp)[rank] for half in whole.chunk(2)])
+    return whole.chunk(tp, dim=dim)[rank]
+
+
+def join_rank_blocks(kind: Kind, blocks: list[Tensor]) -> Tensor:
+    """Inverse of :func:`rank_block`: the whole tensor from every rank's block, in rank order."""
+    dim = SPLIT_DIM[kind]
+    if dim is None:
+        return blocks[0]
+    if kind == "halves":
+        return torch.cat([block.chunk(2)[half] for half in range(2) for block in blocks])
+    return torch.cat(blocks, dim=dim)
 
 
 EXPERT_PIECE = "@expert"

@@ -121,14 +121,14 @@ def adapts_experts(lora: LoRAConfig, model: ModelConfig) -> bool:
 
 
 def check_lora_parallel(lora: LoRAConfig, model: ModelConfig, tp: int) -> None:
-    """Raise ``ValueError`` for expert adapters under tensor parallelism (the experts would be split over expert TP,
-    which the expert adapters do not support)."""
-    if tp > 1 and adapts_experts(lora, model):
+    """Raise ``ValueError`` for dropout on expert adapters under tensor parallelism: the experts' tensor-parallel
+    ranks share their tokens (each holds part of every expert), and independent masks would give each rank's part
+    another dropped input."""
+    if tp > 1 and lora.dropout > 0 and adapts_experts(lora, model):
         raise ValueError(
-            f"LoRAConfig(target_modules={list(lora.target_modules)}) puts adapters on the experts of an MoE model, "
-            f"and tp={tp} splits the experts over expert tensor parallelism, which expert adapters do not support; "
-            "use tp=1 (expert and data parallelism split MoE models), or adapters on attention only "
-            "(target_modules=('linear_qkv', 'linear_proj'))"
+            f"LoRAConfig(dropout={lora.dropout}) on the experts of an MoE model (target_modules="
+            f"{list(lora.target_modules)}) with tp={tp}: the experts' tensor-parallel ranks would drop different "
+            "inputs of the same tokens; use dropout=0.0, or tp=1 (expert and data parallelism split MoE models)"
         )
 
 

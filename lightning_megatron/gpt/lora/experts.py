@@ -10,9 +10,16 @@ weight; their adapted versions add ``lora_A`` ``[E, r, in]`` and ``lora_B`` ``[E
 
 Each expert-parallel rank holds its experts' adapters (the expert axis sharded like the base weight, reduced over
 the expert-data-parallel group like it); checkpoints store them with the global expert axis, so they load at any EP
-size. Expert tensor parallelism (``tp > 1`` with experts) is refused by :func:`~lightning_megatron.gpt.lora.config.
-check_lora`. Each expert's A is drawn from the LoRA seed, its layer and its global expert index (B starts at zero),
-so every layout builds the same adapters.
+size. Each expert's A is drawn from the LoRA seed, its layer and its global expert index (B starts at zero), so every
+layout builds the same adapters.
+
+Under expert tensor parallelism (``tp > 1``, with sequence parallelism) the token dispatcher gives every rank of the
+group the same tokens, and the factor on the base's split side is split like the base: fc1's B by output rows (a
+SwiGLU rank's rows are [its gate rows; its up rows], as the base's), fc2's A by input columns. The other factor (fc1's
+A, fc2's B) is whole on every rank and gets a partial gradient there (from the rank's share of the output or of the
+input), so it is marked ``sequence_parallel``: Megatron's ``finalize_model_grads`` sums it over TP, as for the norms.
+The adapters' forward needs no communication of its own: fc1's split output is the base's, and fc2's partial output
+is summed over TP by the dispatcher with the base's.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import math
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.utils import get_pg_rank, get_pg_size
 from torch import Tensor, nn
 
@@ -42,7 +50,7 @@ class _ExpertAdapter:
 
     def _add_adapters(self, lora: LoRAConfig) -> None:
         self.weight.requires_grad_(False)
-        experts, out, n_in = self.weight.shape
+        experts, out, n_in = self.weight.shape  # this rank's shard: out / tp (fc1) or in / tp (fc2)
         self.lora = lora
         factory = {"dtype": self.weight.dtype, "device": self.weight.device}
         a = nn.Parameter(torch.zeros(experts, lora.rank, n_in, **factory))
@@ -50,6 +58,10 @@ class _ExpertAdapter:
         for param in (a, b):
             param.is_adapter = True  # kept in adapter-only checkpoints even if frozen later
             param.allreduce = self.weight.allreduce  # expert parameters: reduced over the expert-DP group
+        split, whole = (b, a) if self.tp_axis == 0 else (a, b)
+        set_tensor_model_parallel_attributes(split, is_parallel=True, dim=1 + self.tp_axis, stride=1)
+        if get_pg_size(self.tp_group) > 1:
+            whole.sequence_parallel = True  # partial gradients on each rank: summed over TP by finalize_model_grads
         self.lora_A = nn.ParameterDict({self.part: a})
         self.lora_B = nn.ParameterDict({self.part: b})
         self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
@@ -60,14 +72,19 @@ class _ExpertAdapter:
         return get_pg_rank(self.pg_collection.ep) * self.num_local_experts
 
     def reset_adapter(self, seed: int) -> None:
-        """Each expert's A from ``seed`` and its global expert index (Kaiming-uniform, as PEFT draws it); B zeros."""
+        """Each expert's A from ``seed`` and its global expert index (Kaiming-uniform over the full input, as PEFT
+        draws it; this rank's columns of it under TP); B zeros."""
         a, b = self.lora_A[self.part], self.lora_B[self.part]
-        bound = 1.0 / math.sqrt(a.shape[2])
+        tp = get_pg_size(self.tp_group) if self.tp_axis == 1 else 1  # fc2's A is split over TP
+        n_in = a.shape[2] * tp
+        bound = 1.0 / math.sqrt(n_in)
         with torch.no_grad():
             for e in range(a.shape[0]):
                 generator = torch.Generator().manual_seed((seed * 1_000 + self.first_expert + e) % 2**63)
-                draw = torch.empty(a.shape[1:], device=generator.device).uniform_(-bound, bound, generator=generator)
-                a[e].copy_(draw)
+                draw = torch.empty(a.shape[1], n_in, device=generator.device).uniform_(
+                    -bound, bound, generator=generator
+                )
+                a[e].copy_(draw.chunk(tp, dim=1)[get_pg_rank(self.tp_group) if tp > 1 else 0])
             b.zero_()
 
     def delta_weight(self, expert: int | None = None) -> Tensor:
@@ -87,21 +104,42 @@ class _ExpertAdapter:
         return out + delta * self.lora.scaling
 
     def adapter_sharded_state_dict(self, prefix: str, sharded_offsets: tuple) -> dict[str, Any]:
-        """The factors as sharded tensors with the global expert axis after the parents' axes (layers): one
-        writer among the expert-data-parallel replicas."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        """The factors as sharded tensors of their full shape, the global expert axis after the parents' axes
+        (layers); one writer among the expert-data-parallel replicas."""
+        keys = {
+            f"{prefix}{kind}.{self.part}": factors[self.part]
+            for kind, factors in [("lora_A", self.lora_A), ("lora_B", self.lora_B)]
+        }
+        return {key: self._factor_state(key, param, sharded_offsets) for key, param in keys.items()}
 
-        ep, expert_dp = self.pg_collection.ep, self.pg_collection.expt_dp
-        expert_axis = (len(sharded_offsets), get_pg_rank(ep), get_pg_size(ep))
-        state = {}
-        for name, param in [*self.lora_A.items(), *self.lora_B.items()]:
-            kind = "lora_A" if param is self.lora_A[name] else "lora_B"
-            key = f"{prefix}{kind}.{name}"
-            state[key] = ShardedTensor.from_rank_offsets(
-                key, param, *sharded_offsets, expert_axis, replica_id=(0, 0, get_pg_rank(expert_dp)),
-                prepend_axis_num=len(sharded_offsets),
+    def _factor_state(self, key: str, param: Tensor, sharded_offsets: tuple) -> Any:
+        """One factor's sharded state: the split factor as this rank's slice of it (a SwiGLU fc1's B: its gate rows
+        and its up rows, through a factory), the whole one written by expert-TP rank 0."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+        tp_rank, tp = get_pg_rank(self.tp_group), get_pg_size(self.tp_group)
+        ep, expert_dp_rank = self.pg_collection.ep, get_pg_rank(self.pg_collection.expt_dp)
+        axes = len(sharded_offsets)
+        split = tp > 1 and getattr(param, "tensor_model_parallel", False)
+        axis = axes + 1 + self.tp_axis  # fc1's B: its output rows; fc2's A: its input columns
+
+        def shard(key: str, data: Tensor, *tp_offsets: tuple) -> ShardedTensor:
+            return ShardedTensor.from_rank_offsets(
+                key, data, *sharded_offsets, (axes, get_pg_rank(ep), get_pg_size(ep)), *tp_offsets,
+                replica_id=(0, 0 if split else tp_rank, expert_dp_rank), prepend_axis_num=axes,
             )  # fmt: skip
-        return state
+
+        if not split:
+            return shard(key, param)
+        if self.tp_axis == 1 or not self.config.gated_linear_unit:
+            return shard(key, param, (axis, tp_rank, tp))
+
+        def halves(key: str, data: Tensor, replica_id: Any, flattened_range: Any) -> list[ShardedTensor]:
+            # [gate rows; up rows] of this rank: chunks tp_rank and tp + tp_rank of the 2 x tp chunks of the rows
+            gate, up = (half.contiguous() for half in data.chunk(2, dim=1))
+            return [shard(key, gate, (axis, tp_rank, 2 * tp)), shard(key, up, (axis, tp + tp_rank, 2 * tp))]
+
+        return ShardedTensorFactory(key, param, halves, lambda pieces: torch.cat(pieces, dim=1), (0, 0, expert_dp_rank))
 
 
 class LoRAGroupedColumnLinear(_ExpertAdapter, GroupedColumnLinear):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_megatron.gpt.hf.families.base import Family, dense_mlp
-from lightning_megatron.gpt.hf.params import EXPERT_PIECE, ModelShape, Param
+from lightning_megatron.gpt.hf.params import EXPERT_PIECE, Kind, ModelShape, Param
 from lightning_megatron.gpt.moe_config import moe_layer_pattern
 
 
@@ -50,11 +50,14 @@ class MoEFamily(Family):
         params = []
         projections = [("linear_fc1", "gate_up_proj", hidden, 2 * ffn, ".base_layer" if fc2 else "")] if fc1 else []
         projections += [("linear_fc2", "down_proj", ffn, hidden, "")] if fc2 else []
+        # Under expert TP, fc1's B is split like the base's rows ([gate; up] half by half) and fc2's A like its columns.
+        kinds: dict[str, tuple[Kind, Kind]] = {"linear_fc1": ("copy", "halves" if c.gated_linear_unit else "rows"),
+                                               "linear_fc2": ("cols", "copy")}  # fmt: skip
         for target, part, n_in, n_out, nest in projections:
             for e in range(c.num_moe_experts or 0):
-                for factor, shape in (("lora_A", (rank, n_in)), ("lora_B", (n_out, rank))):
+                for factor, shape, kind in zip(("lora_A", "lora_B"), ((rank, n_in), (n_out, rank)), kinds[target]):
                     piece = f"{h}experts{nest}.{factor}.weight{EXPERT_PIECE}{e}"
-                    params.append(Param(f"{m}experts.{target}.{factor}.{part}", ((piece, shape),), "copy", expert=e))
+                    params.append(Param(f"{m}experts.{target}.{factor}.{part}", ((piece, shape),), kind, expert=e))
         return params + self.shared_adapter_params(c, lora, m, h)
 
     def shared_adapter_params(self, c: Any, lora: Any, m: str, h: str) -> list[Param]:
