@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.checkpointing.optimizer_split import optimizer_count
+
 # DCP metadata classes and what they hold; nothing else may be built from a .metadata file.
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _SAFE_NAMES = {
@@ -98,18 +100,13 @@ def config_mismatch(saved: Mapping[str, Any] | None, current: Mapping[str, Any] 
     return [f"{f}: saved {saved.get(f)!r}, now {current.get(f)!r}" for f in fields if saved.get(f) != current.get(f)]
 
 
-def _optimizer_count(keys: Any) -> int:
-    """Megatron's ChainedOptimizer prefixes each inner optimizer's tensors with ``chained_<i>.`` (none for one)."""
-    chained = {key.split(".", 1)[0] for key in keys if key.startswith("chained_")}
-    return max(len(chained), 1)
-
-
 def check_optimizer_split(path: Path, metadata: Any, optimizer_state: Any) -> None:
-    """Raise ``ValueError`` when the checkpoint's optimizer state is split into another number of optimizers.
+    """Raise ``ValueError`` when the checkpoint's optimizer state is split into another number of optimizers and
+    Megatron's own state dict was asked for (optimizers :mod:`.optimizer_state` does not build).
 
     With MoE, Megatron builds separate optimizers for the dense and the expert parameters when their data-parallel
-    groups differ (e.g. ep > 1), and their states are stored under other keys: such a checkpoint's optimizer does
-    not load at a layout with another split.
+    groups differ (e.g. ep > 1), and their states are stored under other keys (:mod:`.optimizer_split` loads them
+    across splits for the optimizers this package builds the state of).
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -120,7 +117,7 @@ def check_optimizer_split(path: Path, metadata: Any, optimizer_state: Any) -> No
     saved_keys = [key for key in metadata.state_dict_metadata if "optimizer.state." in key]
     if not requested or not saved_keys:
         return
-    saved, wanted = _optimizer_count(saved_keys), _optimizer_count(requested)
+    saved, wanted = optimizer_count(saved_keys), optimizer_count(requested)
     if saved != wanted:
         raise ValueError(
             f"checkpoint {path} holds the state of {saved} optimizer(s) and this run builds {wanted} (Megatron splits "

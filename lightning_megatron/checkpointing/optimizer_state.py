@@ -52,6 +52,14 @@ def optimizer_state(
     return state
 
 
+def builds(optimizer: Any) -> bool:
+    """Whether :func:`optimizer_state` builds the state of ``optimizer`` (of each optimizer it chains) itself."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    members = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return all(covered(member) for member in members)
+
+
 def covered(optimizer: Any) -> bool:
     """Whether :func:`optimizer_state` builds this (non-chained) optimizer's state itself."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

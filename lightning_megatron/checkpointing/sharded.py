@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from lightning_megatron import patches
-from lightning_megatron.checkpointing import checks, checksums, mcore_fixes
-from lightning_megatron.checkpointing.optimizer_state import optimizer_state
+from lightning_megatron.checkpointing import checks, checksums, mcore_fixes, optimizer_split
+from lightning_megatron.checkpointing.optimizer_state import builds, optimizer_state
 from lightning_megatron.checkpointing.saving import PARTIAL_SUFFIX
 from lightning_megatron.checkpointing.staging import HostBuffers, stage_state
 from lightning_megatron.parallel.state import data_parallel_group
@@ -181,9 +181,12 @@ def load(
         _, unexpected = chunk.load_state_dict(loaded.pop(chunk_key(i)), strict=plan["weights"] == "all")
         assert not unexpected, unexpected
     if optimizer is not None:
+        optimizer_state = loaded.pop(_OPTIMIZER_KEY)
+        if plan["split"] is not None:  # saved at another expert-parallel size (.optimizer_split)
+            optimizer_state = optimizer_split.regroup(optimizer_state, *plan["split"])
         # Copying into fp32 main params that require grad must not be recorded by autograd.
         with torch.no_grad(), patches.KeepAdamStepOnLoad(optimizer):
-            optimizer.load_state_dict(loaded.pop(_OPTIMIZER_KEY))
+            optimizer.load_state_dict(optimizer_state)
         mcore_fixes.untie_adam_steps(optimizer)
     else:
         loaded.pop(_OPTIMIZER_KEY, None)
@@ -266,11 +269,37 @@ def _plan(
     checks.check_shapes(path, metadata, model_state, diff)  # a model of another shape first: the clearer error
     if selected == "trainable":  # adapters this module has no place for would be dropped silently
         checks.check_nothing_left_out(path, metadata, model_state)
-    if optimizer is not None:
-        checks.check_optimizer_split(path, metadata, state[_OPTIMIZER_KEY])
+    split = None if optimizer is None else _optimizer_split(path, metadata, optimizer, state[_OPTIMIZER_KEY], buffers)
     # Last, as it reads the shards: each rank verifies the stored entries it loads.
     checksums.verify(path, metadata, items=_stored_items(metadata, state))
-    return {"state": state, "weights": selected}
+    return {"state": state, "weights": selected, "split": split}
+
+
+def _optimizer_split(
+    path: Path, metadata: Any, optimizer: Any, request: Any, buffers: HostBuffers | None
+) -> tuple[int, int] | None:
+    """``(saved, wanted)`` optimizer counts when the checkpoint's optimizer state is split otherwise than this run's
+    (MoE at another expert-parallel size), its entries renamed to the checkpoint's (:mod:`.optimizer_split`); None
+    for the same split. Megatron's own state dicts (an optimizer :mod:`.optimizer_state` does not build) refuse."""
+    saved_keys = [key for key in metadata.state_dict_metadata if "optimizer.state." in key]
+    wanted_keys = [key for key in _sharded_keys(request) if "optimizer.state." in key]
+    if not saved_keys or not wanted_keys:
+        return None
+    saved, wanted = optimizer_split.optimizer_count(saved_keys), optimizer_split.optimizer_count(wanted_keys)
+    if saved == wanted:
+        return None
+    if buffers is None or not builds(optimizer):
+        checks.check_optimizer_split(path, metadata, request)  # raises, naming what to do instead
+    optimizer_split.rekey(path, request, saved_keys)
+    return saved, wanted
+
+
+def _sharded_keys(state: Any) -> list[str]:
+    """The keys of the sharded tensors and factories in ``state``."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return [item.key for item in nested_values(state) if isinstance(item, ShardedTensor | ShardedTensorFactory)]
 
 
 def _stored_items(metadata: Any, state: dict[str, Any]) -> list[Any]:
