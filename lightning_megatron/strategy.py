@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -37,16 +36,13 @@ from lightning_megatron.training.accumulation import GradientAccumulation
 from lightning_megatron.training.grad_norms import GradNormReads, grad_norms
 from lightning_megatron.training.offload import Offloader
 from lightning_megatron.training.preemption import Preempted, SigtermStop
-from lightning_megatron.training.retained import Retained, keep_after_run, run_all
+from lightning_megatron.training.retained import Retained, keep_after_run, run_all, run_finished, run_started
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
     from megatron.core.distributed import DistributedDataParallelConfig
 
 _PATH = str | os.PathLike
-# Runs started and not torn down. Lightning skips the teardown when a callback raises in on_exception (e.g.
-# ModelCheckpoint(save_on_exception=True) failing to save): the next run's start tears such a run down first.
-_UNFINISHED: weakref.WeakSet[MegatronStrategy] = weakref.WeakSet()
 
 
 class MegatronStrategy(DDPStrategy, MegatronRuntime):
@@ -226,8 +222,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def block_backward_sync(self) -> AbstractContextManager[None]:  # type: ignore[override]
-        # Trainer(accumulate_grad_batches): the batch run in here does not step (training/accumulation.py).
-        return self._accumulation.defer()
+        return self._accumulation.defer()  # Trainer(accumulate_grad_batches): this batch does not step
 
     # ------------------------------------------------------------------ setup
     @override
@@ -249,12 +244,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def setup_environment(self) -> None:
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
-        for unfinished in list(_UNFINISHED):  # its patches, SIGTERM handler, RNG state: as a failed run's teardown
-            unfinished._sigterm.restore_chained()  # not Lightning's SIGTERM handler: its teardown will not run
-            unfinished._failed = True
-            unfinished.teardown()
-        _UNFINISHED.add(self)
-        self._sigterm.before_run()
+        run_started(self, self._sigterm)  # tears down runs Lightning left unfinished first (training/retained.py)
         self._patches.install(patches.QuietRun(self.root_device.type))  # notices of the torch-native path
         if self.root_device.type == "cpu":
             self._patches.install(patches.CpuMode())
@@ -476,7 +466,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def teardown(self) -> None:
-        _UNFINISHED.discard(self)
+        run_finished(self)
         failed, self._failed = self._failed, False
         # Every step runs even if one raises: no global patch (patches.py), RNG state or graph outlives the run.
         run_all(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import lightning as L
@@ -70,25 +71,43 @@ def test_expert_parallel_errors() -> None:
         MegatronStrategy(tp=2, ep=2)._sizes.data_parallel_size(2)
 
 
-def test_optimizer_split_mismatch_is_refused(tmp_path: Path) -> None:
-    """A one-optimizer checkpoint (MoE at ep=1) resumed where Megatron splits dense and expert optimizers (ep=2)."""
-    from types import SimpleNamespace
-
+def test_optimizer_state_is_resplit_between_one_and_two_optimizers(tmp_path: Path) -> None:
+    """checkpointing/optimizer_split.py on hand-made states: entries renamed to the checkpoint's prefixes, the saved
+    parameter groups offered to each optimizer (the missing expert group from the dense one), the refusal named."""
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from lightning_megatron.checkpointing import checks
+    from lightning_megatron.checkpointing import checks, optimizer_split
 
-    def state(*keys: str) -> dict:
-        return {key: ShardedTensor.from_rank_offsets(key, torch.zeros(2)) for key in keys}
+    def entry(key: str) -> ShardedTensor:
+        return ShardedTensor.from_rank_offsets(key, torch.zeros(2))
 
-    one = SimpleNamespace(state_dict_metadata={"optimizer.state.exp_avg.w": 0, "w": 0})
-    split = state("chained_0.optimizer.state.exp_avg.w", "chained_1.optimizer.state.exp_avg.e")
-    with pytest.raises(ValueError, match=r"holds the state of 1 optimizer\(s\) and this run builds 2"):
-        checks.check_optimizer_split(tmp_path, one, split)
-    checks.check_optimizer_split(tmp_path, one, state("optimizer.state.exp_avg.w"))  # the same split loads
-    two = SimpleNamespace(state_dict_metadata={k: 0 for k in split})
-    checks.check_optimizer_split(tmp_path, two, split)
+    saved = ["chained_0.optimizer.state.exp_avg.w", "chained_1.optimizer.state.exp_avg.e", "w", "e"]
+    assert optimizer_split.optimizer_count(optimizer_split.state_keys(saved)) == 2
+    request = {"param_state": {0: {"exp_avg": entry("optimizer.state.exp_avg.w")},
+                               1: {"exp_avg": entry("optimizer.state.exp_avg.e")}}}  # fmt: skip
+    optimizer_split.rekey(tmp_path, request, saved)
+    assert [request["param_state"][i]["exp_avg"].key for i in (0, 1)] == saved[:2]
+    with pytest.raises(ValueError, match=r"holds no optimizer state 'optimizer.state.exp_avg.x'.*load_from_checkpoint"):
+        optimizer_split.rekey(tmp_path, {"x": entry("chained_1.optimizer.state.exp_avg.x")}, saved)
+
+    dense = {"is_expert_parallel": False, "wd_mult": 1.0, "step": 2.0}
+    experts = {**dense, "is_expert_parallel": True, "step": 2.0}
+    two = {0: {"optimizer": {"param_groups": [dense]}, "param_state_sharding_type": "fully_reshardable"},
+           1: {"optimizer": {"param_groups": [experts]}, "param_state_sharding_type": "fully_reshardable"},
+           "param_state": "loaded"}  # fmt: skip
+    one = optimizer_split.regroup(two, saved=2, wanted=1)
+    assert one == {"optimizer": {"param_groups": [dense, experts]}, "param_state_sharding_type": "fully_reshardable",
+                   "param_state": "loaded"}  # fmt: skip
+    saved_one = {"optimizer": {"param_groups": [dense]}, "param_state_sharding_type": "fully_reshardable",
+                 0: {"param_state": "dense"}, 1: {"param_state": "experts"}}  # fmt: skip
+    chained = optimizer_split.regroup(saved_one, saved=1, wanted=2)
+    assert [chained[i]["param_state"] for i in (0, 1)] == ["dense", "experts"]
+    assert chained[1]["optimizer"]["param_groups"] == [dense, experts]  # the experts' group: the dense one's settings
+
+    error = checks.optimizer_split_error(tmp_path, 1, 2, "HybridDeviceOptimizer")
+    assert re.search(r"holds the state of 1 optimizer\(s\) and this run builds 2.*HybridDeviceOptimizer.*default "
+                     r"distributed Adam.*load_from_checkpoint", str(error))  # fmt: skip
 
 
 @pytest.mark.multiprocess

@@ -276,6 +276,52 @@ def test_a_run_lightning_did_not_tear_down_is_torn_down_by_the_next(tmp_path: Pa
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # neither ours nor Lightning's handler is left
 
 
+def test_only_runs_that_ended_are_torn_down_at_the_next_start() -> None:
+    """training/retained.py: an interrupted run and an earlier run of the same strategy are torn down (on_exception,
+    then teardown, with the SIGTERM handler from before the run); a run still going (a Trainer inside another's
+    callback) is not."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    from lightning_megatron.training import retained
+
+    calls: list[tuple[str, str]] = []
+
+    class Run:
+        def __init__(self, name: str, status: TrainerStatus) -> None:
+            self.name = name
+            self.lightning_module = SimpleNamespace(trainer=SimpleNamespace(state=SimpleNamespace(status=status)))
+
+        def on_exception(self, exception: BaseException) -> None:
+            calls.append((self.name, "on_exception"))
+
+        def teardown(self) -> None:
+            calls.append((self.name, "teardown"))
+            retained.run_finished(self)
+
+    class Sigterm:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def restore_chained(self) -> None:
+            calls.append((self.name, "restore_chained"))
+
+        def before_run(self) -> None:
+            calls.append((self.name, "before_run"))
+
+    interrupted, going = Run("interrupted", TrainerStatus.INTERRUPTED), Run("going", TrainerStatus.RUNNING)
+    again = Run("again", TrainerStatus.RUNNING)
+    for run in (interrupted, going, again):
+        retained.run_started(run, Sigterm(run.name))
+    retained.run_started(again, Sigterm("again"))  # the same strategy starts another run: its last one has ended
+    stale = ["restore_chained", "on_exception", "teardown"]
+    assert calls == [("interrupted", "before_run"), *[("interrupted", c) for c in stale], ("going", "before_run"),
+                     ("again", "before_run"), *[("again", c) for c in stale], ("again", "before_run")]  # fmt: skip
+    for run in (going, again):
+        retained.run_finished(run)
+
+
 def test_nonfinite_policy_is_checked() -> None:
     with pytest.raises(ValueError, match=r"nonfinite='ignore'.*'error'.*'skip'"):
         MegatronStrategy(nonfinite="ignore")  # type: ignore[arg-type]

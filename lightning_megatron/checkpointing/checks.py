@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.checkpointing.optimizer_split import optimizer_count
-
 # DCP metadata classes and what they hold; nothing else may be built from a .metadata file.
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _SAFE_NAMES = {
@@ -100,32 +98,18 @@ def config_mismatch(saved: Mapping[str, Any] | None, current: Mapping[str, Any] 
     return [f"{f}: saved {saved.get(f)!r}, now {current.get(f)!r}" for f in fields if saved.get(f) != current.get(f)]
 
 
-def check_optimizer_split(path: Path, metadata: Any, optimizer_state: Any) -> None:
-    """Raise ``ValueError`` when the checkpoint's optimizer state is split into another number of optimizers and
-    Megatron's own state dict was asked for (optimizers :mod:`.optimizer_state` does not build).
-
-    With MoE, Megatron builds separate optimizers for the dense and the expert parameters when their data-parallel
-    groups differ (e.g. ep > 1), and their states are stored under other keys (:mod:`.optimizer_split` loads them
-    across splits for the optimizers this package builds the state of).
-    """
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    # Factories too: the grouped experts' states are factories until the load builds them (kernels/experts.py).
-    sharded = (ShardedTensor, ShardedTensorFactory)
-    requested = [item.key for item in nested_values(optimizer_state) if isinstance(item, sharded)]
-    saved_keys = [key for key in metadata.state_dict_metadata if "optimizer.state." in key]
-    if not requested or not saved_keys:
-        return
-    saved, wanted = optimizer_count(saved_keys), optimizer_count(requested)
-    if saved != wanted:
-        raise ValueError(
-            f"checkpoint {path} holds the state of {saved} optimizer(s) and this run builds {wanted} (Megatron splits "
-            "the dense and the expert parameters' optimizers when expert parallelism gives them other data-parallel "
-            "groups): its optimizer state does not load at this layout. Resume at the expert-parallel layout that "
-            "wrote it, or start from its weights: YourModule.load_from_checkpoint(path), then trainer.fit without "
-            "ckpt_path (a fresh optimizer)"
-        )
+def optimizer_split_error(path: Path, saved: int, wanted: int, optimizer: str) -> ValueError:
+    """The error for a checkpoint whose optimizer state is split into another number of optimizers than this run's
+    (MoE at another expert-parallel size) where Megatron builds the optimizer's state itself (:mod:`.optimizer_state`
+    builds, and :mod:`.optimizer_split` resplits, that of the default distributed Adam only)."""
+    return ValueError(
+        f"checkpoint {path} holds the state of {saved} optimizer(s) and this run builds {wanted} (Megatron splits the "
+        "dense and the expert parameters' optimizers when expert parallelism gives them other data-parallel groups), "
+        f"and this run's optimizer ({optimizer}: precision-aware, hybrid-device or Megatron-FSDP) has its state built "
+        "by Megatron, which does not load across that split. Resume at the expert-parallel size that wrote it, use "
+        "the default distributed Adam, or start from its weights: YourModule.load_from_checkpoint(path), then "
+        "trainer.fit without ckpt_path (a fresh optimizer)"
+    )
 
 
 def check_shapes(path: Path, metadata: Any, state: Mapping[str, Any], config_diff: list[str]) -> None:

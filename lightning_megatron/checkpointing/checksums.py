@@ -13,6 +13,7 @@ the shards can rewrite the checksums. Nothing in a checkpoint can run code eithe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -49,6 +50,7 @@ class Recorder:
         self._crcs: dict[str, list[int]] = {}
         self._written = threading.Event()
         self._discarded = False
+        self._pool = _pool()  # one pool for the whole follow (it starts its threads when first given work)
         self._thread = threading.Thread(target=self._follow, name="checksums", daemon=True) if follow else None
 
     def __enter__(self) -> Recorder:
@@ -60,9 +62,12 @@ class Recorder:
         self._written.set()
         if self._thread is not None:
             self._thread.join()
-        if kind is not None or self._discarded:
-            return
-        sizes = self._catch_up(final=True)
+        try:
+            if kind is not None or self._discarded:
+                return
+            sizes = self._catch_up(final=True)
+        finally:
+            self._pool.shutdown()
         table = {
             "algorithm": "crc32",
             "block_bytes": BLOCK_BYTES,
@@ -96,7 +101,7 @@ class Recorder:
             done = len(self._crcs.setdefault(file.name, []))
             size = sizes[file.name]
             tasks.append((file, range(done, _ceil(size) if final else size // BLOCK_BYTES)))
-        for (file, _), crcs in zip(tasks, _crcs(tasks), strict=True):
+        for (file, _), crcs in zip(tasks, _crcs(tasks, self._pool), strict=True):
             self._crcs[file.name].extend(crcs)
         return sizes
 
@@ -228,9 +233,13 @@ def _ceil(end: int) -> int:
     return -(-end // BLOCK_BYTES)
 
 
-def _crcs(tasks: Sequence[tuple[Path, Sequence[int]]]) -> list[list[int]]:
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="checksums")
+
+
+def _crcs(tasks: Sequence[tuple[Path, Sequence[int]]], pool: ThreadPoolExecutor | None = None) -> list[list[int]]:
     """For each ``(file, ascending block numbers)``: the blocks' CRC-32s. Runs of consecutive blocks are read 16 MiB
-    at a time by a pool of threads (zlib and file reads release the GIL)."""
+    at a time by a pool of threads (``pool``, else one for this call; zlib and file reads release the GIL)."""
     jobs = []  # (task, first block, number of blocks)
     for index, (_, blocks) in enumerate(tasks):
         start = 0
@@ -250,7 +259,9 @@ def _crcs(tasks: Sequence[tuple[Path, Sequence[int]]]) -> list[list[int]]:
         return index, first, [zlib.crc32(view[i : i + BLOCK_BYTES]) for i in range(0, len(view), BLOCK_BYTES)]
 
     found: list[dict[int, int]] = [{} for _ in tasks]
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for index, first, crcs in pool.map(crc, jobs):
+    if not jobs:
+        return [[] for _ in tasks]
+    with contextlib.nullcontext(pool) if pool is not None else _pool() as threads:
+        for index, first, crcs in threads.map(crc, jobs):
             found[index].update(enumerate(crcs, start=first))
     return [[found[index][block] for block in blocks] for index, (_, blocks) in enumerate(tasks)]

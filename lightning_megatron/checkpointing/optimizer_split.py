@@ -23,6 +23,12 @@ from pathlib import Path
 from typing import Any
 
 _PREFIX = re.compile(r"^chained_(\d+)\.")
+_STATE = "optimizer.state."  # the entries of each parameter's state (.optimizer_state)
+
+
+def state_keys(keys: Iterable[str]) -> list[str]:
+    """The optimizer-state entries among ``keys`` (of a checkpoint's metadata or of a request)."""
+    return [key for key in keys if _STATE in key]
 
 
 def optimizer_count(keys: Iterable[str]) -> int:
@@ -37,12 +43,16 @@ def rekey(path: Path, request: Any, saved_keys: Iterable[str]) -> None:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    saved = {_PREFIX.sub("", key): key for key in saved_keys if "optimizer.state." in key}
+    saved = {_PREFIX.sub("", key): key for key in state_keys(saved_keys)}
     for item in nested_values(request):
         if isinstance(item, ShardedTensor | ShardedTensorFactory):
             key = _PREFIX.sub("", item.key)
             if key not in saved:
-                raise ValueError(f"checkpoint {path} holds no optimizer state {key!r}; it was written by another model")
+                raise ValueError(
+                    f"checkpoint {path} holds no optimizer state {key!r}: its run trained other parameters (e.g. other "
+                    "layers frozen). Resume with the same trainable parameters, or start from its weights: "
+                    "YourModule.load_from_checkpoint(path), then trainer.fit without ckpt_path (a fresh optimizer)"
+                )
             item.key = saved[key]
 
 

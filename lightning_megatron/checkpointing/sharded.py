@@ -281,15 +281,15 @@ def _optimizer_split(
     """``(saved, wanted)`` optimizer counts when the checkpoint's optimizer state is split otherwise than this run's
     (MoE at another expert-parallel size), its entries renamed to the checkpoint's (:mod:`.optimizer_split`); None
     for the same split. Megatron's own state dicts (an optimizer :mod:`.optimizer_state` does not build) refuse."""
-    saved_keys = [key for key in metadata.state_dict_metadata if "optimizer.state." in key]
-    wanted_keys = [key for key in _sharded_keys(request) if "optimizer.state." in key]
+    saved_keys = optimizer_split.state_keys(metadata.state_dict_metadata)
+    wanted_keys = optimizer_split.state_keys(_sharded_keys(request))
     if not saved_keys or not wanted_keys:
         return None
     saved, wanted = optimizer_split.optimizer_count(saved_keys), optimizer_split.optimizer_count(wanted_keys)
     if saved == wanted:
         return None
     if buffers is None or not builds(optimizer):
-        checks.check_optimizer_split(path, metadata, request)  # raises, naming what to do instead
+        raise checks.optimizer_split_error(path, saved, wanted, type(optimizer).__name__)
     optimizer_split.rekey(path, request, saved_keys)
     return saved, wanted
 

@@ -32,6 +32,8 @@ class QueuedCountsDispatcher(MoEAllGatherTokenDispatcher):
 
     def dispatch_postprocess(self, hidden_states: Tensor, probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(rows sorted by expert, tokens per expert on the host, the rows' probabilities)``, as Megatron's."""
+        if hidden_states.shape[0] == 0:  # no tokens: Megatron's path (the permutation here divides by them)
+            return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape
         self.local_map, self.local_probs = self.routing_map, probs  # all experts are local
         counts = self.routing_map.sum(dim=0)
@@ -50,6 +52,8 @@ class QueuedCountsDispatcher(MoEAllGatherTokenDispatcher):
 
     def combine_preprocess(self, hidden_states: Tensor) -> Tensor:
         """Each token's ``k`` expert rows summed back in token order: ``[tokens, hidden]``."""
+        if not permute.has_token_order(self.reversed_local_input_permutation_mapping):  # Megatron permuted them
+            return super().combine_preprocess(hidden_states)
         return permute.unpermute(
             hidden_states, self.reversed_local_input_permutation_mapping, self.hidden_shape_before_permute[0]
         )

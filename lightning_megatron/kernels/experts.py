@@ -124,7 +124,7 @@ def _accumulate_main_grad(weight: Tensor, grad: Tensor, x: Tensor, counts: Seque
     if main.is_cuda and main.dtype != grad.dtype and not mixed_dtype_addmm_available():
         main.add_(_wgrad(grad, x, weight, counts, offs))
         return
-    # One split per tensor (not a slice per expert): the host's time per expert is what this loop costs on a GPU.
+    # One split per tensor: the host's time per expert is what this loop costs on a GPU.
     for main_e, grad_e, x_e, n in zip(main.unbind(0), grad.split(counts), x.split(counts), counts, strict=True):
         if n:
             accumulate_wgrad(main_e, grad_e, x_e)

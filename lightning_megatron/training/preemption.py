@@ -92,7 +92,7 @@ class SigtermStop:
         """For a run whose Lightning teardown will not run (it puts back the handler from before Lightning's): put
         back the handler from before the run instead of Lightning's. Call it before :meth:`uninstall`."""
         ours = self._installed and signal.getsignal(signal.SIGTERM) == self._handle
-        if ours and threading.current_thread() is threading.main_thread():
+        if ours and self._chained is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._chained)  # type: ignore[arg-type]
             self._installed, self._replaced = False, None
 

@@ -5,6 +5,9 @@ model with ``trainer.save_checkpoint(path)``. A Megatron checkpoint also needs M
 sharded state dicts ask them for ranks) and, on CPU, CPU mode. So after a run the strategy keeps its groups and
 its optimizer; on GPU the optimizer state (and gradient buffers) leave the accelerator for pinned host memory, and
 come back only while a save after the run writes them.
+
+A run Lightning never tore down (a callback raised in ``on_exception``) is torn down when the next one starts
+(:func:`run_started`), so that its patches and SIGTERM handler do not outlive it.
 """
 
 from __future__ import annotations
@@ -88,3 +91,39 @@ def run_all(*steps: Callable[[], object], raise_errors: bool = True) -> None:
         raise error
     if error is not None:
         log.error("teardown after a failed run also failed: %s: %s", type(error).__name__, error, exc_info=error)
+
+
+# Runs started and not torn down, with their SIGTERM handling (held strongly: their patches must be undone even if
+# nothing else holds the strategy).
+_UNFINISHED: dict[int, tuple[Any, Any]] = {}
+
+
+def run_started(strategy: Any, sigterm: Any) -> None:
+    """At a run's start: first tear down the runs Lightning left unfinished -- an earlier run of ``strategy``, or one
+    whose Trainer ended interrupted: when a callback raises in ``on_exception`` (e.g.
+    ``ModelCheckpoint(save_on_exception=True)`` failing to save) Lightning skips the strategy's ``on_exception`` and
+    the teardown, which run here, with the SIGTERM handler from before that run put back (not Lightning's: its own
+    teardown will not run). A run still going (a Trainer inside another's callback) is left alone. Then record this
+    run and start its SIGTERM handling (``sigterm``: its ``SigtermStop``, :mod:`.preemption`)."""
+    for other, other_sigterm in list(_UNFINISHED.values()):
+        if other is strategy or interrupted(other.lightning_module):
+            other_sigterm.restore_chained()
+            other.on_exception(RuntimeError("a callback raised in on_exception: Lightning did not end this run"))
+            other.teardown()
+    _UNFINISHED[id(strategy)] = (strategy, sigterm)
+    sigterm.before_run()
+
+
+def run_finished(strategy: Any) -> None:
+    """At a run's teardown."""
+    _UNFINISHED.pop(id(strategy), None)
+
+
+def interrupted(module: Any) -> bool:
+    """Whether ``module``'s Trainer ended its last run in an exception (Lightning's status INTERRUPTED)."""
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    try:
+        return module.trainer.state.status == TrainerStatus.INTERRUPTED
+    except (AttributeError, RuntimeError):  # no module, or one no longer attached to a Trainer
+        return False

@@ -27,7 +27,7 @@ from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf import pickled
 from lightning_megatron.gpt.hf.fields import architecture
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, expert_ranges, hf_weight_shapes
-from lightning_megatron.gpt.hf.params import SPLIT_DIM, Param, combine, expert_piece, expert_slice, rank_block
+from lightning_megatron.gpt.hf.params import SPLIT_DIM, Kind, Param, combine, expert_piece, expert_slice, rank_block
 from lightning_megatron.gpt.lora.config import LoRAConfig, is_adapter_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -190,7 +190,7 @@ def _copy_shards(own: dict[str, Tensor], params: list[Param], checkpoint: HFChec
         for p in params:
             rank, tp = dense if p.expert is None else expert
             read = [rank_block(p.kind, pieces.read(name), rank, tp) if pieces.is_piece(name)
-                    else _read_shard(lazy(name), SPLIT_DIM[p.kind], rank, tp) for name, _ in p.hf]  # fmt: skip
+                    else _read_shard(lazy(name), p.kind, rank, tp) for name, _ in p.hf]  # fmt: skip
             local = combine(p, read, config, tp)
             target = own[p.megatron] if p.expert is None else own[p.megatron][p.expert]
             if local.shape != target.shape:
@@ -217,8 +217,12 @@ class _ExpertPieces:
         return expert_slice(self.read_tensors[whole], expert, self.num_experts, lora_a=".lora_A." in whole)
 
 
-def _read_shard(lazy: Any, dim: int | None, rank: int, tp: int) -> Tensor:
-    """Read only rank's contiguous 1/tp block along ``dim`` (all of it when ``dim`` is None)."""
+def _read_shard(lazy: Any, kind: Kind, rank: int, tp: int) -> Tensor:
+    """Read only rank's block of a tensor of ``kind``: its contiguous 1/tp along the kind's split dimension (all of
+    it for a replicated kind; a "halves" tensor is read whole, then cut)."""
+    dim = SPLIT_DIM[kind]
+    if kind == "halves":
+        return rank_block(kind, lazy[:], rank, tp)
     if dim is None:
         return lazy[:]
     size = lazy.get_shape()[dim] // tp
