@@ -169,3 +169,46 @@ def test_checksums_are_computed_while_the_shards_are_written(tmp_path: Path) -> 
         (failed / "a__0_0.distcp").write_bytes(b"incomplete")
         recorder.discard()
     assert not (failed / "checksums_0.json").exists()
+
+
+def test_host_buffers_can_be_given_back_after_each_save(tmp_path: Path) -> None:
+    """checkpoint_writer.keep_host_buffers=False: after each save and after a load no host buffer is held, every
+    save allocates its buffers again, and the checkpoints still resume exactly."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+    from lightning_megatron.data.corpus import synthetic_tokens
+    from tests.conftest import one_process_trainer
+
+    seen: list[tuple[int, int]] = []  # (bytes held, allocations so far) at each step's start, after the last save
+    losses: dict[int, float] = {}
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            buffers = trainer.strategy.checkpoint_writer.buffers
+            seen.append((buffers.bytes, buffers.allocations))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            losses[trainer.global_step] = float(outputs["loss"])
+
+    def fit(steps: int, ckpt_path: str | None = None) -> MegatronStrategy:
+        strategy = MegatronStrategy(micro_batch_size=2)
+        strategy.checkpoint_writer.keep_host_buffers = False
+        saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        trainer = one_process_trainer(steps, strategy=strategy, callbacks=[Probe(), saver], enable_checkpointing=True)
+        data = DataLoader(synthetic_tokens(8 * steps, 32, 256, seed=2), batch_size=4)
+        trainer.fit(MegatronLMModule(tiny_gpt(), lr=1e-2), data, ckpt_path=ckpt_path)
+        return strategy
+
+    fit(3)
+    assert [held for held, _ in seen] == [0, 0, 0]
+    allocations = [count for _, count in seen[1:]]
+    assert allocations[1] > allocations[0] > 0  # each save allocated its buffers again
+    full = dict(losses)
+    seen.clear()
+    losses.clear()
+    fit(3, ckpt_path=str(tmp_path / "step=1.ckpt"))
+    assert seen[0][0] == 0  # the load's buffers were given back too
+    assert losses == {2: full[2], 3: full[3]}  # resumed exactly from step 1 (steps 2 and 3 again)

@@ -70,12 +70,16 @@ class HostBuffers:
         if self._cuda:
             torch.cuda.current_stream().synchronize()
 
-    def release(self) -> None:
-        """Free every buffer (the next save allocates them again)."""
+    def release(self, to_system: bool = False) -> None:
+        """Free every buffer (the next save allocates them again): into torch's cache of pinned memory, which later
+        pinned allocations of the process reuse, or with ``to_system`` back to the system (torch has no public call
+        for this: ``torch._C._host_emptyCache``, which also frees the cache's other unused pinned blocks)."""
         self._buffers.clear()
         self._staged.clear()
         self._taken.clear()
         self.bytes = 0
+        if to_system and torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
 
 
 def stage_state(state: dict[str, Any], buffers: HostBuffers) -> None:
