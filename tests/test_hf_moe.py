@@ -321,6 +321,18 @@ def test_recorded_routing_is_what_transformers_chooses(arch: str, models: dict, 
         assert torch.equal(recorded[0][:, layer].sort(dim=-1).values, want), layer
 
 
+def _trained_as_one_process(layout: dict, one: dict, one_logits: torch.Tensor, data_parallel: int) -> None:
+    """Every rank of a two-process LoRA layout trained as ``one`` process did: the same three distinct losses and
+    validation loss, only the adapters trainable, and its data-parallel rank's rows of the logits."""
+    assert len(set(one["train_losses"])) == 3
+    for rank, result in enumerate(layout["ranks"]):
+        assert result["train_losses"] == pytest.approx(one["train_losses"], rel=1e-5), rank
+        assert result["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5), rank
+        assert result["trainable"] == ["lora_A", "lora_B"]
+        rows = slice(rank % data_parallel, None, data_parallel)  # DP=1: every row
+        torch.testing.assert_close(layout["logits"][rank], one_logits[rows], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.multiprocess
 def test_lora_on_experts_at_ep2_equals_one_process(layouts: dict, models: dict, tokens: torch.Tensor,
                                                    tmp_path: Path) -> None:  # fmt: skip
@@ -334,13 +346,7 @@ def test_lora_on_experts_at_ep2_equals_one_process(layouts: dict, models: dict, 
            "save": str(tmp_path / "one")}  # fmt: skip
     one, one_logits = hf_worker.run_job(1, job, tokens, [])
     ep2 = layouts["qwen2_moe_ep2_lora"]
-    assert len(set(one["train_losses"])) == 3
-    for rank, result in enumerate(ep2["ranks"]):
-        assert result["train_losses"] == pytest.approx(one["train_losses"], rel=1e-5), rank
-        assert result["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5), rank
-        assert result["trainable"] == ["lora_A", "lora_B"]
-        rows = slice(rank, None, 2)
-        torch.testing.assert_close(ep2["logits"][rank], one_logits[rows], rtol=1e-4, atol=1e-4)
+    _trained_as_one_process(ep2, one, one_logits, data_parallel=2)
     merged = hf_forward(ep2["save"], tokens)[0]  # the adapters merged into the experts' and the others' weights
     torch.testing.assert_close(merged, one_logits, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(merged, hf_forward(models["qwen2_moe"], tokens)[0], atol=1e-3)  # the adapters moved
@@ -358,13 +364,8 @@ def test_lora_on_experts_at_tp2_equals_one_process(layouts: dict, models: dict, 
            "save": str(tmp_path / "one"), "ckpt": None}  # fmt: skip
     one, one_logits = hf_worker.run_job(1, job, tokens, [])
     tp2 = layouts["mixtral_tp2_lora"]
-    assert len(set(one["train_losses"])) == 3
-    for rank, result in enumerate(tp2["ranks"]):
-        assert result["train_losses"] == pytest.approx(one["train_losses"], rel=1e-5), rank
-        assert result["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5), rank
-        assert result["trainable"] == ["lora_A", "lora_B"]
-        assert result["buckets"]["equal"]  # bucketed export = per tensor, the experts' adapters gathered over TP
-        torch.testing.assert_close(tp2["logits"][rank], one_logits, rtol=1e-4, atol=1e-4)  # DP=1: every row
+    _trained_as_one_process(tp2, one, one_logits, data_parallel=1)
+    assert all(result["buckets"]["equal"] for result in tp2["ranks"])  # bucketed = per tensor, gathered over TP
     torch.testing.assert_close(hf_forward(tp2["save"], tokens)[0], one_logits, rtol=1e-4, atol=1e-4)  # merged
     ours, theirs = (
         load_file(Path(f"{path}-adapter") / "adapter_model.safetensors") for path in (tp2["save"], job["save"])
