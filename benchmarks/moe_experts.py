@@ -79,7 +79,7 @@ def build_experts(variant: str, config: Any) -> torch.nn.Module:
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.spec_utils import build_module
 
-    from lightning_megatron.kernels.experts import grouped_mlp_spec
+    from lightning_megatron.kernels.expert_mlp import grouped_mlp_spec
 
     groups = ProcessGroupCollection.use_mpu_process_groups()
     if variant == "sequential_mlp":

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_megatron.kernels import experts
+from lightning_megatron.kernels import expert_mlp, experts
+from lightning_megatron.kernels.expert_counts import ExpertCounts
 from tests.conftest import one_process_megatron
 
 COUNTS = [5, 0, 7, 3]  # uneven, one expert without tokens
@@ -48,7 +49,7 @@ def build(kind: str, config: Any, fuse_wgrad: bool = False) -> torch.nn.Module:
     if kind == "sequential":
         local = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
         return SequentialMLP(len(COUNTS), config, local, pg_collection=groups)
-    return build_module(experts.grouped_mlp_spec(fuse_wgrad), len(COUNTS), config, pg_collection=groups)
+    return build_module(expert_mlp.grouped_mlp_spec(fuse_wgrad), len(COUNTS), config, pg_collection=groups)
 
 
 def grouped_like(reference: torch.nn.Module, fuse_wgrad: bool = False, gemm: str = "auto") -> torch.nn.Module:
@@ -235,14 +236,75 @@ def test_plain_state_dict_round_trips(megatron_state: None) -> None:
     assert torch.equal(copy.linear_fc2.weight, reference.linear_fc2.weight * 3)
 
 
+@pytest.mark.parametrize(("gemm", "fuse_wgrad"), [("grouped", True), ("grouped", False), ("loop", True)])
+def test_grouped_forward_does_not_read_the_counts_on_the_host(
+    megatron_state: None, monkeypatch: pytest.MonkeyPatch, gemm: str, fuse_wgrad: bool
+) -> None:
+    """With device counts (what the dispatcher hands over), the grouped forward reads them only on the device;
+    the backward reads them on the host (the checks, the per-expert wgrad loop). The loop reads them at once."""
+    reference = build("sequential", moe_config())
+    module = grouped_like(reference, fuse_wgrad=fuse_wgrad, gemm=gemm)
+    if fuse_wgrad:
+        for linear in (module.linear_fc1, module.linear_fc2):
+            linear.weight.main_grad = torch.zeros_like(linear.weight)
+            linear.weight.grad_added_to_main_grad = False
+    reads = []
+    host = ExpertCounts.host
+    monkeypatch.setattr(ExpertCounts, "host", lambda self: reads.append(1) or host(self))
+    torch.manual_seed(3)
+    x, probs = torch.randn(sum(COUNTS), HIDDEN, requires_grad=True), torch.rand(sum(COUNTS))
+    out, _ = module(x, ExpertCounts(torch.tensor(COUNTS)), probs)
+    assert bool(reads) == (gemm == "loop")
+    reads.clear()
+    out.backward(torch.randn_like(out))
+    assert reads
+    want, _ = run(reference, x.detach(), probs, torch.zeros_like(out))  # values: the sequential experts'
+    torch.testing.assert_close(out.detach(), want)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"activation_func_clamp_value": 0.5, "glu_linear_offset": 1.0},
+        {"gated_linear_unit": False, "activation_func": F.gelu},
+    ],
+)
+def test_grouped_mlp_activations_equal_megatrons(megatron_state: None, overrides: dict[str, Any]) -> None:
+    """GroupedMLP's own forward (clamped and offset SwiGLU, a plain activation) against TEGroupedMLP's."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    module = build("grouped", moe_config(**overrides))
+    assert module.plain_path()
+    torch.manual_seed(4)
+    x, probs = torch.randn(sum(COUNTS), HIDDEN), torch.rand(sum(COUNTS))
+    grad = torch.randn(sum(COUNTS), HIDDEN)
+    got, got_dx = run(module, x, probs, grad)
+    got_grads = [module.linear_fc1.weight.grad.clone(), module.linear_fc2.weight.grad.clone()]
+    module.zero_grad()
+    x = x.detach().requires_grad_()
+    want, _ = TEGroupedMLP.forward(module, x, torch.tensor(COUNTS), probs)
+    want.backward(grad)
+    torch.testing.assert_close(got, want.detach())
+    torch.testing.assert_close(got_dx, x.grad)
+    torch.testing.assert_close(got_grads, [module.linear_fc1.weight.grad, module.linear_fc2.weight.grad])
+    single = moe_config(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True)
+    assert not build("grouped", single).plain_path()  # probabilities on the input: Megatron's forward
+
+
 def test_unsupported_settings_are_refused(megatron_state: None) -> None:
     with pytest.raises(ValueError, match="add_bias_linear=True"):
         build("grouped", moe_config(add_bias_linear=True))
     with pytest.raises(ValueError, match="bias_activation_fusion=True"):
         build("grouped", moe_config(activation_func=F.gelu, bias_activation_fusion=True))
     module = build("grouped", moe_config())
-    with pytest.raises(ValueError, match="must give 4 experts 15 rows"):
+    with pytest.raises(ValueError, match="must add up to the 15 rows"):
         module.linear_fc1(torch.randn(15, HIDDEN), [5, 0, 7, 2])
+    with pytest.raises(ValueError, match="3 counts for 4 local experts"):
+        module.linear_fc1(torch.randn(15, HIDDEN), [5, 0, 10])
+    module.linear_fc1.gemm = "grouped"  # counts on the device: checked in the backward, once on the host
+    out, _ = module.linear_fc1(torch.randn(15, HIDDEN, requires_grad=True), ExpertCounts(torch.tensor([5, 0, 7, 2])))
+    with pytest.raises(ValueError, match="must add up to the 15 rows"):
+        out.sum().backward()
     assert not experts.grouped_mm_available("cpu")
 
 
@@ -315,3 +377,44 @@ def test_grouped_kernels_accumulate_into_main_grad_on_gpu() -> None:
             got = getattr(grouped, name).weight.main_grad
             torch.testing.assert_close(got, total, rtol=3e-2, atol=6e-2)
             assert (got - total).norm() <= 1e-2 * total.norm()
+
+
+@pytest.mark.gpu
+def test_dispatch_and_experts_forward_without_host_synchronisation() -> None:
+    """At ep=1 the dispatcher's counts reach the grouped experts on the device: from the permutation to the
+    combine, the forward queues its work without waiting for the GPU (CUDA's sync debug mode raises on any
+    wait); the backward then reads the counts on the host, and the values equal the loop's."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from lightning_megatron.gpt.moe_dispatch import QueuedCountsDispatcher
+    from tests.test_permute import routing
+
+    with one_process_megatron(port=29644, cpu=False):
+        grouped, loop = _gpu_pair(fuse_wgrad=True)
+        for weight in (grouped.linear_fc1.weight, grouped.linear_fc2.weight):
+            weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+            weight.grad_added_to_main_grad = False
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        experts.grouped_mm_available("cuda")  # its one-time probe compares on the host
+        dispatcher = QueuedCountsDispatcher(
+            len(COUNTS), list(range(len(COUNTS))), config=grouped.config, pg_collection=groups
+        )
+        routing_map, probs = (t.cuda() for t in routing(300, len(COUNTS), 2, seed=7))
+        x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        hidden, row_probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
+        hidden, row_probs = dispatcher.token_dispatch(hidden, row_probs)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            rows, counts, row_probs = dispatcher.dispatch_postprocess(hidden, row_probs)
+            out, _ = grouped(rows, counts, row_probs)
+            combined = dispatcher.combine_preprocess(out)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert isinstance(counts, ExpertCounts)
+        assert not counts.on_host
+        combined.float().square().sum().backward()
+        assert counts.on_host  # read in the backward
+        want, _ = loop(rows.detach(), torch.tensor(counts.host()), row_probs.detach())
+        _close_bf16(out, want)
+        assert torch.count_nonzero(grouped.linear_fc1.weight.main_grad) > 0

@@ -76,6 +76,7 @@ def test_queued_counts_dispatcher_equals_megatrons() -> None:
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     from lightning_megatron.gpt.moe_dispatch import QueuedCountsDispatcher, queued_counts_apply
+    from lightning_megatron.kernels.expert_counts import ExpertCounts
     from tests.conftest import one_process_megatron
     from tests.test_grouped_experts import moe_config
 
@@ -98,6 +99,9 @@ def test_queued_counts_dispatcher_equals_megatrons() -> None:
             weighted = rows * row_probs.unsqueeze(-1) * 3.0  # what the experts would return, per row
             out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(weighted)))
             out.square().sum().backward()
+            if kind is QueuedCountsDispatcher:  # the experts' counts: on the device, their host copy queued
+                assert isinstance(counts, ExpertCounts)
+                counts = torch.tensor(counts.host())
             assert counts.device.type == "cpu"
             results.append((rows, counts, row_probs, out, inputs.grad, row_probs_in.grad))
         for got, want in zip(results[1], results[0], strict=True):

@@ -165,10 +165,10 @@ def with_moe_parts(spec: Any, fuse_wgrad: bool = False) -> Any:
 
 
 def grouped_experts(fuse_wgrad: bool = False) -> Any:
-    """The experts builder of :func:`lightning_megatron.kernels.experts.grouped_mlp_spec`."""
+    """The experts builder of :func:`lightning_megatron.kernels.expert_mlp.grouped_mlp_spec`."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from lightning_megatron.kernels.experts import grouped_mlp_spec
+    from lightning_megatron.kernels.expert_mlp import grouped_mlp_spec
 
     # MoELayer calls its experts builder as builder(num_local_experts, config, pg_collection=..., name=...).
     return functools.partial(build_module, grouped_mlp_spec(fuse_wgrad=fuse_wgrad))

@@ -12,6 +12,10 @@ Checkpoints are interchangeable with Megatron's ``SequentialMLP``: each expert's
 sharded key, global shape and expert offset as SequentialMLP's per-expert linear (the SwiGLU fc1 split into its
 gate and up halves, as Megatron's MLP does). There is no communication inside: the token dispatcher gathers the
 tokens over the expert-TP group before fc1 and reduce-scatters fc2's partial sums after it.
+
+The token counts arrive as an :class:`~lightning_megatron.kernels.expert_counts.ExpertCounts` (from
+:class:`~lightning_megatron.kernels.expert_mlp.GroupedMLP`) or a list (from ``TEGroupedMLP``): the grouped kernels
+read them on the device; the loops, and the fp32 weight-gradient accumulation in the backward, on the host.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_pg_rank, get_pg_size, make_tp_sharded_tensor_for_checkpoint
 from torch import Tensor, nn
 
+from lightning_megatron.kernels.expert_counts import ExpertCounts
 from lightning_megatron.kernels.linear import accumulate_wgrad, mixed_dtype_addmm_available
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 Gemm = Literal["auto", "grouped", "loop"]
@@ -81,42 +85,42 @@ def _spans(counts: Sequence[int]) -> list[tuple[int, int, int]]:
     return [(i, end - n, end) for i, (n, end) in enumerate(zip(counts, ends, strict=True)) if n]
 
 
-def _forward_gemm(x: Tensor, weight: Tensor, counts: Sequence[int], offs: Tensor | None) -> Tensor:
+def _forward_gemm(x: Tensor, weight: Tensor, counts: ExpertCounts, offs: Tensor | None) -> Tensor:
     """``x_e @ weight[e].t()`` for each expert's rows: [T, in] -> [T, out]."""
     if offs is not None:  # the kernel wants the weight column-major: [E, out, in] viewed as [E, in, out]
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
     out = x.new_empty(x.shape[0], weight.shape[1])
-    for e, start, end in _spans(counts):
+    for e, start, end in _spans(counts.host()):
         torch.mm(x[start:end], weight[e].t(), out=out[start:end])
     return out
 
 
-def _dgrad(grad: Tensor, weight: Tensor, counts: Sequence[int], offs: Tensor | None) -> Tensor:
+def _dgrad(grad: Tensor, weight: Tensor, counts: ExpertCounts, offs: Tensor | None) -> Tensor:
     """Input gradient ``grad_e @ weight[e]``: [T, out] -> [T, in]."""
     if offs is not None:
         return torch._grouped_mm(grad, weight, offs=offs)
     out = grad.new_empty(grad.shape[0], weight.shape[2])
-    for e, start, end in _spans(counts):
+    for e, start, end in _spans(counts.host()):
         torch.mm(grad[start:end], weight[e], out=out[start:end])
     return out
 
 
-def _wgrad(grad: Tensor, x: Tensor, weight: Tensor, counts: Sequence[int], offs: Tensor | None) -> Tensor:
+def _wgrad(grad: Tensor, x: Tensor, weight: Tensor, counts: ExpertCounts, offs: Tensor | None) -> Tensor:
     """Weight gradient ``grad_e^T @ x_e`` per expert, in the weight's dtype: [E, out, in]; zeros for experts
     without tokens."""
     if offs is not None:  # [out, T] x [T, in], grouped along the tokens
         out = torch._grouped_mm(grad.t(), x, offs=offs)
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.host()):
             if not n:  # an empty contraction: not every kernel writes its output
                 out[e].zero_()
         return out
     out = torch.zeros_like(weight)
-    for e, start, end in _spans(counts):
+    for e, start, end in _spans(counts.host()):
         torch.mm(grad[start:end].t(), x[start:end], out=out[e])
     return out
 
 
-def _accumulate_main_grad(weight: Tensor, grad: Tensor, x: Tensor, counts: Sequence[int], offs: Tensor | None) -> None:
+def _accumulate_main_grad(weight: Tensor, grad: Tensor, x: Tensor, counts: ExpertCounts, offs: Tensor | None) -> None:
     """``weight.main_grad[e] += grad_e^T @ x_e`` in fp32, one GEMM per expert with an fp32 output (the bf16
     products accumulated as apex's fused wgrad does); where CUDA lacks that GEMM, the grouped wgrad plus an add.
     (A grouped bf16 wgrad plus an fp32 add measured slower on an H100 than the per-expert fp32 GEMMs.)"""
@@ -124,10 +128,18 @@ def _accumulate_main_grad(weight: Tensor, grad: Tensor, x: Tensor, counts: Seque
     if main.is_cuda and main.dtype != grad.dtype and not mixed_dtype_addmm_available():
         main.add_(_wgrad(grad, x, weight, counts, offs))
         return
-    # One split per tensor: the host's time per expert is what this loop costs on a GPU.
-    for main_e, grad_e, x_e, n in zip(main.unbind(0), grad.split(counts), x.split(counts), counts, strict=True):
+    # One split per tensor: the host's time per expert is what this loop costs on a GPU. The host counts are
+    # ready by now: their copy was queued in the forward.
+    sizes = counts.host()
+    for main_e, grad_e, x_e, n in zip(main.unbind(0), grad.split(sizes), x.split(sizes), sizes, strict=True):
         if n:
             accumulate_wgrad(main_e, grad_e, x_e)
+
+
+def _check_rows(counts: ExpertCounts, rows: int) -> None:
+    """Refuse counts that do not add up to the rows (read on the host: where they are not yet, this waits)."""
+    if sum(counts.host()) != rows:
+        raise ValueError(f"tokens_per_expert {list(counts.host())} must add up to the {rows} rows given")
 
 
 def _has_main_grad(weight: Tensor) -> bool:
@@ -145,14 +157,16 @@ def _placeholder(weight: Tensor) -> Tensor:
 
 
 class _GroupedLinearFn(torch.autograd.Function):
-    """Per-expert ``x_e @ weight[e].t()`` on tokens sorted by expert; ``offs`` (int32 cumulative token counts on
-    the device) selects the grouped kernel, None the per-expert loop. With ``into_main_grad`` the backward adds
-    the weight gradient to ``weight.main_grad`` and returns the placeholder Megatron's DDP hook expects."""
+    """Per-expert ``x_e @ weight[e].t()`` on tokens sorted by expert; ``grouped`` selects the grouped kernel (its
+    offsets on the device: no wait for the host counts), else the per-expert loop. With ``into_main_grad`` the
+    backward adds the weight gradient to ``weight.main_grad`` and returns the placeholder Megatron's DDP hook
+    expects."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, weight: Tensor, counts: tuple[int, ...], offs: Tensor | None, into_main_grad: bool
+        ctx: Any, x: Tensor, weight: Tensor, counts: ExpertCounts, grouped: bool, into_main_grad: bool
     ) -> Tensor:
+        offs = counts.offsets(x.device) if grouped else None
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.offs, ctx.into_main_grad = counts, offs, into_main_grad
         return _forward_gemm(x, weight, counts, offs)
@@ -160,6 +174,7 @@ class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
+        _check_rows(ctx.counts, x.shape[0])
         grad = _aligned(grad_output) if ctx.offs is not None else grad_output.contiguous()
         grad_x = _dgrad(grad, weight, ctx.counts, ctx.offs) if ctx.needs_input_grad[0] else None
         grad_weight = None
@@ -295,47 +310,43 @@ class _GroupedLinear(MegatronModule):
             for e in range(self.num_local_experts):
                 init_method(self.weight[e])
 
-    def _offsets(self, x: Tensor, counts: tuple[int, ...]) -> Tensor | None:
-        """The grouped kernel's offsets where it runs this call (see :attr:`gemm`), else None (the loop)."""
-        if self.gemm == "loop" or not sum(counts):
-            return None
+    def _grouped(self, rows: Tensor) -> bool:
+        """Whether this call runs the grouped kernel (see :attr:`gemm`); else the per-expert loop."""
+        if self.gemm == "loop" or not rows.shape[0]:
+            return False
         if self.gemm == "auto":
             aligned = self.weight.shape[1] % 8 == 0 and self.weight.shape[2] % 8 == 0  # 16-byte strides in bf16
-            fits = x.dtype == self.weight.dtype == torch.bfloat16 and aligned and self.config.moe_grouped_gemm
-            if not (fits and grouped_mm_available(x.device)):
-                return None
-        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
-        # From pinned memory without blocking: a pageable copy would wait for the GPU work queued before it.
-        return offs.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else offs
+            fits = rows.dtype == self.weight.dtype == torch.bfloat16 and aligned and self.config.moe_grouped_gemm
+            return fits and grouped_mm_available(rows.device)
+        return True
 
-    def forward(self, x: Tensor, tokens_per_expert: Sequence[int] | Tensor) -> tuple[Tensor, None]:
+    def forward(self, x: Tensor, tokens_per_expert: ExpertCounts | Sequence[int] | Tensor) -> tuple[Tensor, None]:
         """Each expert's linear on its rows of ``x`` ([tokens sorted by local expert, in]); ``tokens_per_expert``
-        the row counts (TEGroupedMLP passes a list). Returns ``(output, None)``: no bias. The row-parallel
-        linear's output under expert TP is this rank's partial sum, which the token dispatcher reduces."""
-        if isinstance(tokens_per_expert, Tensor):
-            tokens_per_expert = tokens_per_expert.tolist()
-        counts = tuple(int(n) for n in tokens_per_expert)
+        the row counts (:class:`ExpertCounts` from :class:`~lightning_megatron.kernels.expert_mlp.GroupedMLP`, a
+        list from Megatron's ``TEGroupedMLP``). Returns ``(output, None)``: no bias. The row-parallel linear's
+        output under expert TP is this rank's partial sum, which the token dispatcher reduces."""
+        counts = tokens_per_expert if isinstance(tokens_per_expert, ExpertCounts) else ExpertCounts(tokens_per_expert)
         rows = x.reshape(-1, x.shape[-1])
-        if len(counts) != self.num_local_experts or sum(counts) != rows.shape[0]:
-            raise ValueError(
-                f"tokens_per_expert {list(counts)} must give {self.num_local_experts} experts {rows.shape[0]} rows"
-            )
-        offs = self._offsets(rows, counts)
-        self.last_gemm = "grouped" if offs is not None else "loop"
-        rows = _aligned(rows) if offs is not None else rows.contiguous()
-        out = self.expert_gemms(rows, counts, offs)
+        grouped = self._grouped(rows)
+        if len(counts) != self.num_local_experts:
+            raise ValueError(f"tokens_per_expert has {len(counts)} counts for {self.num_local_experts} local experts")
+        if counts.on_host or not grouped:  # else the backward checks them, once they are on the host
+            _check_rows(counts, rows.shape[0])
+        self.last_gemm = "grouped" if grouped else "loop"
+        rows = _aligned(rows) if grouped else rows.contiguous()
+        out = self.expert_gemms(rows, counts, grouped)
         return out.view(*x.shape[:-1], out.shape[-1]), None
 
-    def expert_gemms(self, rows: Tensor, counts: tuple[int, ...], offs: Tensor | None) -> Tensor:
+    def expert_gemms(self, rows: Tensor, counts: ExpertCounts, grouped: bool) -> Tensor:
         """The experts' products on their rows: the weight's GEMMs (LoRA adds its adapters' here)."""
-        return self.grouped_linear(rows, self.weight, counts, offs)
+        return self.grouped_linear(rows, self.weight, counts, grouped)
 
-    def grouped_linear(self, rows: Tensor, weight: Tensor, counts: tuple[int, ...], offs: Tensor | None) -> Tensor:
+    def grouped_linear(self, rows: Tensor, weight: Tensor, counts: ExpertCounts, grouped: bool) -> Tensor:
         """``rows_e @ weight[e].t()`` per expert for any ``[E, out, in]`` parameter of this module, its weight
         gradient into ``main_grad`` where fused (see :attr:`fuse_wgrad`)."""
         fuse = (self.fuse_wgrad or self.config.gradient_accumulation_fusion) and _has_main_grad(weight)
         into_main_grad = fuse and torch.is_grad_enabled() and weight.requires_grad
-        return _GroupedLinearFn.apply(rows, weight, counts, offs, into_main_grad)
+        return _GroupedLinearFn.apply(rows, weight, counts, grouped, into_main_grad)
 
     def backward_dw(self) -> None:
         """TEGroupedMLP's deferred weight-gradient hook: the weight gradient is computed in backward already."""
@@ -440,23 +451,3 @@ class FusedWgradGroupedRowLinear(GroupedRowLinear):
     """:class:`GroupedRowLinear` whose weight gradient accumulates in fp32 straight into ``main_grad``."""
 
     fuse_wgrad = True
-
-
-def grouped_mlp_spec(fuse_wgrad: bool = False) -> ModuleSpec:
-    """The MoE experts as Megatron's ``TEGroupedMLP`` over this module's grouped linears (no Transformer Engine).
-
-    Its plain activation path runs (SwiGLU and the router probabilities applied between fc1 and fc2); with
-    ``bias_activation_fusion`` Megatron's torch.compile'd weighted SwiGLU. ``config.moe_grouped_gemm`` picks the
-    grouped kernels (True, where :func:`grouped_mm_available`) or the per-expert loop (False); Megatron itself
-    needs it True only for ``recompute_modules=["moe_act"]``. ``fuse_wgrad``: the linears accumulate their weight
-    gradients straight into ``main_grad`` (as ``layer_spec(fuse_wgrad=True)``'s dense linears do).
-    """
-    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    column, row = (
-        (FusedWgradGroupedColumnLinear, FusedWgradGroupedRowLinear)
-        if fuse_wgrad
-        else (GroupedColumnLinear, GroupedRowLinear)
-    )
-    return ModuleSpec(module=TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=column, linear_fc2=row))

@@ -33,6 +33,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from torch import Tensor, nn
 
 from lightning_megatron.gpt.lora.config import LoRAConfig
+from lightning_megatron.kernels.expert_counts import ExpertCounts
 from lightning_megatron.kernels.experts import GroupedColumnLinear, GroupedRowLinear
 
 
@@ -95,12 +96,12 @@ class _ExpertAdapter:
             return b[expert] @ a[expert] * self.lora.scaling
         return torch.bmm(b, a) * self.lora.scaling
 
-    def expert_gemms(self, rows: Tensor, counts: tuple[int, ...], offs: Tensor | None) -> Tensor:
-        out = self.grouped_linear(rows, self.weight, counts, offs)  # type: ignore[attr-defined]
+    def expert_gemms(self, rows: Tensor, counts: ExpertCounts, grouped: bool) -> Tensor:
+        out = self.grouped_linear(rows, self.weight, counts, grouped)  # type: ignore[attr-defined]
         # The grouped kernel needs 16-byte rows: r a multiple of 8 in bf16; else the adapters loop over experts.
-        adapter_offs = offs if self.lora.rank % 8 == 0 else None
-        hidden = self.grouped_linear(self.lora_dropout(rows), self.lora_A[self.part], counts, adapter_offs)  # type: ignore[attr-defined]
-        delta = self.grouped_linear(hidden, self.lora_B[self.part], counts, adapter_offs)  # type: ignore[attr-defined]
+        adapter_grouped = grouped and self.lora.rank % 8 == 0
+        hidden = self.grouped_linear(self.lora_dropout(rows), self.lora_A[self.part], counts, adapter_grouped)  # type: ignore[attr-defined]
+        delta = self.grouped_linear(hidden, self.lora_B[self.part], counts, adapter_grouped)  # type: ignore[attr-defined]
         return out + delta * self.lora.scaling
 
     def adapter_sharded_state_dict(self, prefix: str, sharded_offsets: tuple) -> dict[str, Any]:
