@@ -12,9 +12,10 @@ into place by the strategy between steps); (3) ``trainer.fit(ckpt_path=...)`` fr
 from the disk (its pages dropped from the page cache) and again from the page cache: the time from
 ``on_fit_start`` to ``on_train_start``, which holds the load (and its checksum verification). Then, on that
 checkpoint: recording its checksums again and verifying them, and the disk's own write (fsynced) and read speed
-(``--disk-probe-gib`` in the same directory). Each measurement prints one JSON line; ``normal_step_s`` is the mean
-step time before the first save. The first save of a structure allocates the host buffers and plans; the second
-reuses the buffers and verifies the plan; the third reuses both.
+(``--disk-probe-gib`` in the same directory). ``--no-model-weights``: checkpoints without the model's copy of the
+trained weights (``checkpoint_writer.save_model_weights=False``). Each measurement prints one JSON line;
+``normal_step_s`` is the mean step time before the first save. The first save of a structure allocates the host
+buffers and plans; the second reuses the buffers and verifies the plan; the third reuses both.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-wait-steps", type=int, default=400, help="steps to wait for the saves at most")
     p.add_argument("--disk-probe-gib", type=float, default=2.0)
     p.add_argument("--commit", default=None, help="the code's git commit, copied into every row")
+    p.add_argument(
+        "--no-model-weights", dest="model_weights", action="store_false",
+        help="checkpoint_writer.save_model_weights=False: the trained weights stored only as fp32 main weights",
+    )  # fmt: skip
     return p.parse_args()
 
 
@@ -161,9 +166,11 @@ def fit(
 
     config = ModelConfig(**SHAPES[args.shape], vocab_size=32000, seq_length=args.seq_length)
     batch = args.micro_batch_size * args.micro_batches
+    strategy = MegatronStrategy(micro_batch_size=args.micro_batch_size, async_save=async_save)
+    strategy.checkpoint_writer.save_model_weights = args.model_weights
     trainer = L.Trainer(
         accelerator="cpu" if args.cpu else "gpu", devices=1, precision="32-true" if args.cpu else "bf16-mixed",
-        strategy=MegatronStrategy(micro_batch_size=args.micro_batch_size, async_save=async_save), max_steps=steps,
+        strategy=strategy, max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[callback], num_sanity_val_steps=0,
     )  # fmt: skip
@@ -224,7 +231,8 @@ def main() -> None:
     args = parse()
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
-    common = {"shape": args.shape, "device": "cpu" if args.cpu else torch.cuda.get_device_name(), "commit": args.commit}
+    device = "cpu" if args.cpu else torch.cuda.get_device_name()
+    common = {"shape": args.shape, "device": device, "commit": args.commit, "model_weights": args.model_weights}
     for mode in ("sync", "async"):  # a first save (allocates, plans), then later ones (reuse)
         saves = Saves(args.out, mode, args.save_at, args.saves, cuda=not args.cpu, time_megatron=mode == "sync")
         fit(args, saves, args.save_at + args.max_wait_steps, async_save=mode == "async")

@@ -242,6 +242,7 @@ def main(args: dict) -> None:
         max_tokens_per_micro_batch=args.get("max_tokens"),
         async_save=args.get("async_save", False),
     )
+    strategy.checkpoint_writer.save_model_weights = not args.get("lean", False)  # lean: weights as main weights only
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=devices,

@@ -115,6 +115,25 @@ def test_dp2_checkpoint_resumes_at_dp2_and_dp1(saved: dict, tmp_path: Path) -> N
         assert one["train"][step] == pytest.approx(loss, rel=2e-4)
 
 
+@pytest.mark.multiprocess
+def test_checkpoints_without_the_model_weights_resume_at_dp2_and_dp1(tmp_path: Path) -> None:
+    """A DP=2 bf16 run whose checkpoints hold the trained weights only as fp32 main weights (several gradient
+    buckets, parameters split between the ranks' optimizer shards) resumes at DP=2 exactly, and at one process."""
+    run = {"devices": 2, "overlap": True, "max_steps": STEPS, "ckpt_every": 1, "precision": "bf16-mixed"}
+    saving = run_worker({**run, "ckpt_dir": str(tmp_path / "lean"), "lean": True}, tmp_path)
+    ckpt = str(_ckpt(tmp_path / "lean", 2))
+    assert not any(
+        key.endswith("linear_fc1.weight") for key in _tensors(Path(ckpt), tmp_path) if "optimizer" not in key
+    )
+    later = {k: v for k, v in saving["train"].items() if int(k) > 2}
+    resumed = run_worker({**run, "resume": ckpt}, tmp_path)
+    assert resumed["train"] == later
+    one = run_here({"devices": 1, "max_steps": STEPS, "precision": "bf16-mixed", "resume": ckpt}, tmp_path)
+    assert sorted(one["train"]) == sorted(later)
+    for step, loss in later.items():
+        assert one["train"][step] == pytest.approx(loss, rel=1e-2)  # bf16 at another data-parallel size
+
+
 def test_plan_structure_ignores_the_common_entries() -> None:
     # ModelCheckpoint(monitor=...) keys its best-k models by path: every save changes the common entries, which
     # are saved as one object whatever they hold; only the sharded tensors and objects decide the plan.
@@ -212,3 +231,64 @@ def test_host_buffers_can_be_given_back_after_each_save(tmp_path: Path) -> None:
     fit(3, ckpt_path=str(tmp_path / "step=1.ckpt"))
     assert seen[0][0] == 0  # the load's buffers were given back too
     assert losses == {2: full[2], 3: full[3]}  # resumed exactly from step 1 (steps 2 and 3 again)
+
+
+def test_checkpoints_without_the_model_weights_resume_exactly(tmp_path: Path) -> None:
+    """checkpoint_writer.save_model_weights=False (bf16 weights): the trained weights are stored once, as the fp32
+    main weights (the checkpoint is smaller by the bf16 copy); a resume continues exactly as from a full checkpoint,
+    and a weights-only load (validate with ckpt_path) rebuilds the same bf16 weights from the main weights."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+    from lightning_megatron.data.corpus import synthetic_tokens
+    from tests.conftest import one_process_trainer
+
+    losses: dict[int, float] = {}
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            losses[trainer.global_step] = float(outputs["loss"])
+
+    data = DataLoader(synthetic_tokens(24, 32, 256, seed=2), batch_size=4)
+
+    def trainer(steps: int, lean: bool, directory: Path) -> L.Trainer:
+        strategy = MegatronStrategy(micro_batch_size=2)
+        strategy.checkpoint_writer.save_model_weights = not lean
+        saver = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        return one_process_trainer(
+            steps, strategy=strategy, callbacks=[Losses(), saver], enable_checkpointing=True, precision="bf16-mixed"
+        )
+
+    trainer(3, lean=False, directory=tmp_path / "full").fit(MegatronLMModule(tiny_gpt(), lr=1e-2), data)
+    full = dict(losses)
+    losses.clear()
+    trainer(3, lean=True, directory=tmp_path / "lean").fit(MegatronLMModule(tiny_gpt(), lr=1e-2), data)
+    assert losses == full  # saving less changes nothing in the run
+    lean, whole = (
+        _tensors(tmp_path / "lean" / "step=1.ckpt", tmp_path),
+        _tensors(tmp_path / "full" / "step=1.ckpt", tmp_path),
+    )
+    weights = {k for k in whole if not k.startswith("optimizer.") and whole[k].dtype == torch.bfloat16}
+    assert weights
+    assert not weights & set(lean)  # no bf16 weight stored...
+    assert set(lean) == set(whole) - weights  # ...and nothing else left out
+    for key, main in lean.items():
+        if key.startswith("optimizer.state.param."):  # ...the main weights, which round to them
+            torch.testing.assert_close(
+                main.bfloat16(), whole[key.removeprefix("optimizer.state.param.")], rtol=0, atol=0
+            )
+    losses.clear()
+    trainer(3, lean=True, directory=tmp_path / "again").fit(
+        MegatronLMModule(tiny_gpt(), lr=1e-2), data, ckpt_path=str(tmp_path / "lean" / "step=1.ckpt")
+    )
+    assert losses == {2: full[2], 3: full[3]}  # resumed exactly
+    val = DataLoader(synthetic_tokens(8, 32, 256, seed=5), batch_size=4)
+    metrics = [
+        one_process_trainer(1, precision="bf16-mixed").validate(
+            MegatronLMModule(tiny_gpt(), lr=1e-2), val, ckpt_path=str(tmp_path / kind / "step=3.ckpt"), verbose=False
+        )[0]["val_loss"]
+        for kind in ("full", "lean")
+    ]
+    assert metrics[0] == metrics[1]

@@ -114,10 +114,12 @@ def test_optimizer_state_is_resplit_between_one_and_two_optimizers(tmp_path: Pat
 def test_optimizer_state_resumes_across_expert_parallel_sizes(moe_run: dict, tmp_path: Path) -> None:
     """Megatron splits the optimizer in two at ep=2 (dense parameters, experts) and not at ep=1: a checkpoint of
     either split resumes at the other with its optimizer state, continuing as at the layout that wrote it. (A loss
-    two steps after a resume depends on the restored Adam moments and step count.)"""
+    two steps after a resume depends on the restored Adam moments and step count.) The EP=2 checkpoint holds the
+    trained weights as main weights only (``save_model_weights=False``)."""
     ep1 = run_here({**MOE, "devices": 1, "max_steps": 5, "resume": moe_run["ckpt"]}, tmp_path)  # steps 3-5
+    # The EP=2 run saves its weights only as the optimizers' main weights (chained_<i>. keys): rebuilt at EP=1.
     ep2 = run_worker({**MOE, "devices": 2, "ep": 2, "max_steps": 4, "resume": moe_run["ckpt"],
-                      "ckpt_dir": str(tmp_path / "ep2"), "ckpt_every": 3}, tmp_path)  # fmt: skip
+                      "ckpt_dir": str(tmp_path / "ep2"), "ckpt_every": 3, "lean": True}, tmp_path)  # fmt: skip
     back = run_here({**MOE, "devices": 1, "max_steps": 5, "resume": str(tmp_path / "ep2" / "epoch=0-step=3.ckpt")},
                     tmp_path)  # fmt: skip
     one, two, again = ([losses[str(step)] for step in sorted(map(int, losses))] for losses in

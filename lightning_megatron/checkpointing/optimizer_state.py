@@ -99,7 +99,7 @@ def _load_targets(optimizer: Any, model_tensors: dict[Tensor, Any], buffers: Hos
         for param in buffer.param_index_map:
             entry, tensors = _entry(model_tensors, param), {}
             for key in keys:
-                tensors[key] = target = _renamed(entry, key, entry.data)  # (its data is replaced right away)
+                tensors[key] = target = renamed(entry, key, entry.data)  # (its data is replaced right away)
                 if isinstance(entry, ShardedTensorFactory):  # loaded in pieces, then merged: a tensor of its own
                     target.data = torch.empty(entry.data.shape, dtype=torch.float32)
                 else:  # the buffer the next save stages this tensor into
@@ -122,7 +122,7 @@ def _entry(model_tensors: dict[Tensor, Any], param: Tensor) -> Any:
     return entry
 
 
-def _renamed(entry: Any, key: str, data: Tensor) -> Any:
+def renamed(entry: Any, key: str, data: Tensor) -> Any:
     """``entry`` (the parameter's sharded tensor or factory) as the optimizer state ``key`` holding ``data``."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
@@ -199,6 +199,6 @@ def _staged(entry: Any, key: str, flat: Tensor, buffers: HostBuffers) -> Any:
     """The state ``key`` of the parameter of ``entry`` as a sharded tensor named like Megatron's
     (``optimizer.state.<key>.<name>``, the parameter's replica id), staged now, while ``flat`` is alive. A factory
     (e.g. SwiGLU's two halves) becomes its pieces, as saving it would."""
-    tensors = {key: _renamed(entry, key, flat.view(entry.data.shape))}
+    tensors = {key: renamed(entry, key, flat.view(entry.data.shape))}
     stage_state(tensors, buffers)
     return tensors[key]

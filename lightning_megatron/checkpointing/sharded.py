@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from lightning_megatron import patches
-from lightning_megatron.checkpointing import checks, checksums, mcore_fixes, optimizer_split
+from lightning_megatron.checkpointing import checks, checksums, main_weights, mcore_fixes, optimizer_split
 from lightning_megatron.checkpointing.optimizer_state import builds, optimizer_state
 from lightning_megatron.checkpointing.saving import PARTIAL_SUFFIX
 from lightning_megatron.checkpointing.staging import HostBuffers, stage_state
@@ -53,12 +53,13 @@ def chunk_key(index: int) -> str:
 
 def sharded_state_dict(
     chunks: Sequence[nn.Module], optimizer: Any | None = None, *, is_loading: bool = False, weights: Weights = "all",
-    buffers: HostBuffers | None = None,
+    buffers: HostBuffers | None = None, model_weights: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """Model chunks' (and optionally the Megatron optimizer's) sharded state dict: all weights, the trainable
     parameters only (LoRA adapters count as trainable even if frozen for a while), or all but those (``weights``).
     With ``buffers`` a save stages every tensor into those host buffers (:mod:`.staging`), and a load reads the
-    optimizer state into them."""
+    optimizer state into them. ``model_weights=False`` (a save with the optimizer): the parameters the optimizer
+    trains are left out of the model's part, their fp32 main weights being saved (:mod:`.main_weights`)."""
     if buffers is not None:
         buffers.begin()
     state: dict[str, Any] = {}
@@ -76,6 +77,9 @@ def sharded_state_dict(
             state[_OPTIMIZER_KEY] = optimizer_state(optimizer, state, _METADATA, buffers, is_loading=is_loading)
         else:
             state[_OPTIMIZER_KEY] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_METADATA)
+        if not (model_weights or is_loading):
+            model_states = [state[chunk_key(i)] for i in range(len(chunks))]
+            main_weights.leave_out_trained_weights(model_states, optimizer, state[_OPTIMIZER_KEY])
     if buffers is not None and not is_loading:
         stage_state(state, buffers)
         buffers.finish()
@@ -85,7 +89,7 @@ def sharded_state_dict(
 def checkpoint_state(
     checkpoint: dict[str, Any], chunks: Sequence[nn.Module], optimizer: Any | None, scheduler: Any | None,
     model_config: dict[str, Any] | None, frozen_base: dict[str, str] | None = None,
-    buffers: HostBuffers | None = None,
+    buffers: HostBuffers | None = None, model_weights: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """What a save writes: Lightning's checkpoint dict (loops, callbacks, hyper-parameters; its placeholder
     ``state_dict``/``optimizer_states`` dropped), the ``ModelConfig`` and the sharded model chunks -- plus the
@@ -93,6 +97,7 @@ def checkpoint_state(
     or there is no optimizer (after validate/test/predict). With ``frozen_base`` (where the frozen weights can be
     read again) only the trainable weights are written, and the reference. With ``buffers`` the tensors are host
     copies in those buffers (:mod:`.staging`), so training may change the originals while the save is written.
+    ``model_weights=False``: with the optimizer state, the trained weights are saved only as its main weights.
 
     Raises ``ValueError`` naming an entry that loading (``weights_only``) would refuse, before anything is written.
     """
@@ -107,17 +112,21 @@ def checkpoint_state(
     checks.check_loadable(state)
     weights: Weights = "trainable" if frozen_base else "all"
     optimizer = optimizer if with_optimizer else None
-    state.update(sharded_state_dict(chunks, optimizer, weights=weights, buffers=buffers))
+    model_weights = model_weights or optimizer is None or weights != "all"
+    state.update(sharded_state_dict(chunks, optimizer, weights=weights, buffers=buffers, model_weights=model_weights))
     return state
 
 
 def module_state(
-    checkpoint: dict[str, Any], module: Any, optimizer: Any, scheduler: Any, buffers: HostBuffers | None = None
-) -> dict[str, Any]:
+    checkpoint: dict[str, Any], module: Any, optimizer: Any, scheduler: Any, buffers: HostBuffers | None = None,
+    model_weights: bool = True,
+) -> dict[str, Any]:  # fmt: skip
     """:func:`checkpoint_state` of a MegatronLightningModule: its unwrapped chunks (the DDP wrappers' state-dict
     keys carry a "module." prefix), its ``ModelConfig`` and where its frozen weights can be read again."""
     chunks, config, base = list(module.chunks), model_config_dict(module), module.frozen_base()
-    return checkpoint_state(checkpoint, chunks, optimizer, scheduler, config, frozen_base=base, buffers=buffers)
+    return checkpoint_state(
+        checkpoint, chunks, optimizer, scheduler, config, frozen_base=base, buffers=buffers, model_weights=model_weights
+    )
 
 
 def load_module(
@@ -176,20 +185,20 @@ def load(
             "torch.serialization.add_safe_globals([...])"
         ) from error
     loaded.pop(MODEL_CONFIG_KEY, None)
-    for i, chunk in enumerate(chunks):
+    optimizer_state = loaded.pop(_OPTIMIZER_KEY, None)
+    if optimizer is not None and plan["split"] is not None:  # saved at another expert-parallel size
+        optimizer_state = optimizer_split.regroup(optimizer_state, *plan["split"])
+    chunk_states = [loaded.pop(chunk_key(i)) for i in range(len(chunks))]
+    main_weights.fill_from_optimizer(plan["from_optimizer"], chunk_states, optimizer, optimizer_state)
+    for chunk, chunk_state in zip(chunks, chunk_states, strict=True):
         # A part of the weights: the rest stays as it is (the frozen base, or the adapters' own init).
-        _, unexpected = chunk.load_state_dict(loaded.pop(chunk_key(i)), strict=plan["weights"] == "all")
+        _, unexpected = chunk.load_state_dict(chunk_state, strict=plan["weights"] == "all")
         assert not unexpected, unexpected
     if optimizer is not None:
-        optimizer_state = loaded.pop(_OPTIMIZER_KEY)
-        if plan["split"] is not None:  # saved at another expert-parallel size (.optimizer_split)
-            optimizer_state = optimizer_split.regroup(optimizer_state, *plan["split"])
         # Copying into fp32 main params that require grad must not be recorded by autograd.
         with torch.no_grad(), patches.KeepAdamStepOnLoad(optimizer):
             optimizer.load_state_dict(optimizer_state)
         mcore_fixes.untie_adam_steps(optimizer)
-    else:
-        loaded.pop(_OPTIMIZER_KEY, None)
     _load_schedule(scheduler, loaded.pop(SCHEDULER_KEY, None), path)
     return loaded
 
@@ -264,6 +273,9 @@ def _plan(
         )
     selected = _weights(path, common, frozen_base, weights)
     state = sharded_state_dict(chunks, optimizer, is_loading=True, weights=selected, buffers=buffers)
+    reads = optimizer is not None and buffers is not None and builds(optimizer)  # each parameter's state, whole
+    model_states = [state[chunk_key(i)] for i in range(len(chunks))]
+    from_optimizer = main_weights.read_from_main_weights(metadata, model_states, optimizer, optimizer_reads=reads)
     diff = checks.config_mismatch(common.get(MODEL_CONFIG_KEY), model_config)
     model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
     checks.check_shapes(path, metadata, model_state, diff)  # a model of another shape first: the clearer error
@@ -272,7 +284,7 @@ def _plan(
     split = None if optimizer is None else _optimizer_split(path, metadata, optimizer, state[_OPTIMIZER_KEY], buffers)
     # Last, as it reads the shards: each rank verifies the stored entries it loads.
     checksums.verify(path, metadata, items=_stored_items(metadata, state))
-    return {"state": state, "weights": selected, "split": split}
+    return {"state": state, "weights": selected, "split": split, "from_optimizer": from_optimizer}
 
 
 def _optimizer_split(

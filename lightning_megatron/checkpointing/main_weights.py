@@ -1,0 +1,121 @@
+"""Checkpoints that store the trained weights once: as the optimizer's fp32 main weights, without the model's copy.
+
+With the distributed optimizer, a checkpoint holds each trained parameter twice: the model's weight (bf16 in mixed
+precision) and the optimizer's fp32 main weight (``optimizer.state.param.<key>``), from which the model's weight is
+a rounding. :func:`leave_out_trained_weights` drops the model's copy from a save that writes the optimizer state
+(2 of 14 bytes per parameter in bf16 with Adam). On load, :func:`read_from_main_weights` finds every model tensor
+the checkpoint lacks and holds as a main weight: when the loading optimizer reads that main weight itself (a
+resume), the model's weight is set from what it read (:func:`fill_from_optimizer`); otherwise (weights-only loads,
+a frozen base, another optimizer) the model reads the main weight itself and rounds it to its own dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_megatron.checkpointing.optimizer_state import renamed
+
+_MAIN = "optimizer.state.param."
+_CHAINED = re.compile(r"^chained_\d+\.")
+
+
+def trained_params(optimizer: Any) -> Iterator[Tensor]:
+    """The parameters whose fp32 main weight ``optimizer`` holds, in the order of its saved state (per chained
+    optimizer, per gradient buffer, as :mod:`.optimizer_state` stores them)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    members = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for member in members:
+        for buffer in member.buffers:
+            yield from buffer.param_index_map
+
+
+def leave_out_trained_weights(model_states: list[dict[str, Any]], optimizer: Any, optimizer_state: Any) -> None:
+    """Save side: drop from each model chunk's sharded state the parameters whose fp32 main weight
+    ``optimizer_state`` (the optimizer's sharded state being saved) stores under the parameter's key.
+
+    Raises ``ValueError`` if a parameter ``optimizer`` trains has no such entry (an optimizer whose state this
+    package does not build), before anything is written."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    stored = {_CHAINED.sub("", item.key)[len(_MAIN) :] for item in nested_values(optimizer_state)
+              if _MAIN in getattr(item, "key", "")}  # fmt: skip
+    held = {id(param) for param in trained_params(optimizer)}
+    for chunk_state in model_states:
+        for name, item in list(chunk_state.items()):
+            if id(getattr(item, "data", None)) not in held:
+                continue
+            if item.key not in stored:
+                raise ValueError(
+                    f"checkpoint_writer.save_model_weights=False: the optimizer state of this run's "
+                    f"{type(optimizer).__name__} does not hold {item.key} as a main weight (it needs the distributed "
+                    "optimizer over a torch optimizer, MegatronStrategy(use_distributed_optimizer=True)); keep "
+                    "save_model_weights=True"
+                )
+            del chunk_state[name]
+
+
+def read_from_main_weights(
+    metadata: Any, model_states: list[dict[str, Any]], optimizer: Any | None, optimizer_reads: bool
+) -> list[Any]:
+    """Load side: model tensors the checkpoint lacks and holds as main weights. With an ``optimizer`` whose state
+    is read per parameter (``optimizer_reads``), those of its parameters are dropped from ``model_states`` and
+    returned as ``(chunk index, name, parameter)`` for :func:`fill_from_optimizer`; the others (every one without an
+    optimizer) are read from the main weight into an fp32 tensor, which the model rounds when it loads it.
+    Anything else the checkpoint lacks is left for the shape check to name."""
+    saved = metadata.state_dict_metadata
+    mains = {_CHAINED.sub("", key)[len(_MAIN) :]: key for key in saved if _MAIN in key}
+    trained = {id(p) for p in trained_params(optimizer)} if optimizer is not None else set()
+    if trained and not optimizer_reads and any(_missing(state, saved, mains) for state in model_states):
+        raise ValueError(
+            f"the checkpoint stores the trained weights only as the optimizer's main weights, which this run's "
+            f"{type(optimizer).__name__} cannot hand to the model; resume with the distributed optimizer "
+            "(MegatronStrategy(use_distributed_optimizer=True)), or load the weights alone (weights_only)"
+        )
+    dropped = []
+    for index, chunk_state in enumerate(model_states):
+        for name, item in _missing(chunk_state, saved, mains):
+            if id(item.data) in trained:
+                dropped.append((index, name, item.data))
+                del chunk_state[name]
+            else:
+                target = renamed(item, "param", torch.empty(item.data.shape, dtype=torch.float32))
+                target.key = mains[item.key]  # under the chained optimizer's prefix where the saving run had one
+                chunk_state[name] = target
+    return dropped
+
+
+def _missing(chunk_state: dict[str, Any], saved: Any, mains: dict[str, str]) -> list[tuple[str, Any]]:
+    """``(name, entry)`` of the chunk's parameter entries the checkpoint holds only as main weights."""
+    return [
+        (name, item)
+        for name, item in chunk_state.items()
+        if isinstance(getattr(item, "data", None), Tensor) and item.key not in saved and item.key in mains
+    ]
+
+
+def fill_from_optimizer(
+    dropped: list[Any], loaded_chunks: list[dict[str, Any]], optimizer: Any, optimizer_state: Any
+) -> None:
+    """Put each dropped parameter's loaded main weight into its chunk's loaded state (the model rounds it when it
+    loads it). ``optimizer_state``: the optimizer's loaded state, in this run's structure (one optimizer's state,
+    or one per chained optimizer)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    if not dropped:
+        return
+    chained = isinstance(optimizer, ChainedOptimizer) and len(optimizer.chained_optimizers) > 1
+    states = [optimizer_state[i] for i in range(len(optimizer.chained_optimizers))] if chained else [optimizer_state]
+    members = optimizer.chained_optimizers if chained else [optimizer]
+    main: dict[int, Tensor] = {}
+    for member, state in zip(members, states, strict=True):
+        params = list(trained_params(member))
+        for index, param in enumerate(params):
+            main[id(param)] = state["param_state"][index]["param"]
+    for chunk, name, param in dropped:
+        loaded_chunks[chunk][name] = main[id(param)].view(param.shape)
