@@ -244,6 +244,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def setup_environment(self) -> None:
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
+        self.checkpoint_writer.check(distributed_optimizer=self.use_distributed_optimizer)
         run_started(self, self._sigterm)  # tears down runs Lightning left unfinished first (training/retained.py)
         self._patches.install(patches.QuietRun(self.root_device.type))  # notices of the torch-native path
         if self.root_device.type == "cpu":
@@ -280,8 +281,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             spec, self._ddp_chunks, trainer, dtype=self.compute_dtype, distributed=self.use_distributed_optimizer,
             fused=self.root_device.type == "cuda", nonfinite=self._guard.policy, after_update=fp8.weights_changed,
             clip=self._patches.get(patches.ForeachClipGrads) or self._patches.install(patches.ForeachClipGrads()),
-            # StepGuard: under "error", raises before any callback could save a non-finite step
-            on_step=lambda stats: self._guard.record(stats, self.module.trainer.global_step),
+            on_step=lambda stats: self._guard.record(stats, self.module.trainer.global_step),  # raises before saves
         )  # fmt: skip
         self.optimizers, self.lr_scheduler_configs = [adapter], []
 

@@ -118,7 +118,8 @@ def test_dp2_checkpoint_resumes_at_dp2_and_dp1(saved: dict, tmp_path: Path) -> N
 @pytest.mark.multiprocess
 def test_checkpoints_without_the_model_weights_resume_at_dp2_and_dp1(tmp_path: Path) -> None:
     """A DP=2 bf16 run whose checkpoints hold the trained weights only as fp32 main weights (several gradient
-    buckets, parameters split between the ranks' optimizer shards) resumes at DP=2 exactly, and at one process."""
+    buckets, parameters split between the ranks' optimizer shards) resumes at DP=2 exactly, at one process and at
+    TP=2."""
     run = {"devices": 2, "overlap": True, "max_steps": STEPS, "ckpt_every": 1, "precision": "bf16-mixed"}
     saving = run_worker({**run, "ckpt_dir": str(tmp_path / "lean"), "lean": True}, tmp_path)
     ckpt = str(_ckpt(tmp_path / "lean", 2))
@@ -129,9 +130,11 @@ def test_checkpoints_without_the_model_weights_resume_at_dp2_and_dp1(tmp_path: P
     resumed = run_worker({**run, "resume": ckpt}, tmp_path)
     assert resumed["train"] == later
     one = run_here({"devices": 1, "max_steps": STEPS, "precision": "bf16-mixed", "resume": ckpt}, tmp_path)
-    assert sorted(one["train"]) == sorted(later)
-    for step, loss in later.items():
-        assert one["train"][step] == pytest.approx(loss, rel=1e-2)  # bf16 at another data-parallel size
+    tp2 = run_worker({"devices": 2, "tp": 2, "max_steps": STEPS, "precision": "bf16-mixed", "resume": ckpt}, tmp_path)
+    for other in (one, tp2):  # the weights rebuilt in shards: TP=2 splits SwiGLU's fc1 (a factory) in halves
+        assert sorted(other["train"]) == sorted(later)
+        for step, loss in later.items():
+            assert other["train"][step] == pytest.approx(loss, rel=1e-2)  # bf16 at another layout
 
 
 def test_plan_structure_ignores_the_common_entries() -> None:
@@ -292,3 +295,39 @@ def test_checkpoints_without_the_model_weights_resume_exactly(tmp_path: Path) ->
         for kind in ("full", "lean")
     ]
     assert metrics[0] == metrics[1]
+
+
+def test_the_weights_stored_once_need_the_distributed_optimizer(tmp_path: Path) -> None:
+    """save_model_weights=False without the distributed optimizer is refused before any process group exists;
+    with save_model_weights left on, that optimizer's checkpoints resume exactly (the load looks for main weights
+    only in the distributed optimizer's state)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+    from lightning_megatron.data.corpus import synthetic_tokens
+    from tests.conftest import one_process_trainer
+
+    losses: dict[int, float] = {}
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            losses[trainer.global_step] = float(outputs["loss"])
+
+    data = DataLoader(synthetic_tokens(12, 32, 256, seed=3), batch_size=4)
+
+    def fit(lean: bool, ckpt_path: str | None = None) -> None:
+        strategy = MegatronStrategy(micro_batch_size=2, use_distributed_optimizer=False)
+        strategy.checkpoint_writer.save_model_weights = not lean
+        saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        trainer = one_process_trainer(3, strategy=strategy, callbacks=[Losses(), saver], enable_checkpointing=True)
+        trainer.fit(MegatronLMModule(tiny_gpt(), lr=1e-2), data, ckpt_path=ckpt_path)
+
+    with pytest.raises(ValueError, match=r"save_model_weights=False .* use_distributed_optimizer=False"):
+        fit(lean=True)
+    fit(lean=False)
+    full = dict(losses)
+    losses.clear()
+    fit(lean=False, ckpt_path=str(tmp_path / "step=1.ckpt"))
+    assert losses == {2: full[2], 3: full[3]}

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, ParallelSizes, tiny_gpt
@@ -120,6 +121,9 @@ def test_optimizer_state_resumes_across_expert_parallel_sizes(moe_run: dict, tmp
     # The EP=2 run saves its weights only as the optimizers' main weights (chained_<i>. keys): rebuilt at EP=1.
     ep2 = run_worker({**MOE, "devices": 2, "ep": 2, "max_steps": 4, "resume": moe_run["ckpt"],
                       "ckpt_dir": str(tmp_path / "ep2"), "ckpt_every": 3, "lean": True}, tmp_path)  # fmt: skip
+    stored = FileSystemReader(tmp_path / "ep2" / "epoch=0-step=3.ckpt").read_metadata().state_dict_metadata
+    assert not [key for key in stored if key.endswith(".weight") and "optimizer." not in key]  # no model weight
+    assert any(key.startswith("chained_1.optimizer.state.param.") and "experts" in key for key in stored)
     back = run_here({**MOE, "devices": 1, "max_steps": 5, "resume": str(tmp_path / "ep2" / "epoch=0-step=3.ckpt")},
                     tmp_path)  # fmt: skip
     one, two, again = ([losses[str(step)] for step in sorted(map(int, losses))] for losses in

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_megatron.checkpointing.optimizer_state import renamed
+from lightning_megatron.checkpointing.optimizer_state import builds, renamed
 
 _MAIN = "optimizer.state.param."
 _CHAINED = re.compile(r"^chained_\d+\.")
@@ -28,21 +28,29 @@ def trained_params(optimizer: Any) -> Iterator[Tensor]:
     """The parameters whose fp32 main weight ``optimizer`` holds, in the order of its saved state (per chained
     optimizer, per gradient buffer, as :mod:`.optimizer_state` stores them)."""
     from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     members = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
     for member in members:
-        for buffer in member.buffers:
-            yield from buffer.param_index_map
+        if isinstance(member, DistributedOptimizer):  # others keep no main weights in gradient buffers' order
+            for buffer in member.buffers:
+                yield from buffer.param_index_map
 
 
 def leave_out_trained_weights(model_states: list[dict[str, Any]], optimizer: Any, optimizer_state: Any) -> None:
     """Save side: drop from each model chunk's sharded state the parameters whose fp32 main weight
     ``optimizer_state`` (the optimizer's sharded state being saved) stores under the parameter's key.
 
-    Raises ``ValueError`` if a parameter ``optimizer`` trains has no such entry (an optimizer whose state this
-    package does not build), before anything is written."""
+    Raises ``ValueError`` for an optimizer whose state this package does not build (a resume could not hand its
+    main weights to the model), before anything is written."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
+    if not builds(optimizer):
+        raise ValueError(
+            f"checkpoint_writer.save_model_weights=False needs the distributed optimizer over a torch optimizer "
+            f"(MegatronStrategy(use_distributed_optimizer=True), without a precision-aware or CPU-offloading "
+            f"optimizer); this run's {type(optimizer).__name__} is not: keep save_model_weights=True"
+        )
     stored = {_CHAINED.sub("", item.key)[len(_MAIN) :] for item in nested_values(optimizer_state)
               if _MAIN in getattr(item, "key", "")}  # fmt: skip
     held = {id(param) for param in trained_params(optimizer)}
@@ -50,13 +58,8 @@ def leave_out_trained_weights(model_states: list[dict[str, Any]], optimizer: Any
         for name, item in list(chunk_state.items()):
             if id(getattr(item, "data", None)) not in held:
                 continue
-            if item.key not in stored:
-                raise ValueError(
-                    f"checkpoint_writer.save_model_weights=False: the optimizer state of this run's "
-                    f"{type(optimizer).__name__} does not hold {item.key} as a main weight (it needs the distributed "
-                    "optimizer over a torch optimizer, MegatronStrategy(use_distributed_optimizer=True)); keep "
-                    "save_model_weights=True"
-                )
+            if item.key not in stored:  # every trained parameter's state is saved under its key (.optimizer_state)
+                raise ValueError(f"checkpoint_writer.save_model_weights=False: no main weight saved for {item.key}")
             del chunk_state[name]
 
 
@@ -73,9 +76,10 @@ def read_from_main_weights(
     trained = {id(p) for p in trained_params(optimizer)} if optimizer is not None else set()
     if trained and not optimizer_reads and any(_missing(state, saved, mains) for state in model_states):
         raise ValueError(
-            f"the checkpoint stores the trained weights only as the optimizer's main weights, which this run's "
-            f"{type(optimizer).__name__} cannot hand to the model; resume with the distributed optimizer "
-            "(MegatronStrategy(use_distributed_optimizer=True)), or load the weights alone (weights_only)"
+            f"the checkpoint stores the trained weights only as the optimizer's fp32 main weights (saved with "
+            f"checkpoint_writer.save_model_weights=False), and this load reads the optimizer state without handing "
+            f"them to the model ({type(optimizer).__name__}); resume with the distributed optimizer over a torch "
+            "optimizer (MegatronStrategy(use_distributed_optimizer=True)), or load the weights alone"
         )
     dropped = []
     for index, chunk_state in enumerate(model_states):

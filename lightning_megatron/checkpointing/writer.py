@@ -47,7 +47,9 @@ class CheckpointWriter:
         they are stored once, as the optimizer's fp32 main weights, and rebuilt from those on load (the model's
         bf16 copy is their rounding, so a resume continues exactly); with bf16 weights and Adam the checkpoint is
         2 of 14 bytes per parameter (about 14%) smaller. Weights-only saves still hold the weights; loading the
-        weights alone from such a checkpoint reads the main weights."""
+        weights alone from such a checkpoint reads the main weights. Changes made to the parameters outside the
+        optimizer (weight averaging swapped into the model) are not saved. Needs the distributed optimizer
+        (checked when the run starts)."""
         self.last_save: dict[str, Any] = {}
         """Seconds the last save took on this rank: ``wait_s`` (for the previous async save to be published),
         ``stage_s`` (state dict and host copies), ``plan_s``, ``write_s`` (synchronous saves), ``blocked_s`` (all
@@ -55,6 +57,15 @@ class CheckpointWriter:
         self._queue: Any | None = None
         self._saves: list[saving.PendingSave] = []  # oldest first, as Megatron's queue finalises them
         self._removals: list[Path] = []
+
+    def check(self, distributed_optimizer: bool) -> None:
+        """Raise ``ValueError`` for settings this run's optimizer cannot serve (before any process group exists)."""
+        if not (self.save_model_weights or distributed_optimizer):
+            raise ValueError(
+                "checkpoint_writer.save_model_weights=False stores the trained weights as the distributed optimizer's "
+                "fp32 main weights, and this strategy has use_distributed_optimizer=False: use "
+                "MegatronStrategy(use_distributed_optimizer=True) or keep save_model_weights=True"
+            )
 
     @property
     def pending(self) -> int:

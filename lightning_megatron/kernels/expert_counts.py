@@ -31,6 +31,7 @@ class ExpertCounts:
         self._host: tuple[int, ...] | None = None
         self._pending: tuple[Tensor, torch.cuda.Event] | None = None
         self._offsets: Tensor | None = None
+        self._checked_rows: int | None = None
         if isinstance(counts, Tensor):
             self._device = counts
             if counts.is_cuda:
@@ -71,6 +72,14 @@ class ExpertCounts:
                 # From pinned memory without blocking: a pageable copy would wait for the GPU work queued before it.
                 self._offsets = offs.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else offs
         return self._offsets
+
+    def assert_total(self, rows: int, device: torch.device) -> None:
+        """Stop the run unless the counts add up to ``rows`` -- checked on ``device`` without waiting for it (on a
+        GPU a device-side assert, which ends the process's CUDA context; on CPU a ``RuntimeError``)."""
+        if self._checked_rows != rows:
+            message = f"the {len(self)} experts' token counts must add up to the {rows} rows given"
+            torch._assert_async(self.offsets(device)[-1] == rows, message)
+            self._checked_rows = rows
 
     def tensor(self) -> Tensor:
         """The counts as a tensor (on the device where they came from one)."""

@@ -330,8 +330,10 @@ class _GroupedLinear(MegatronModule):
         grouped = self._grouped(rows)
         if len(counts) != self.num_local_experts:
             raise ValueError(f"tokens_per_expert has {len(counts)} counts for {self.num_local_experts} local experts")
-        if counts.on_host or not grouped:  # else the backward checks them, once they are on the host
+        if counts.on_host or not grouped:
             _check_rows(counts, rows.shape[0])
+        else:  # checked on the device without waiting: a stop rather than rows left out or read past the end
+            counts.assert_total(rows.shape[0], rows.device)
         self.last_gemm = "grouped" if grouped else "loop"
         rows = _aligned(rows) if grouped else rows.contiguous()
         out = self.expert_gemms(rows, counts, grouped)
