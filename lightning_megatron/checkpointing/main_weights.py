@@ -11,17 +11,16 @@ a frozen base, another optimizer) the model reads the main weight itself and rou
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_megatron.checkpointing.optimizer_split import unchained
 from lightning_megatron.checkpointing.optimizer_state import builds, renamed
 
 _MAIN = "optimizer.state.param."
-_CHAINED = re.compile(r"^chained_\d+\.")
 
 
 def trained_params(optimizer: Any) -> Iterator[Tensor]:
@@ -35,6 +34,12 @@ def trained_params(optimizer: Any) -> Iterator[Tensor]:
         if isinstance(member, DistributedOptimizer):  # others keep no main weights in gradient buffers' order
             for buffer in member.buffers:
                 yield from buffer.param_index_map
+
+
+def _weight_key(key: str) -> str:
+    """The parameter's key of a main-weight entry's key (``[chained_<i>.]optimizer.state.param.<key>``), else ""."""
+    key = unchained(key)
+    return key.removeprefix(_MAIN) if key.startswith(_MAIN) else ""
 
 
 def leave_out_trained_weights(model_states: list[dict[str, Any]], optimizer: Any, optimizer_state: Any) -> None:
@@ -51,8 +56,7 @@ def leave_out_trained_weights(model_states: list[dict[str, Any]], optimizer: Any
             f"(MegatronStrategy(use_distributed_optimizer=True), without a precision-aware or CPU-offloading "
             f"optimizer); this run's {type(optimizer).__name__} is not: keep save_model_weights=True"
         )
-    stored = {_CHAINED.sub("", item.key)[len(_MAIN) :] for item in nested_values(optimizer_state)
-              if _MAIN in getattr(item, "key", "")}  # fmt: skip
+    stored = {_weight_key(item.key) for item in nested_values(optimizer_state) if hasattr(item, "key")}
     held = {id(param) for param in trained_params(optimizer)}
     for chunk_state in model_states:
         for name, item in list(chunk_state.items()):
@@ -72,7 +76,7 @@ def read_from_main_weights(
     optimizer) are read from the main weight into an fp32 tensor, which the model rounds when it loads it.
     Anything else the checkpoint lacks is left for the shape check to name."""
     saved = metadata.state_dict_metadata
-    mains = {_CHAINED.sub("", key)[len(_MAIN) :]: key for key in saved if _MAIN in key}
+    mains = {weight: key for key in saved if (weight := _weight_key(key))}
     trained = {id(p) for p in trained_params(optimizer)} if optimizer is not None else set()
     if trained and not optimizer_reads and any(_missing(state, saved, mains) for state in model_states):
         raise ValueError(

@@ -31,6 +31,11 @@ def state_keys(keys: Iterable[str]) -> list[str]:
     return [key for key in keys if _STATE in key]
 
 
+def unchained(key: str) -> str:
+    """``key`` without its ``chained_<i>.`` prefix (the optimizer that held the state), as one optimizer keys it."""
+    return _PREFIX.sub("", key)
+
+
 def optimizer_count(keys: Iterable[str]) -> int:
     """How many optimizers hold the state under these keys (``chained_<i>.`` prefixes; none: one)."""
     chained = {match.group(1) for key in keys if (match := _PREFIX.match(key))}
@@ -43,10 +48,10 @@ def rekey(path: Path, request: Any, saved_keys: Iterable[str]) -> None:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    saved = {_PREFIX.sub("", key): key for key in state_keys(saved_keys)}
+    saved = {unchained(key): key for key in state_keys(saved_keys)}
     for item in nested_values(request):
         if isinstance(item, ShardedTensor | ShardedTensorFactory):
-            key = _PREFIX.sub("", item.key)
+            key = unchained(item.key)
             if key not in saved:
                 raise ValueError(
                     f"checkpoint {path} holds no optimizer state {key!r}: its run trained other parameters (e.g. other "
