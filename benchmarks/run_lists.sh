@@ -18,6 +18,7 @@
 #   checkpoint  1B: three sync and three async saves with their timelines, Megatron's optimizer-state build beside
 #             ours, a resume from the disk and from the page cache, the disk's own speed (checkpoints under
 #             ./ckbench, ~40 GB at most; ~6 min)
+#   checkpoint_lean  the same with checkpoint_writer.save_model_weights=False (no bf16 weights; ~6 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -75,6 +76,12 @@ checkpoint)
     mkdir -p ckbench
     timeout 540 python3 benchmarks/checkpoint.py --out ckbench/run --commit "$(git rev-parse --short HEAD)" \
         2>"$out/$section.log" | tee -a "$log"
+    rm -rf ckbench
+    ;;
+checkpoint_lean)
+    mkdir -p ckbench
+    timeout 540 python3 benchmarks/checkpoint.py --out ckbench/run --commit "$(git rev-parse --short HEAD)" \
+        --no-model-weights 2>"$out/$section.log" | tee -a "$log"
     rm -rf ckbench
     ;;
 moe_tests)

@@ -239,7 +239,8 @@ def test_host_buffers_can_be_given_back_after_each_save(tmp_path: Path) -> None:
 def test_checkpoints_without_the_model_weights_resume_exactly(tmp_path: Path) -> None:
     """checkpoint_writer.save_model_weights=False (bf16 weights): the trained weights are stored once, as the fp32
     main weights (the checkpoint is smaller by the bf16 copy); a resume continues exactly as from a full checkpoint,
-    and a weights-only load (validate with ckpt_path) rebuilds the same bf16 weights from the main weights."""
+    and the loads of the weights alone (validate with ckpt_path, load_from_checkpoint, a LoRA module's frozen base)
+    rebuild the same bf16 weights from the main weights."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
@@ -295,6 +296,14 @@ def test_checkpoints_without_the_model_weights_resume_exactly(tmp_path: Path) ->
         for kind in ("full", "lean")
     ]
     assert metrics[0] == metrics[1]
+    # load_from_checkpoint, and a LoRA module whose frozen base is the checkpoint (B = 0: the base's outputs)
+    predictor = one_process_trainer(1, precision="bf16-mixed")
+    tokens = DataLoader(synthetic_tokens(4, 32, 256, seed=6), batch_size=4)
+    full_model = MegatronLMModule.load_from_checkpoint(tmp_path / "full" / "step=3.ckpt")
+    want = torch.cat(predictor.predict(full_model, tokens))
+    for lora in (None, {"rank": 2, "alpha": 4.0}):
+        module = MegatronLMModule.load_from_checkpoint(tmp_path / "lean" / "step=3.ckpt", lora=lora)
+        torch.testing.assert_close(torch.cat(predictor.predict(module, tokens)), want, rtol=0, atol=0)
 
 
 def test_the_weights_stored_once_need_the_distributed_optimizer(tmp_path: Path) -> None:
