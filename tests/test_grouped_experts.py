@@ -359,10 +359,16 @@ def test_grouped_kernels_match_the_loop_on_gpu(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", [False, True])
-def test_grouped_kernels_accumulate_into_main_grad_on_gpu(kernel: bool) -> None:
+def test_grouped_kernels_accumulate_into_main_grad_on_gpu(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> None:
     """Two backward passes accumulate in fp32 into main_grad: the loop's bf16 gradients of each pass, summed in fp32
     (each rounded to bf16 once, up to half a bf16 ulp of values near 16: the absolute tolerance); per-expert GEMMs
     or (``kernel``) the one Triton kernel per projection."""
+    from lightning_megatron.kernels import expert_wgrad_triton
+
+    launches, original = [], expert_wgrad_triton.accumulate_expert_wgrad
+    monkeypatch.setattr(
+        expert_wgrad_triton, "accumulate_expert_wgrad", lambda *a, **k: launches.append(1) or original(*a, **k)
+    )
     with one_process_megatron(port=29643, cpu=False):
         grouped, loop = _gpu_pair(fuse_wgrad=True)
         grouped.linear_fc1.wgrad_kernel = grouped.linear_fc2.wgrad_kernel = kernel
@@ -386,6 +392,7 @@ def test_grouped_kernels_accumulate_into_main_grad_on_gpu(kernel: bool) -> None:
             got = getattr(grouped, name).weight.main_grad
             torch.testing.assert_close(got, total, rtol=3e-2, atol=6e-2)
             assert (got - total).norm() <= 1e-2 * total.norm()
+    assert len(launches) == (4 if kernel else 0)  # two projections, two backward passes
 
 
 def _interpreted_wgrad_checks() -> None:
@@ -403,8 +410,9 @@ def _interpreted_wgrad_checks() -> None:
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     accumulate_expert_wgrad(main, grad, x, offs, blocks=(16, 16, 16))
     torch.testing.assert_close(main, want, rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="do not fit"):
-        accumulate_expert_wgrad(main.double(), grad, x, offs)
+    for bad in ((main.double(), grad, x, offs), (main, grad[1:], x, offs), (main, grad, x.double(), offs)):
+        with pytest.raises(ValueError, match="do not fit"):
+            accumulate_expert_wgrad(*bad)
 
 
 def test_expert_wgrad_kernel_in_the_interpreter() -> None:

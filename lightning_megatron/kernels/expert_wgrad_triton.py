@@ -1,9 +1,9 @@
 """The MoE experts' weight gradients as one Triton kernel per projection, accumulated in fp32 into ``main_grad``.
 
 With Megatron's fp32 ``main_grad`` buffers the expert linears (:mod:`.experts`) accumulate each expert's weight
-gradient ``grad_e^T @ x_e`` with one fp32-output GEMM per expert: on a GPU, one launch per expert and projection,
-each costing tens of microseconds of host time (cuBLASLt's per-call setup), so that the host's launches outlast
-the GPU's work in an MoE backward. This kernel does all experts of a projection in one launch: program ``(o, i, e)``
+gradient ``grad_e^T @ x_e`` with one fp32-output GEMM per expert: on a GPU, one launch per expert and projection
+(``aten::addmm``: about 64 us of host time each in a profiled H100 run), so that the host's launches outlast the
+GPU's work in an MoE backward. This kernel does all experts of a projection in one launch: program ``(o, i, e)``
 sums expert ``e``'s rows (its range read from the device offsets, no host counts) into an fp32 tile and adds it to
 ``main_grad[e]``'s tile -- no bf16 copy of the gradient, no extra pass over ``main_grad``. Imported only on CUDA
 (Triton comes with torch's CUDA builds) and by the CPU test that runs it in Triton's interpreter.
@@ -52,10 +52,12 @@ def accumulate_expert_wgrad(
     ``grad`` ``[T, out]`` and ``x`` ``[T, in]`` with the tokens sorted by expert, ``offs`` the int32 cumulative
     token counts ``[E]`` on the same device. ``blocks``: the (out, in, tokens) tile sizes, each at least 16."""
     experts, out, size_in = main.shape
-    if main.dtype != torch.float32 or grad.shape[1] != out or x.shape[1] != size_in or offs.numel() != experts:
+    fits = grad.shape[0] == x.shape[0] and grad.shape[1] == out and x.shape[1] == size_in and grad.dtype == x.dtype
+    if main.dtype != torch.float32 or not fits or offs.numel() != experts or min(blocks) < 16:
         raise ValueError(
             f"expert wgrad: main {tuple(main.shape)} {main.dtype}, grad {tuple(grad.shape)}, x {tuple(x.shape)}, "
-            f"offs {tuple(offs.shape)} do not fit (fp32 main [E, out, in], grad [T, out], x [T, in], offs [E])"
+            f"offs {tuple(offs.shape)}, blocks {blocks} do not fit (fp32 main [E, out, in], grad [T, out] and x "
+            "[T, in] of one dtype, offs [E], tiles of at least 16)"
         )
     block_o, block_i, block_t = blocks
     grid = (triton.cdiv(out, block_o), triton.cdiv(size_in, block_i), experts)

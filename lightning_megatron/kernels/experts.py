@@ -128,7 +128,8 @@ def _accumulate_main_grad(
     (A grouped bf16 wgrad plus an fp32 add measured slower on an H100 than the per-expert fp32 GEMMs.) ``kernel``:
     on CUDA with device offsets, all experts in one Triton kernel (:mod:`.expert_wgrad_triton`)."""
     main = weight.main_grad
-    if kernel and offs is not None and main.is_cuda and main.dtype == torch.float32:
+    # 16-bit inputs only: the kernel's fp32 products would be TF32's
+    if kernel and offs is not None and main.is_cuda and main.dtype == torch.float32 and grad.element_size() == 2:
         from lightning_megatron.kernels.expert_wgrad_triton import accumulate_expert_wgrad
 
         accumulate_expert_wgrad(main, grad, x, offs)
