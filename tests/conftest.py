@@ -198,6 +198,17 @@ def run_workers(runs: list[dict], tmp_path: Path, timeout: float = 600) -> list[
         return [future.result() for future in futures]
 
 
+def run_in_triton_interpreter(module: str, function: str) -> None:
+    """Run ``module.function()`` (checks of Triton kernels on CPU tensors) in a fresh interpreter under
+    ``TRITON_INTERPRET=1`` (read when the kernels are defined, so not in this process); fail with its stderr."""
+    pytest.importorskip("triton")
+    code = f"from {module} import {function} as checks; checks()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).parents[1]
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def one_process_trainer(max_steps: int, **kwargs: object) -> Any:
     """The one-process CPU Trainer of the Lightning-contract tests: ``MegatronStrategy(micro_batch_size=2)``, no
     logger, checkpointing, progress bar, summary or sanity check, and no injected sampler (every rank and epoch reads

@@ -3,11 +3,7 @@ a dequantized reference on CPU (torch's CPU ``_scaled_mm``), errors, and the rea
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -18,7 +14,7 @@ from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig, 
 from lightning_megatron.data.corpus import synthetic_tokens
 from lightning_megatron.gpt import plan as resolve
 from lightning_megatron.kernels import fp8, linear
-from tests.conftest import one_process_megatron
+from tests.conftest import one_process_megatron, run_in_triton_interpreter
 
 
 @pytest.fixture(scope="module")
@@ -246,12 +242,7 @@ def test_triton_kernels_in_the_interpreter() -> None:
     """amax (with its loop over blocks and the gate), the cast into both layouts and its inverse scale, the gated
     cast writing nothing, and a NaN input giving a non-finite scale with either amax -- on CPU, through Triton's
     interpreter (a fresh process: the variable is read when the kernels are defined). The GPU tests check the bits."""
-    pytest.importorskip("triton")
-    code = "from tests.test_fp8 import _interpreted_kernel_checks as c; c()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).parents[1]
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_triton_interpreter("tests.test_fp8", "_interpreted_kernel_checks")
 
 
 @pytest.mark.gpu

@@ -3,11 +3,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +12,7 @@ import torch.nn.functional as F
 
 from lightning_megatron.kernels import expert_mlp, experts
 from lightning_megatron.kernels.expert_counts import ExpertCounts
-from tests.conftest import one_process_megatron
+from tests.conftest import one_process_megatron, run_in_triton_interpreter
 
 COUNTS = [5, 0, 7, 3]  # uneven, one expert without tokens
 HIDDEN, FFN = 32, 48
@@ -418,12 +414,7 @@ def _interpreted_wgrad_checks() -> None:
 def test_expert_wgrad_kernel_in_the_interpreter() -> None:
     """The one-launch expert wgrad kernel (kernels/expert_wgrad_triton.py) on CPU, through Triton's interpreter
     (a fresh process: the variable is read when the kernel is defined). The GPU test checks it in training."""
-    pytest.importorskip("triton")
-    code = "from tests.test_grouped_experts import _interpreted_wgrad_checks as c; c()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).parents[1]
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_triton_interpreter("tests.test_grouped_experts", "_interpreted_wgrad_checks")
 
 
 @pytest.mark.gpu
