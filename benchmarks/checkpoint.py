@@ -153,7 +153,8 @@ class LoadTimer(L.Callback):
     def on_train_start(self, trainer: Any, *args: Any) -> None:
         if self.cuda:
             torch.cuda.synchronize()
-        self.result = {"resume_load_s": time.perf_counter() - self.start}
+        timeline = {k: round(v, 3) for k, v in trainer.strategy.checkpoint_writer.last_load.items()}
+        self.result = {"resume_load_s": time.perf_counter() - self.start, "timeline": timeline}
 
 
 def fit(

@@ -296,16 +296,26 @@ def throughput_tables(table: Throughput) -> list[str]:
 
 
 def checkpoint_table(all_rows: list[Row]) -> list[str]:
-    """The newest checkpoint benchmark file's rows: each save (its timeline), the loads and the disk's own speed."""
+    """The newest checkpoint benchmark file's rows, of full checkpoints and of checkpoints without the model weights
+    (``model_weights: false``): each save (its timeline), the loads (theirs) and the disk's own speed. Files whose
+    rows are all discarded (their ``code`` note) are left out."""
     found = [r for r in all_rows if "-checkpoint-" in r.file]
-    if not found:
-        return []
-    newest = max(r.file for r in found)
-    found = [r for r in found if r.file == newest]
+    kept = {r.file for r in found if not any(word in str(r.data.get("code", "")) for word in NOT_COMPARABLE)}
+    out: list[str] = []
+    for lean in (False, True):
+        files = {r.file for r in found if r.file in kept and (r.data.get("model_weights") is False) == lean}
+        if files:
+            newest = max(files)
+            out += checkpoint_file([r for r in found if r.file == newest], lean)
+    return out
+
+
+def checkpoint_file(found: list[Row], lean: bool) -> list[str]:
     disk = next((r.data for r in found if r.data.get("mode") == "disk"), {})
     size = next((r.data["checkpoint_bytes"] for r in found if "checkpoint_bytes" in r.data), 0)
+    title = "without the model weights (`save_model_weights=False`)" if lean else "full"
     out = [
-        "#### Checkpoints (benchmarks/checkpoint.py)",
+        f"#### Checkpoints, {title} (benchmarks/checkpoint.py)",
         "",
         f"Checkpoint {number(size / 1e9)} GB; the disk writes {number(disk.get('disk_write_gb_s'), 2)} GB/s "
         f"(fsynced) and reads {number(disk.get('disk_read_gb_s'), 2)} GB/s. Each save's step blocked for `blocked`; "
@@ -329,6 +339,26 @@ def checkpoint_table(all_rows: list[Row]) -> list[str]:
             f"| {number(data.get('published_after_s'))} | {number(data.get('resume_load_s'))} | {row.date} | "
             f"{row.code or '-'} | {row.machine} |"
         )
+    return [*out, "", *load_timeline(found)]
+
+
+def load_timeline(found: list[Row]) -> list[str]:
+    """Where each load's time went (``CheckpointWriter.last_load``), for rows that recorded it."""
+    loads = [r.data for r in found if r.data.get("mode") == "resume" and r.data.get("timeline")]
+    if not loads:
+        return []
+    parts = ("open_s", "state_s", "check_s", "verify_s", "read_s", "verify_after_read_s", "apply_s")
+    out = [
+        "Loads (`CheckpointWriter.last_load`, seconds): `state` builds the state to read into with its host buffers, "
+        "`verify` checks what is read into the model, `read` is Megatron's load (the optimizer state's checksums "
+        "verified meanwhile, where `verify after` is recorded), `apply` puts it into the model and optimizer.",
+        "",
+        "| cache | load | " + " | ".join(p.removesuffix("_s").replace("_", " ") for p in parts) + " |",
+        "|---|---|" + "---|" * len(parts),
+    ]
+    for data in loads:
+        cells = [number(data["timeline"].get(p), 2) for p in parts]
+        out.append(f"| {data.get('cache', '-')} | {number(data.get('resume_load_s'))} | " + " | ".join(cells) + " |")
     return [*out, ""]
 
 

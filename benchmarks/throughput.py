@@ -99,10 +99,6 @@ def parse() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=0, help="variant a: LoRA of this rank on every linear, alpha 2r")
     p.add_argument(
-        "--moe-wgrad-kernel", action="store_true",
-        help="variant a, MoE: the experts' weight gradients as one Triton kernel per projection (wgrad_kernel=True)",
-    )  # fmt: skip
-    p.add_argument(
         "--wgrad-fusion", choices=["auto", "on", "off"], default="auto",
         help="variant a: ModelConfig.gradient_accumulation_fusion (auto: on with the torch kernels on GPU); "
         "variant b stays Megatron's unfused path (no apex)",
@@ -226,12 +222,6 @@ def make_clock(args: argparse.Namespace) -> Any:
         def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
             if hasattr(pl_module, "chunks"):  # variant a: the whole model's counts (collective: every rank)
                 self.counts = megatron_counts(list(pl_module.chunks))
-            if args.moe_wgrad_kernel:
-                from lightning_megatron.kernels.experts import GroupedColumnLinear, GroupedRowLinear
-
-                for linear in pl_module.modules():
-                    if isinstance(linear, GroupedColumnLinear | GroupedRowLinear):
-                        linear.wgrad_kernel = True
             if args.host_timeline and hasattr(trainer.strategy, "megatron_optimizer"):
                 from benchmarks import host_timeline
 
@@ -403,7 +393,6 @@ def child(args: argparse.Namespace) -> None:
             "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
             "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(), "commit": commit(),
             "pinned_batches": args.pin_memory, "fused_wgrad": result.get("fused_wgrad", False),
-            "moe_wgrad_kernel": args.moe_wgrad_kernel,
             "fp8": result.get("fp8", False), "fp8_format": args.fp8 if result.get("fp8") else None,
             "check_batches": args.check_batches if args.variant == "a" else None,
             "weight_cast_reuse": args.weight_cast_reuse, "cuda_graphs": args.cuda_graphs and args.variant in ("a", "b"),

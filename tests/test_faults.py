@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -280,6 +281,44 @@ def test_a_flipped_bit_is_found_and_named(saved: dict, tmp_path: Path, prefix: s
             predict()
     else:
         assert len(predict()) == 1
+
+
+def test_the_optimizer_state_is_verified_while_it_is_read(
+    saved: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume verifies what it reads into the model before the read, and the optimizer state (read into host
+    buffers) in a thread of its own during the read, so that the disk is read once; damage there raises before
+    anything read reaches the model or the optimizer."""
+    from lightning_megatron.checkpointing import sharded
+
+    verified: list[tuple[str, set[str]]] = []
+    verify = checksums.verify
+
+    def recording(path: Path, metadata: object, items: object = None) -> None:
+        verified.append((threading.current_thread().name, {i.fqn.split(".")[0] for i in items}))  # type: ignore[attr-defined]
+        verify(path, metadata, items)  # type: ignore[arg-type]
+
+    filled: list[int] = []
+    fill = sharded.main_weights.fill_from_optimizer
+    monkeypatch.setattr(checksums, "verify", recording)
+    monkeypatch.setattr(sharded.main_weights, "fill_from_optimizer", lambda *a: filled.append(1) or fill(*a))
+    path = tmp_path / "full.ckpt"
+    shutil.copytree(saved["full"], path)
+    _trainer(3).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
+    main = [names for thread, names in verified if thread == threading.main_thread().name]
+    during = [names for thread, names in verified if thread == "checksums-verify"]
+    assert {"decoder", "embedding", "output_layer"} <= set().union(*main)
+    assert "optimizer" not in set().union(*main)
+    assert during == [{"optimizer"}]
+    assert filled == [1]
+
+    fqn = _flip_bit(path, "optimizer.state.exp_avg_sq")
+    verified.clear()
+    filled.clear()
+    with pytest.raises(ValueError, match=rf"checkpoint {path} is damaged: __0_0\.distcp differs .* hold .*{fqn}"):
+        _trainer(3).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
+    assert [thread for thread, _ in verified].count("checksums-verify") == 1
+    assert not filled
 
 
 def test_damaged_metadata_and_foreign_files_are_named(saved: dict, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from lightning_megatron.kernels import expert_mlp, experts
 from lightning_megatron.kernels.expert_counts import ExpertCounts
-from tests.conftest import one_process_megatron, run_in_triton_interpreter
+from tests.conftest import one_process_megatron
 
 COUNTS = [5, 0, 7, 3]  # uneven, one expert without tokens
 HIDDEN, FFN = 32, 48
@@ -354,20 +354,11 @@ def test_grouped_kernels_match_the_loop_on_gpu(monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [False, True])
-def test_grouped_kernels_accumulate_into_main_grad_on_gpu(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> None:
+def test_grouped_kernels_accumulate_into_main_grad_on_gpu() -> None:
     """Two backward passes accumulate in fp32 into main_grad: the loop's bf16 gradients of each pass, summed in fp32
-    (each rounded to bf16 once, up to half a bf16 ulp of values near 16: the absolute tolerance); per-expert GEMMs
-    or (``kernel``) the one Triton kernel per projection."""
-    from lightning_megatron.kernels import expert_wgrad_triton
-
-    launches, original = [], expert_wgrad_triton.accumulate_expert_wgrad
-    monkeypatch.setattr(
-        expert_wgrad_triton, "accumulate_expert_wgrad", lambda *a, **k: launches.append(1) or original(*a, **k)
-    )
+    (each rounded to bf16 once, up to half a bf16 ulp of values near 16: the absolute tolerance)."""
     with one_process_megatron(port=29643, cpu=False):
         grouped, loop = _gpu_pair(fuse_wgrad=True)
-        grouped.linear_fc1.wgrad_kernel = grouped.linear_fc2.wgrad_kernel = kernel
         for weight in (grouped.linear_fc1.weight, grouped.linear_fc2.weight):
             weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
             weight.grad_added_to_main_grad = False
@@ -388,33 +379,6 @@ def test_grouped_kernels_accumulate_into_main_grad_on_gpu(monkeypatch: pytest.Mo
             got = getattr(grouped, name).weight.main_grad
             torch.testing.assert_close(got, total, rtol=3e-2, atol=6e-2)
             assert (got - total).norm() <= 1e-2 * total.norm()
-    assert len(launches) == (4 if kernel else 0)  # two projections, two backward passes
-
-
-def _interpreted_wgrad_checks() -> None:
-    """The expert wgrad kernel's logic on CPU tensors (run by the test below under ``TRITON_INTERPRET=1``): uneven
-    experts, one without rows, a partial last tile in every dimension, strided inputs, accumulation into main."""
-    from lightning_megatron.kernels.expert_wgrad_triton import accumulate_expert_wgrad
-
-    torch.manual_seed(0)
-    counts = [5, 0, 37, 20, 1]
-    grad, x = torch.randn(40, sum(counts)).t(), torch.randn(sum(counts), 24)  # grad column-major: strides
-    main = torch.randn(len(counts), 40, 24)
-    want = main.clone()
-    for e, rows in enumerate(torch.arange(sum(counts)).split(counts)):
-        want[e] += grad[rows].t() @ x[rows]
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    accumulate_expert_wgrad(main, grad, x, offs, blocks=(16, 16, 16))
-    torch.testing.assert_close(main, want, rtol=1e-5, atol=1e-4)
-    for bad in ((main.double(), grad, x, offs), (main, grad[1:], x, offs), (main, grad, x.double(), offs)):
-        with pytest.raises(ValueError, match="do not fit"):
-            accumulate_expert_wgrad(*bad)
-
-
-def test_expert_wgrad_kernel_in_the_interpreter() -> None:
-    """The one-launch expert wgrad kernel (kernels/expert_wgrad_triton.py) on CPU, through Triton's interpreter
-    (a fresh process: the variable is read when the kernel is defined). The GPU test checks it in training."""
-    run_in_triton_interpreter("tests.test_grouped_experts", "_interpreted_wgrad_checks")
 
 
 @pytest.mark.gpu

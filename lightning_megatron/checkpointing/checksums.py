@@ -184,6 +184,30 @@ def verify(path: Path, metadata: Any, items: Iterable[Any] | None = None) -> Non
         )
 
 
+class Verification:
+    """:func:`verify` in a thread of its own, started right away (e.g. while the entries are being read):
+    :meth:`wait` joins it and raises what :func:`verify` raised."""
+
+    def __init__(self, path: Path, metadata: Any, items: Iterable[Any]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(path, metadata, list(items)), name="checksums-verify", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, path: Path, metadata: Any, items: list[Any]) -> None:
+        try:
+            if items:
+                verify(path, metadata, items)
+        except BaseException as error:  # handed to the thread that waits
+            self._error = error
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def _ranges(metadata: Any, items: Iterable[Any] | None) -> dict[str, list[tuple[int, int, str]]]:
     """``{file: [(offset, end, what)]}`` of the storage entries (all, or ``items``), ``what`` naming the tensor."""
     selected = set(items) if items is not None else None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -130,13 +131,16 @@ def module_state(
 
 
 def load_module(
-    module: Any, optimizer: Any | None, path: str | Path, scheduler: Any | None, buffers: HostBuffers | None = None
-) -> dict[str, Any]:
+    module: Any, optimizer: Any | None, path: str | Path, scheduler: Any | None, buffers: HostBuffers | None = None,
+    timings: dict[str, float] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Collective: :func:`load` into a MegatronLightningModule's chunks (and ``optimizer``, ``scheduler``); the
     checkpoint's non-tensor entries, with the empty ``state_dict`` Lightning expects."""
     config, frozen = model_config_dict(module), module.frozen_base()
     chunks = list(module.chunks)
-    loaded = load(chunks, optimizer, path, config, scheduler=scheduler, frozen_base=frozen, buffers=buffers)
+    loaded = load(
+        chunks, optimizer, path, config, scheduler=scheduler, frozen_base=frozen, buffers=buffers, timings=timings
+    )
     loaded.setdefault("state_dict", {})
     return loaded
 
@@ -150,40 +154,35 @@ def model_config_dict(module: object) -> dict[str, Any] | None:
 def load(
     chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path, model_config: dict[str, Any] | None = None,
     *, scheduler: Any | None = None, frozen_base: dict[str, str] | None = None, weights: Weights | None = None,
-    buffers: HostBuffers | None = None,
+    buffers: HostBuffers | None = None, timings: dict[str, float] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Collective: load model (and optimizer, LR schedule) state from ``path`` into ``chunks`` (``optimizer``,
     ``scheduler``).
 
     Before anything is read collectively, every rank checks the files (complete, not truncated, metadata free of
     foreign pickled objects), the model's shape (the saved ``model_config`` against ``model_config``, every
-    tensor's global shape) and the checksums of the stored entries it loads (:mod:`.checksums`);
-    a failure raises on every rank, with the failing rank's message. Non-tensor entries are unpickled with
-    ``weights_only=True``. Returns the checkpoint's other (common) entries: Lightning's loops, callbacks, ...
+    tensor's global shape) and the checksums of the stored entries it loads into the model (:mod:`.checksums`);
+    a failure raises on every rank, with the failing rank's message. The optimizer state read into host buffers
+    is verified while it is read, and a failure there raises on every rank before any of it is used. Non-tensor
+    entries are unpickled with ``weights_only=True``. Returns the checkpoint's other (common) entries: Lightning's
+    loops, callbacks, ...
 
     ``weights``: ``None`` loads what the checkpoint holds -- all weights, or only the trainable ones when it was
     saved so (then the chunks must already hold its frozen base: ``frozen_base`` names where theirs came from);
     ``"frozen"`` loads all but the trainable parameters (a base for LoRA adapters, which keep their own init).
     ``buffers``: the host buffers of the strategy's saves, which the optimizer state is read into (then copied to
-    the GPU from pinned memory; the next save reuses them).
+    the GPU from pinned memory; the next save reuses them). ``timings``: filled with the seconds each part took
+    on this rank (see ``CheckpointWriter.last_load``).
     """
-    from megatron.core import dist_checkpointing
 
-    path = Path(path)
+    path, clock = Path(path), _Clock(timings)
     plan: dict[str, Any] = {}
     _raise_on_every_rank(
-        lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights, buffers))
+        lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights, buffers, clock))
     )
     state = plan["state"]
-    try:
-        with checks.weights_only():
-            loaded = dist_checkpointing.load(state, str(path), sharded_strategy=_parallel_load(path))
-    except (Exception, CheckpointException) as error:
-        raise ValueError(
-            f"cannot load checkpoint {path}: {type(error).__name__}: {error}. Objects other than tensors, containers "
-            "and numbers are refused (weights_only loading); allow a trusted class with "
-            "torch.serialization.add_safe_globals([...])"
-        ) from error
+    clock.lap("verify_s")
+    loaded = _read(path, state, checksums.Verification(path, plan["metadata"], plan["verify_while_reading"]), clock)
     loaded.pop(MODEL_CONFIG_KEY, None)
     optimizer_state = loaded.pop(_OPTIMIZER_KEY, None)
     if optimizer is not None and plan["split"] is not None:  # saved at another expert-parallel size
@@ -200,6 +199,44 @@ def load(
             optimizer.load_state_dict(optimizer_state)
         mcore_fixes.untie_adam_steps(optimizer)
     _load_schedule(scheduler, loaded.pop(SCHEDULER_KEY, None), path)
+    clock.lap("apply_s")
+    return loaded
+
+
+class _Clock:
+    """Seconds since the last lap, recorded into ``timings`` (if any) under each lap's name."""
+
+    def __init__(self, timings: dict[str, float] | None) -> None:
+        self.timings, self.last = timings, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[name] = now - self.last
+        self.last = now
+
+
+def _read(path: Path, state: dict[str, Any], verification: checksums.Verification, clock: _Clock) -> dict[str, Any]:
+    """Collective: Megatron's load of ``state`` while ``verification`` runs; a damaged entry it finds raises on
+    every rank once the read is done, before anything read is used (and before an error the damage may have caused
+    in the read)."""
+    from megatron.core import dist_checkpointing
+
+    failure: BaseException | None = None
+    try:
+        with checks.weights_only():
+            loaded = dist_checkpointing.load(state, str(path), sharded_strategy=_parallel_load(path))
+    except (Exception, CheckpointException) as error:
+        failure = error
+    clock.lap("read_s")
+    _raise_on_every_rank(verification.wait)
+    clock.lap("verify_after_read_s")
+    if failure is not None:
+        raise ValueError(
+            f"cannot load checkpoint {path}: {type(failure).__name__}: {failure}. Objects other than tensors, "
+            "containers and numbers are refused (weights_only loading); allow a trusted class with "
+            "torch.serialization.add_safe_globals([...])"
+        ) from failure
     return loaded
 
 
@@ -259,7 +296,7 @@ def _weights(
 
 def _plan(
     path: Path, chunks: Sequence[nn.Module], optimizer: Any | None, model_config: dict[str, Any] | None,
-    frozen_base: dict[str, str] | None, weights: Weights | None, buffers: HostBuffers | None = None,
+    frozen_base: dict[str, str] | None, weights: Weights | None, buffers: HostBuffers | None, clock: _Clock,
 ) -> dict[str, Any]:  # fmt: skip
     """Check the files and the model against them; the state dict to load into and which weights it holds."""
     metadata = open_checkpoint(path)
@@ -272,7 +309,9 @@ def _plan(
             f"YourModule.load_from_checkpoint({str(path)!r}) and call trainer.fit without ckpt_path"
         )
     selected = _weights(path, common, frozen_base, weights)
+    clock.lap("open_s")
     state = sharded_state_dict(chunks, optimizer, is_loading=True, weights=selected, buffers=buffers)
+    clock.lap("state_s")
     reads = optimizer is not None and buffers is not None and builds(optimizer)  # each parameter's state, whole
     model_states = [state[chunk_key(i)] for i in range(len(chunks))]
     from_optimizer = main_weights.read_from_main_weights(metadata, model_states, optimizer, optimizer_reads=reads)
@@ -282,9 +321,14 @@ def _plan(
     if selected == "trainable":  # adapters this module has no place for would be dropped silently
         checks.check_nothing_left_out(path, metadata, model_state)
     split = None if optimizer is None else _optimizer_split(path, metadata, optimizer, state[_OPTIMIZER_KEY], buffers)
-    # Last, as it reads the shards: each rank verifies the stored entries it loads.
-    checksums.verify(path, metadata, items=_stored_items(metadata, state))
-    return {"state": state, "weights": selected, "split": split, "from_optimizer": from_optimizer}
+    # Last, as it reads the shards: each rank verifies the stored entries it loads -- those read in place into the
+    # model now; the optimizer state read into host buffers, which reaches the optimizer only after the read, while
+    # it is read (:func:`_read`), so that the disk is read once.
+    clock.lap("check_s")
+    later = _stored_items(metadata, {_OPTIMIZER_KEY: state[_OPTIMIZER_KEY]}) if reads else []
+    checksums.verify(path, metadata, items=set(_stored_items(metadata, state)) - set(later))
+    return {"state": state, "weights": selected, "split": split, "from_optimizer": from_optimizer,
+            "metadata": metadata, "verify_while_reading": later}  # fmt: skip
 
 
 def _optimizer_split(

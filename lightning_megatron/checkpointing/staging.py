@@ -7,6 +7,12 @@ seconds; so the buffers are kept for the run: a later save of the same tensors a
 copy of the rank's share of the checkpoint in host memory (about 14 bytes per parameter with Adam and bf16 weights)
 until the strategy is torn down (pinned memory then goes back to torch's pinned-memory cache, not to the system).
 
+The buffers are torch's pinned memory (``cudaHostAlloc``), though page-locking ordinary memory with
+``cudaHostRegister`` after a parallel fill allocates 11.4 GB six times faster (0.93 s against 5.8 s on an H100
+host, ``benchmarks/pinned_alloc.py``): Megatron's writer forks processes at every save, and Linux copies
+page-locked private pages into a forked child right away (4 s for 13 GB), while page-locked shared memory is
+faulted into each child page by page (about 3.5 s more per save), so either costs more than it saves.
+
 A staged tensor is a whole buffer, never a view, so Megatron's writer does not copy it again (it clones host views).
 """
 

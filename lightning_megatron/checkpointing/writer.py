@@ -54,6 +54,12 @@ class CheckpointWriter:
         """Seconds the last save took on this rank: ``wait_s`` (for the previous async save to be published),
         ``stage_s`` (state dict and host copies), ``plan_s``, ``write_s`` (synchronous saves), ``blocked_s`` (all
         of it: what training waited), ``new_structure``."""
+        self.last_load: dict[str, float] = {}
+        """Seconds the parts of the last load took on this rank: ``open_s`` (metadata and common state),
+        ``state_s`` (the state to read into, with its host buffers), ``check_s`` (the model against the files),
+        ``verify_s`` (the checksums of what is read into the model), ``read_s`` (Megatron's load, while the
+        optimizer state's checksums are verified), ``verify_after_read_s`` (waiting for those after the read),
+        ``apply_s`` (into the model and optimizer)."""
         self._queue: Any | None = None
         self._saves: list[saving.PendingSave] = []  # oldest first, as Megatron's queue finalises them
         self._removals: list[Path] = []
@@ -105,6 +111,7 @@ class CheckpointWriter:
         """Around a load: a save still being written is published first; yields the host buffers the optimizer
         state is read into (freed afterwards unless :attr:`keep_host_buffers`)."""
         self.finalize()
+        self.last_load.clear()
         try:
             yield self.buffers
         finally:

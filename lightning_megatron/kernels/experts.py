@@ -120,20 +120,12 @@ def _wgrad(grad: Tensor, x: Tensor, weight: Tensor, counts: ExpertCounts, offs: 
     return out
 
 
-def _accumulate_main_grad(
-    weight: Tensor, grad: Tensor, x: Tensor, counts: ExpertCounts, offs: Tensor | None, kernel: bool = False
-) -> None:
+def _accumulate_main_grad(weight: Tensor, grad: Tensor, x: Tensor, counts: ExpertCounts, offs: Tensor | None) -> None:
     """``weight.main_grad[e] += grad_e^T @ x_e`` in fp32, one GEMM per expert with an fp32 output (the bf16
     products accumulated as apex's fused wgrad does); where CUDA lacks that GEMM, the grouped wgrad plus an add.
-    (A grouped bf16 wgrad plus an fp32 add measured slower on an H100 than the per-expert fp32 GEMMs.) ``kernel``:
-    on CUDA with device offsets, all experts in one Triton kernel (:mod:`.expert_wgrad_triton`)."""
+    (Measured slower on an H100 than the per-expert fp32 GEMMs: a grouped bf16 wgrad plus an fp32 add, and one
+    Triton kernel for all experts of a projection -- 6% fewer tokens/s in training, its tiles at 250-390 TFLOP/s.)"""
     main = weight.main_grad
-    # 16-bit inputs only: the kernel's fp32 products would be TF32's
-    if kernel and offs is not None and main.is_cuda and main.dtype == torch.float32 and grad.element_size() == 2:
-        from lightning_megatron.kernels.expert_wgrad_triton import accumulate_expert_wgrad
-
-        accumulate_expert_wgrad(main, grad, x, offs)
-        return
     if main.is_cuda and main.dtype != grad.dtype and not mixed_dtype_addmm_available():
         main.add_(_wgrad(grad, x, weight, counts, offs))
         return
@@ -173,12 +165,11 @@ class _GroupedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, weight: Tensor, counts: ExpertCounts, grouped: bool, into_main_grad: bool,
-        wgrad_kernel: bool,
-    ) -> Tensor:  # fmt: skip
+        ctx: Any, x: Tensor, weight: Tensor, counts: ExpertCounts, grouped: bool, into_main_grad: bool
+    ) -> Tensor:
         offs = counts.offsets(x.device) if grouped else None
         ctx.save_for_backward(x, weight)
-        ctx.counts, ctx.offs, ctx.into_main_grad, ctx.wgrad_kernel = counts, offs, into_main_grad, wgrad_kernel
+        ctx.counts, ctx.offs, ctx.into_main_grad = counts, offs, into_main_grad
         return _forward_gemm(x, weight, counts, offs)
 
     @staticmethod
@@ -189,11 +180,11 @@ class _GroupedLinearFn(torch.autograd.Function):
         grad_x = _dgrad(grad, weight, ctx.counts, ctx.offs) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1] and ctx.into_main_grad:
-            _accumulate_main_grad(weight, grad, x, ctx.counts, ctx.offs, ctx.wgrad_kernel)
+            _accumulate_main_grad(weight, grad, x, ctx.counts, ctx.offs)
             grad_weight = _placeholder(weight)
         elif ctx.needs_input_grad[1]:
             grad_weight = _wgrad(grad, x, weight, ctx.counts, ctx.offs)
-        return grad_x, grad_weight, None, None, None, None
+        return grad_x, grad_weight, None, None, None
 
 
 def _check_config(config: TransformerConfig, bias: bool) -> None:
@@ -300,10 +291,6 @@ class _GroupedLinear(MegatronModule):
         """``"auto"``: grouped GEMMs where ``config.moe_grouped_gemm`` asks for them and the device, dtype and
         sizes allow (:func:`grouped_mm_available`), else the loop; ``"grouped"`` / ``"loop"``: always that one
         (``"grouped"`` on CPU runs torch's reference kernel: for tests)."""
-        self.wgrad_kernel = False
-        """Experimental, off by default: with the grouped kernels and ``main_grad``, the weight gradients of all
-        experts in one Triton kernel (:mod:`.expert_wgrad_triton`) instead of one fp32-output GEMM per expert (one
-        launch instead of one per expert: less host time per backward)."""
         self.last_gemm: Literal["grouped", "loop"] | None = None
         """What the last forward ran (None before the first): for benchmarks and tests."""
         self.register_load_state_dict_pre_hook(_normalize_state_dict)
@@ -362,7 +349,7 @@ class _GroupedLinear(MegatronModule):
         gradient into ``main_grad`` where fused (see :attr:`fuse_wgrad`)."""
         fuse = (self.fuse_wgrad or self.config.gradient_accumulation_fusion) and _has_main_grad(weight)
         into_main_grad = fuse and torch.is_grad_enabled() and weight.requires_grad
-        return _GroupedLinearFn.apply(rows, weight, counts, grouped, into_main_grad, self.wgrad_kernel)
+        return _GroupedLinearFn.apply(rows, weight, counts, grouped, into_main_grad)
 
     def backward_dw(self) -> None:
         """TEGroupedMLP's deferred weight-gradient hook: the weight gradient is computed in backward already."""
