@@ -10,7 +10,8 @@ buffers, planning, writing); before the second, Megatron's own build of the opti
 (2) the same with ``async_save=True``: the blocked time and the time until each checkpoint is published (renamed
 into place by the strategy between steps); (3) ``trainer.fit(ckpt_path=...)`` from the first checkpoint of (1),
 from the disk (its pages dropped from the page cache) and again from the page cache: the time from
-``on_fit_start`` to ``on_train_start``, which holds the load (and its checksum verification). Then, on that
+``on_fit_start`` to ``on_train_start``, which holds the load (and its checksum verification), with the load's
+timeline (``CheckpointWriter.last_load``), for each ``--read-threads`` value. Then, on that
 checkpoint: recording its checksums again and verifying them, and the disk's own write (fsynced) and read speed
 (``--disk-probe-gib`` in the same directory). ``--no-model-weights``: checkpoints without the model's copy of the
 trained weights (``checkpoint_writer.save_model_weights=False``). Each measurement prints one JSON line;
@@ -49,6 +50,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--saves", type=int, default=3, help="saves per mode (the plan is reused from the third on)")
     p.add_argument("--max-wait-steps", type=int, default=400, help="steps to wait for the saves at most")
     p.add_argument("--disk-probe-gib", type=float, default=2.0)
+    p.add_argument(
+        "--read-threads", type=lambda text: [int(n) for n in text.split(",")], default=None,
+        help="checkpoint_writer.read_threads of the resumes, e.g. 1,8: each value's cold and warm resume (default: "
+        "the strategy's)",
+    )  # fmt: skip
     p.add_argument("--commit", default=None, help="the code's git commit, copied into every row")
     p.add_argument(
         "--no-model-weights", dest="model_weights", action="store_false",
@@ -153,13 +159,16 @@ class LoadTimer(L.Callback):
     def on_train_start(self, trainer: Any, *args: Any) -> None:
         if self.cuda:
             torch.cuda.synchronize()
-        timeline = {k: round(v, 3) for k, v in trainer.strategy.checkpoint_writer.last_load.items()}
-        self.result = {"resume_load_s": time.perf_counter() - self.start, "timeline": timeline}
+        writer = trainer.strategy.checkpoint_writer
+        timeline = {k: round(v, 3) for k, v in writer.last_load.items()}
+        self.result = {"resume_load_s": time.perf_counter() - self.start, "read_threads": writer.read_threads,
+                       "timeline": timeline}  # fmt: skip
 
 
 def fit(
-    args: argparse.Namespace, callback: L.Callback, steps: int, async_save: bool, ckpt_path: Path | None = None
-) -> None:
+    args: argparse.Namespace, callback: L.Callback, steps: int, async_save: bool, ckpt_path: Path | None = None,
+    read_threads: int | None = None,
+) -> None:  # fmt: skip
     from torch.utils.data import DataLoader
 
     from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig
@@ -169,6 +178,8 @@ def fit(
     batch = args.micro_batch_size * args.micro_batches
     strategy = MegatronStrategy(micro_batch_size=args.micro_batch_size, async_save=async_save)
     strategy.checkpoint_writer.save_model_weights = args.model_weights
+    if read_threads is not None:
+        strategy.checkpoint_writer.read_threads = read_threads
     trainer = L.Trainer(
         accelerator="cpu" if args.cpu else "gpu", devices=1, precision="32-true" if args.cpu else "bf16-mixed",
         strategy=strategy, max_steps=steps,
@@ -244,13 +255,14 @@ def main() -> None:
             shutil.rmtree(saves.path(index), ignore_errors=True)
     checkpoint = args.out / "sync0.ckpt"
     shards = sorted(checkpoint.iterdir())
-    for cache in ("cold", "warm"):  # from the disk (pages dropped), then from the page cache
-        if cache == "cold":
-            drop_page_cache([f for f in shards if f.is_file()])
-        load = LoadTimer(cuda=not args.cpu)
-        fit(args, load, args.save_at + 1, async_save=False, ckpt_path=checkpoint)
-        print(json.dumps({**common, "mode": "resume", "cache": cache, "checkpoint_bytes": size, **load.result}),
-              flush=True)  # fmt: skip
+    for threads in args.read_threads or [None]:
+        for cache in ("cold", "warm"):  # from the disk (pages dropped), then from the page cache
+            if cache == "cold":
+                drop_page_cache([f for f in shards if f.is_file()])
+            load = LoadTimer(cuda=not args.cpu)
+            fit(args, load, args.save_at + 1, async_save=False, ckpt_path=checkpoint, read_threads=threads)
+            row = {**common, "mode": "resume", "cache": cache, "checkpoint_bytes": size, **load.result}
+            print(json.dumps(row), flush=True)
     costs = checksum_costs(checkpoint)
     rates = {f"{k.removesuffix('_s')}_gb_s": size / v / 1e9 for k, v in costs.items()}
     print(json.dumps({**common, "mode": "checksums", "checkpoint_bytes": size, **costs, **rates}), flush=True)

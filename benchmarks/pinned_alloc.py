@@ -36,6 +36,8 @@ def main() -> None:
     device = torch.empty(max(wanted), device="cuda")
     ways = {
         "pinned_1_thread": (1, lambda n: torch.empty(n, pin_memory=True)),
+        "pinned_8_threads": (8, lambda n: torch.empty(n, pin_memory=True)),
+        "pinned_16_threads": (16, lambda n: torch.empty(n, pin_memory=True)),
         "pageable_touched_8_threads": (8, lambda n: torch.empty(n).fill_(0)),
         "host_register_8_threads": (8, lambda n: register(torch.empty(n))),
         "host_register_1_thread": (1, lambda n: register(torch.empty(n))),

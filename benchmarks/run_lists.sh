@@ -16,8 +16,8 @@
 #             H200, 4 on an H100's 80 GB) in one call, variant a (~5 min)
 #   moe_tests the grouped-expert GPU tests, then the expert MLP alone (benchmarks/moe_experts.py) (~2 min)
 #   checkpoint  1B: three sync and three async saves with their timelines, Megatron's optimizer-state build beside
-#             ours, a resume from the disk and from the page cache, the disk's own speed (checkpoints under
-#             ./ckbench, ~40 GB at most; ~6 min)
+#             ours, resumes from the disk and from the page cache read by 1 and by 8 threads, the disk's own
+#             speed (checkpoints under ./ckbench, ~40 GB at most; ~7 min)
 #   checkpoint_lean  the same with checkpoint_writer.save_model_weights=False (no bf16 weights; ~6 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
@@ -75,7 +75,7 @@ moe)
 checkpoint)
     mkdir -p ckbench
     timeout 540 python3 benchmarks/checkpoint.py --out ckbench/run --commit "$(git rev-parse --short HEAD)" \
-        2>"$out/$section.log" | tee -a "$log"
+        --read-threads 1,8 2>"$out/$section.log" | tee -a "$log"
     rm -rf ckbench
     ;;
 checkpoint_lean)

@@ -353,12 +353,14 @@ def load_timeline(found: list[Row]) -> list[str]:
         "`verify` checks what is read into the model, `read` is Megatron's load (the optimizer state's checksums "
         "verified meanwhile, where `verify after` is recorded), `apply` puts it into the model and optimizer.",
         "",
-        "| cache | load | " + " | ".join(p.removesuffix("_s").replace("_", " ") for p in parts) + " |",
-        "|---|---|" + "---|" * len(parts),
+        "| cache | read threads | load | " + " | ".join(p.removesuffix("_s").replace("_", " ") for p in parts) + " |",
+        "|---|---|---|" + "---|" * len(parts),
     ]
     for data in loads:
         cells = [number(data["timeline"].get(p), 2) for p in parts]
-        out.append(f"| {data.get('cache', '-')} | {number(data.get('resume_load_s'))} | " + " | ".join(cells) + " |")
+        threads = data.get("read_threads", 1)  # rows from before the threaded reads
+        row = f"| {data.get('cache', '-')} | {threads} | {number(data.get('resume_load_s'))} | "
+        out.append(row + " | ".join(cells) + " |")
     return [*out, ""]
 
 

@@ -10,7 +10,7 @@ against; ``tests/test_patches.py`` checks that every patch is undone after a run
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 import torch
@@ -316,6 +316,45 @@ class UniformTokenPermutation(ModuleFunctions):
             return original(permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
                             fused=fused, drop_and_pad=drop_and_pad, **kwargs)  # fmt: skip
         return self._kernels.unpermute(permuted_tokens, sorted_indices, restore_shape[0])
+
+
+class ThreadedShardReads(ModuleFunctions):
+    """Megatron's ``torch_dist`` loads read through the reader ``make_reader(checkpoint_dir)`` builds: the package's
+    reader that reads a rank's tensors in several threads (:mod:`lightning_megatron.checkpointing.reading`).
+
+    ``TorchDistLoadShardedStrategy.load`` builds its storage reader itself (``_get_filesystem_reader`` in
+    ``dist_checkpointing.strategies.torch``), a ``FileSystemReader`` that deserialises one tensor after the other:
+    slower than the disk for gigabytes. Replaced for one ``with`` block around a load; where Megatron chose another
+    reader than the plain one (multi-storage client, cached metadata), Megatron's is used.
+
+    Droppable when: megatron-core's load strategy takes a storage reader or a thread count; not as of megatron-core
+    0.19.2.
+    """
+
+    def __init__(self, make_reader: Callable[[Any], Any]) -> None:
+        """``make_reader``: ``checkpoint_dir -> FileSystemReader`` (passed in: this module sits below the package's
+        checkpointing)."""
+        super().__init__()
+        self._make_reader = make_reader
+        self.readers: list[Any] = []
+        """The readers ``make_reader`` made while installed (the load's timeline counts their parts)."""
+
+    def module(self) -> Any:
+        from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+        return torch_strategy
+
+    def replacements(self) -> dict[str, Any]:
+        return {"_get_filesystem_reader": self._reader}
+
+    def _reader(self, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        reader = self._originals["_get_filesystem_reader"](checkpoint_dir, *args, **kwargs)
+        if type(reader) is FileSystemReader:
+            reader = self._make_reader(checkpoint_dir)
+            self.readers.append(reader)
+        return reader
 
 
 RUN_PATCHES: tuple[type[Patch], ...] = (QuietRun, CpuMode, UniformTokenPermutation, ForeachClipGrads)

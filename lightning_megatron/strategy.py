@@ -411,9 +411,9 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        with self.checkpoint_writer.loading() as buffers:  # a save still being written is published first
-            optimizer, timings = self._megatron_optimizer, self.checkpoint_writer.last_load
-            loaded = sharded.load_module(self.module, optimizer, checkpoint_path, self._scheduler, buffers, timings)
+        with self.checkpoint_writer.loading() as reading:  # a save still being written is published first
+            optimizer = self._megatron_optimizer
+            loaded = sharded.load_module(self.module, optimizer, checkpoint_path, self._scheduler, reading)
         if self._megatron_optimizer is not None:  # the loaded param groups carry the writer's fused/foreach flags
             optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
         return loaded

@@ -340,3 +340,13 @@ def test_the_weights_stored_once_need_the_distributed_optimizer(tmp_path: Path) 
     losses.clear()
     fit(lean=False, ckpt_path=str(tmp_path / "step=1.ckpt"))
     assert losses == {2: full[2], 3: full[3]}
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, None])
+def test_read_threads_must_be_a_positive_int(threads: object) -> None:
+    from lightning_megatron import MegatronStrategy
+
+    strategy = MegatronStrategy()
+    strategy.checkpoint_writer.read_threads = threads  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=rf"read_threads={threads!r}: give a positive int"):
+        strategy.checkpoint_writer.check(distributed_optimizer=True)

@@ -8,6 +8,7 @@ metadata, a full disk, a second writer, another batch size on resume, a truncate
 from __future__ import annotations
 
 import errno
+import io
 import os
 import pickle
 import shutil
@@ -246,13 +247,19 @@ def test_code_in_a_checkpoint_never_runs(saved: dict, tmp_path: Path, load: str,
 
 # ---------------------------------------------------------------------------------------------- damage
 def _flip_bit(path: Path, fqn_prefix: str) -> str:
-    """Flip one bit in the middle of the first stored tensor whose name starts with ``fqn_prefix``; its name."""
+    """Flip one bit in the values of the first stored tensor whose name starts with ``fqn_prefix`` (not in its
+    ``torch.save`` container: the entry still loads, with a wrong value); its name."""
     metadata = checksums_metadata(path)
     index, info = next((i, s) for i, s in sorted(metadata.storage_data.items(), key=lambda x: x[0].fqn)
                        if i.fqn.startswith(fqn_prefix))  # fmt: skip
     file = path / info.relative_path
     blob = bytearray(file.read_bytes())
-    blob[info.offset + info.length - 64] ^= 0x40  # near the end of the blob: in the tensor's bytes
+    entry = bytes(blob[info.offset : info.offset + info.length])
+    values = torch.load(io.BytesIO(entry), weights_only=True).contiguous().view(torch.uint8).numpy().tobytes()
+    at = entry.find(values)
+    assert at > 0, "the tensor's bytes in the entry"
+    assert entry.find(values, at + 1) < 0, "once"
+    blob[info.offset + at + len(values) // 2] ^= 0x40
     file.write_bytes(bytes(blob))
     return index.fqn
 
@@ -283,12 +290,14 @@ def test_a_flipped_bit_is_found_and_named(saved: dict, tmp_path: Path, prefix: s
         assert len(predict()) == 1
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 def test_the_optimizer_state_is_verified_while_it_is_read(
-    saved: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    saved: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
     """A resume verifies what it reads into the model before the read, and the optimizer state (read into host
-    buffers) in a thread of its own during the read, so that the disk is read once; damage there raises before
-    anything read reaches the model or the optimizer."""
+    buffers) in a thread of its own during the read, so that the disk is read once; a damaged moment, read without
+    any error, raises before anything read reaches the model or the optimizer. The tensors are read by
+    ``read_threads`` threads."""
     from lightning_megatron.checkpointing import sharded
 
     verified: list[tuple[str, set[str]]] = []
@@ -298,27 +307,39 @@ def test_the_optimizer_state_is_verified_while_it_is_read(
         verified.append((threading.current_thread().name, {i.fqn.split(".")[0] for i in items}))  # type: ignore[attr-defined]
         verify(path, metadata, items)  # type: ignore[arg-type]
 
-    filled: list[int] = []
-    fill = sharded.main_weights.fill_from_optimizer
+    applied: list[str] = []
+    fill, load_state_dict = sharded.main_weights.fill_from_optimizer, torch.nn.Module.load_state_dict
     monkeypatch.setattr(checksums, "verify", recording)
-    monkeypatch.setattr(sharded.main_weights, "fill_from_optimizer", lambda *a: filled.append(1) or fill(*a))
+    monkeypatch.setattr(sharded.main_weights, "fill_from_optimizer", lambda *a: applied.append("fill") or fill(*a))
+    monkeypatch.setattr(
+        torch.nn.Module, "load_state_dict", lambda m, *a, **k: applied.append("model") or load_state_dict(m, *a, **k)
+    )
+
+    def resume(path: Path) -> MegatronStrategy:
+        strategy = MegatronStrategy(micro_batch_size=2)
+        strategy.checkpoint_writer.read_threads = threads  # 1: Megatron's reader
+        verified.clear()
+        applied.clear()
+        try:
+            _trainer(3, strategy=strategy).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
+        finally:
+            assert strategy.checkpoint_writer.last_load["read_parts"] == (threads if threads > 1 else 0)
+        return strategy
+
     path = tmp_path / "full.ckpt"
     shutil.copytree(saved["full"], path)
-    _trainer(3).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
-    main = [names for thread, names in verified if thread == threading.main_thread().name]
-    during = [names for thread, names in verified if thread == "checksums-verify"]
-    assert {"decoder", "embedding", "output_layer"} <= set().union(*main)
-    assert "optimizer" not in set().union(*main)
-    assert during == [{"optimizer"}]
-    assert filled == [1]
+    resume(path)
+    main = set().union(*[names for thread, names in verified if thread == threading.main_thread().name])
+    assert {"decoder", "embedding", "output_layer"} <= main
+    assert "optimizer" not in main
+    assert [names for thread, names in verified if thread == "checksums-verify"] == [{"optimizer"}]
+    assert applied[:2] == ["fill", "model"]
 
     fqn = _flip_bit(path, "optimizer.state.exp_avg_sq")
-    verified.clear()
-    filled.clear()
     with pytest.raises(ValueError, match=rf"checkpoint {path} is damaged: __0_0\.distcp differs .* hold .*{fqn}"):
-        _trainer(3).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
+        resume(path)
     assert [thread for thread, _ in verified].count("checksums-verify") == 1
-    assert not filled
+    assert applied == []
 
 
 def test_damaged_metadata_and_foreign_files_are_named(saved: dict, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import inspect
 import logging
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -123,6 +124,7 @@ def test_the_stack_removes_in_reverse_even_when_a_removal_raises() -> None:
 
 def test_every_patch_names_why_and_the_upstream_version_it_can_go_with() -> None:
     expected = {patches.CpuMode, patches.QuietRun, patches.ForeachClipGrads, patches.KeepAdamStepOnLoad}
+    expected |= {patches.ThreadedShardReads}
     assert set(ALL) == expected | {patches.UniformTokenPermutation}
     for cls in ALL:
         doc = inspect.getdoc(cls) or ""
@@ -152,3 +154,21 @@ def test_keep_adam_step_on_load_patches_only_the_optimizer_instances(monkeypatch
     assert "_set_main_param_and_optimizer_states" not in vars(part)
     part._set_main_param_and_optimizer_states("param", {"exp_avg": 3})
     assert calls[-1] == {"exp_avg": 3}
+
+
+def test_threaded_shard_reads_replace_only_megatrons_plain_reader(tmp_path: Path) -> None:
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+    from torch.distributed.checkpoint import FileSystemReader
+
+    original = torch_strategy._get_filesystem_reader
+    made: list[str] = []
+    with patches.ThreadedShardReads(lambda path: made.append(str(path)) or "threaded") as patch:
+        assert patch.targets() == [(torch_strategy, "_get_filesystem_reader")]
+        assert torch_strategy._get_filesystem_reader(tmp_path) == "threaded"
+        # Megatron's metadata-caching reader (assume_constant_structure) is not replaced.
+        cached = torch_strategy._get_filesystem_reader(tmp_path, cache_metadata=True)
+        assert type(cached) is not FileSystemReader
+        assert isinstance(cached, FileSystemReader)
+    assert made == [str(tmp_path)]
+    assert patch.readers == ["threaded"]
+    assert torch_strategy._get_filesystem_reader is original

@@ -12,6 +12,7 @@ live in :mod:`lightning_megatron.checkpointing.mcore_fixes` and :class:`lightnin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from lightning_megatron import patches
 from lightning_megatron.checkpointing import checks, checksums, main_weights, mcore_fixes, optimizer_split
 from lightning_megatron.checkpointing.optimizer_state import builds, optimizer_state
+from lightning_megatron.checkpointing.reading import Reading, ThreadedReader
 from lightning_megatron.checkpointing.saving import PARTIAL_SUFFIX
 from lightning_megatron.checkpointing.staging import HostBuffers, stage_state
 from lightning_megatron.parallel.state import data_parallel_group
@@ -131,16 +133,13 @@ def module_state(
 
 
 def load_module(
-    module: Any, optimizer: Any | None, path: str | Path, scheduler: Any | None, buffers: HostBuffers | None = None,
-    timings: dict[str, float] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    module: Any, optimizer: Any | None, path: str | Path, scheduler: Any | None, reading: Reading | None = None
+) -> dict[str, Any]:
     """Collective: :func:`load` into a MegatronLightningModule's chunks (and ``optimizer``, ``scheduler``); the
     checkpoint's non-tensor entries, with the empty ``state_dict`` Lightning expects."""
     config, frozen = model_config_dict(module), module.frozen_base()
     chunks = list(module.chunks)
-    loaded = load(
-        chunks, optimizer, path, config, scheduler=scheduler, frozen_base=frozen, buffers=buffers, timings=timings
-    )
+    loaded = load(chunks, optimizer, path, config, scheduler=scheduler, frozen_base=frozen, reading=reading)
     loaded.setdefault("state_dict", {})
     return loaded
 
@@ -154,7 +153,7 @@ def model_config_dict(module: object) -> dict[str, Any] | None:
 def load(
     chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path, model_config: dict[str, Any] | None = None,
     *, scheduler: Any | None = None, frozen_base: dict[str, str] | None = None, weights: Weights | None = None,
-    buffers: HostBuffers | None = None, timings: dict[str, float] | None = None,
+    reading: Reading | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Collective: load model (and optimizer, LR schedule) state from ``path`` into ``chunks`` (``optimizer``,
     ``scheduler``).
@@ -170,19 +169,20 @@ def load(
     ``weights``: ``None`` loads what the checkpoint holds -- all weights, or only the trainable ones when it was
     saved so (then the chunks must already hold its frozen base: ``frozen_base`` names where theirs came from);
     ``"frozen"`` loads all but the trainable parameters (a base for LoRA adapters, which keep their own init).
-    ``buffers``: the host buffers of the strategy's saves, which the optimizer state is read into (then copied to
-    the GPU from pinned memory; the next save reuses them). ``timings``: filled with the seconds each part took
-    on this rank (see ``CheckpointWriter.last_load``).
+    ``reading``: the host buffers of the strategy's saves, which the optimizer state is read into (then copied to
+    the GPU from pinned memory; the next save reuses them), where the seconds each part took on this rank go (see
+    ``CheckpointWriter.last_load``), and the threads per rank that read the tensors.
     """
-
-    path, clock = Path(path), _Clock(timings)
+    path, reading = Path(path), reading or Reading()
+    buffers, clock = reading.buffers, _Clock(reading.timings)
     plan: dict[str, Any] = {}
     _raise_on_every_rank(
         lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights, buffers, clock))
     )
     state = plan["state"]
     clock.lap("verify_s")
-    loaded = _read(path, state, checksums.Verification(path, plan["metadata"], plan["verify_while_reading"]), clock)
+    verification = checksums.Verification(path, plan["metadata"], plan["verify_while_reading"])
+    loaded = _read(path, state, verification, clock, reading.threads)
     loaded.pop(MODEL_CONFIG_KEY, None)
     optimizer_state = loaded.pop(_OPTIMIZER_KEY, None)
     if optimizer is not None and plan["split"] is not None:  # saved at another expert-parallel size
@@ -209,6 +209,10 @@ class _Clock:
     def __init__(self, timings: dict[str, float] | None) -> None:
         self.timings, self.last = timings, time.perf_counter()
 
+    def note(self, name: str, value: float) -> None:
+        if self.timings is not None:
+            self.timings[name] = value
+
     def lap(self, name: str) -> None:
         now = time.perf_counter()
         if self.timings is not None:
@@ -216,27 +220,35 @@ class _Clock:
         self.last = now
 
 
-def _read(path: Path, state: dict[str, Any], verification: checksums.Verification, clock: _Clock) -> dict[str, Any]:
-    """Collective: Megatron's load of ``state`` while ``verification`` runs; a damaged entry it finds raises on
-    every rank once the read is done, before anything read is used (and before an error the damage may have caused
-    in the read)."""
+def _read(
+    path: Path, state: dict[str, Any], verification: checksums.Verification, clock: _Clock, threads: int
+) -> dict[str, Any]:
+    """Collective: Megatron's load of ``state`` (in ``threads`` threads, :mod:`.reading`) while ``verification``
+    runs. Once every rank has read, a damaged entry it found -- or else a failed read -- raises on every rank (no
+    rank goes on alone), before anything read is used; the damage first, as it may be why the read failed."""
     from megatron.core import dist_checkpointing
 
     failure: BaseException | None = None
+    reads = patches.ThreadedShardReads(lambda directory: ThreadedReader(directory, threads))
     try:
-        with checks.weights_only():
+        with checks.weights_only(), reads if threads > 1 else contextlib.nullcontext():
             loaded = dist_checkpointing.load(state, str(path), sharded_strategy=_parallel_load(path))
     except (Exception, CheckpointException) as error:
         failure = error
     clock.lap("read_s")
-    _raise_on_every_rank(verification.wait)
+    clock.note("read_parts", sum(reader.parts_read for reader in reads.readers))
+
+    def check() -> None:
+        verification.wait()
+        if failure is not None:
+            raise ValueError(
+                f"cannot load checkpoint {path}: {type(failure).__name__}: {failure}. Objects other than tensors, "
+                "containers and numbers are refused (weights_only loading); allow a trusted class with "
+                "torch.serialization.add_safe_globals([...])"
+            ) from failure
+
+    _raise_on_every_rank(check)
     clock.lap("verify_after_read_s")
-    if failure is not None:
-        raise ValueError(
-            f"cannot load checkpoint {path}: {type(failure).__name__}: {failure}. Objects other than tensors, "
-            "containers and numbers are refused (weights_only loading); allow a trusted class with "
-            "torch.serialization.add_safe_globals([...])"
-        ) from failure
     return loaded
 
 
@@ -258,8 +270,8 @@ def _load_schedule(scheduler: Any | None, scheduler_state: dict[str, Any] | None
 def _parallel_load(path: Path) -> Any:
     """Megatron's fully-parallel load over the data-parallel (x context-parallel) group: a tensor that several of
     its ranks load (a replicated weight, the optimizer state every rank loads whole) is read by one of them and
-    broadcast to the others. (Each rank still reads the blocks of everything it loads once before, to verify their
-    checksums.)"""
+    broadcast to the others. (Each rank still reads the blocks of everything it loads to verify their checksums,
+    before the read.)"""
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
@@ -323,9 +335,12 @@ def _plan(
     split = None if optimizer is None else _optimizer_split(path, metadata, optimizer, state[_OPTIMIZER_KEY], buffers)
     # Last, as it reads the shards: each rank verifies the stored entries it loads -- those read in place into the
     # model now; the optimizer state read into host buffers, which reaches the optimizer only after the read, while
-    # it is read (:func:`_read`), so that the disk is read once.
+    # it is read (:func:`_read`), so that the disk is read once. Not where Megatron's fully-parallel load exchanges
+    # what each rank read: a rank whose read broke on a damaged entry would leave the others waiting in it.
     clock.lap("check_s")
-    later = _stored_items(metadata, {_OPTIMIZER_KEY: state[_OPTIMIZER_KEY]}) if reads else []
+    group = data_parallel_group()
+    exchange = group is not None and torch.distributed.get_world_size(group) > 1
+    later = _stored_items(metadata, {_OPTIMIZER_KEY: state[_OPTIMIZER_KEY]}) if reads and not exchange else []
     checksums.verify(path, metadata, items=set(_stored_items(metadata, state)) - set(later))
     return {"state": state, "weights": selected, "split": split, "from_optimizer": from_optimizer,
             "metadata": metadata, "verify_while_reading": later}  # fmt: skip

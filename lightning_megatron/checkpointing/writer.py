@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from lightning_megatron.checkpointing import saving
 from lightning_megatron.checkpointing.plans import SavePlans
+from lightning_megatron.checkpointing.reading import Reading, default_threads
 from lightning_megatron.checkpointing.staging import HostBuffers
 
 
@@ -59,13 +60,21 @@ class CheckpointWriter:
         ``state_s`` (the state to read into, with its host buffers), ``check_s`` (the model against the files),
         ``verify_s`` (the checksums of what is read into the model), ``read_s`` (Megatron's load, while the
         optimizer state's checksums are verified), ``verify_after_read_s`` (waiting for those after the read),
-        ``apply_s`` (into the model and optimizer)."""
+        ``apply_s`` (into the model and optimizer); and ``read_parts``, the parts read in threads of their own."""
+        self.read_threads = default_threads()
+        """Threads each rank reads a checkpoint's tensors with (:mod:`.reading`; default: the CPUs this process may
+        use divided by the node's ranks, at most 8). ``1``: Megatron's own reader, one tensor after the other."""
         self._queue: Any | None = None
         self._saves: list[saving.PendingSave] = []  # oldest first, as Megatron's queue finalises them
         self._removals: list[Path] = []
 
     def check(self, distributed_optimizer: bool) -> None:
         """Raise ``ValueError`` for settings this run's optimizer cannot serve (before any process group exists)."""
+        if not isinstance(self.read_threads, int) or isinstance(self.read_threads, bool) or self.read_threads < 1:
+            raise ValueError(
+                f"checkpoint_writer.read_threads={self.read_threads!r}: give a positive int (1 reads with Megatron's "
+                "reader, one tensor after the other)"
+            )
         if not (self.save_model_weights or distributed_optimizer):
             raise ValueError(
                 "checkpoint_writer.save_model_weights=False stores the trained weights as the distributed optimizer's "
@@ -107,13 +116,14 @@ class CheckpointWriter:
         self._release_unless_kept()
 
     @contextlib.contextmanager
-    def loading(self) -> Iterator[HostBuffers]:
-        """Around a load: a save still being written is published first; yields the host buffers the optimizer
-        state is read into (freed afterwards unless :attr:`keep_host_buffers`)."""
+    def loading(self) -> Iterator[Reading]:
+        """Around a load: a save still being written is published first; yields how to read: the host buffers the
+        optimizer state is read into (freed afterwards unless :attr:`keep_host_buffers`), :attr:`last_load` and
+        :attr:`read_threads`."""
         self.finalize()
         self.last_load.clear()
         try:
-            yield self.buffers
+            yield Reading(self.buffers, self.last_load, self.read_threads)
         finally:
             self._release_unless_kept()
 
