@@ -358,7 +358,7 @@ def load_timeline(found: list[Row]) -> list[str]:
     ]
     for data in loads:
         cells = [number(data["timeline"].get(p), 2) for p in parts]
-        threads = data.get("read_threads", 1)  # rows from before the threaded reads
+        threads = data.get("read_threads", 1)  # rows without the field: Megatron's own reader
         row = f"| {data.get('cache', '-')} | {threads} | {number(data.get('resume_load_s'))} | "
         out.append(row + " | ".join(cells) + " |")
     return [*out, ""]

@@ -244,7 +244,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def setup_environment(self) -> None:
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
-        self.checkpoint_writer.check(distributed_optimizer=self.use_distributed_optimizer)
+        self.checkpoint_writer.check(self.use_distributed_optimizer, processes_per_node=self.num_processes)
         run_started(self, self._sigterm)  # tears down runs Lightning left unfinished first (training/retained.py)
         self._patches.install(patches.QuietRun(self.root_device.type))  # notices of the torch-native path
         if self.root_device.type == "cpu":
@@ -411,7 +411,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        with self.checkpoint_writer.loading() as reading:  # a save still being written is published first
+        with self.checkpoint_writer.loading(self._groups.control if self._groups else None) as reading:
             optimizer = self._megatron_optimizer
             loaded = sharded.load_module(self.module, optimizer, checkpoint_path, self._scheduler, reading)
         if self._megatron_optimizer is not None:  # the loaded param groups carry the writer's fused/foreach flags

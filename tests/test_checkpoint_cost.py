@@ -342,7 +342,7 @@ def test_the_weights_stored_once_need_the_distributed_optimizer(tmp_path: Path) 
     assert losses == {2: full[2], 3: full[3]}
 
 
-@pytest.mark.parametrize("threads", [0, -1, 1.5, None])
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
 def test_read_threads_must_be_a_positive_int(threads: object) -> None:
     from lightning_megatron import MegatronStrategy
 
@@ -350,3 +350,28 @@ def test_read_threads_must_be_a_positive_int(threads: object) -> None:
     strategy.checkpoint_writer.read_threads = threads  # type: ignore[assignment]
     with pytest.raises(ValueError, match=rf"read_threads={threads!r}: give a positive int"):
         strategy.checkpoint_writer.check(distributed_optimizer=True)
+
+
+def test_read_threads_are_checked_when_the_run_starts_and_none_is_the_cpus_per_rank(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+    from lightning_megatron.checkpointing.reading import default_threads
+    from lightning_megatron.data.corpus import synthetic_tokens
+    from tests.conftest import one_process_trainer
+
+    strategy = MegatronStrategy(micro_batch_size=2)
+    strategy.checkpoint_writer.read_threads = 0
+    data = DataLoader(synthetic_tokens(4, 32, 256, seed=3), batch_size=4)
+    with pytest.raises(ValueError, match=r"read_threads=0: give a positive int"):
+        one_process_trainer(1, strategy=strategy).fit(MegatronLMModule(tiny_gpt()), data)
+    writer = MegatronStrategy().checkpoint_writer
+    with writer.loading() as reading:
+        assert reading.threads == 1  # Megatron's reader by default
+    writer.read_threads = None
+    writer.check(distributed_optimizer=True, processes_per_node=2)
+    with writer.loading() as reading:
+        assert reading.threads == default_threads(2) >= 1
+    writer.read_threads = 3
+    with writer.loading() as reading:
+        assert reading.threads == 3

@@ -1,8 +1,8 @@
 """A rank's share of a checkpoint read by several threads.
 
 Megatron's ``torch_dist`` load reads through torch DCP's ``FileSystemReader``, which deserialises the stored
-tensors one after the other in the calling thread: on an H100 host a 13.3 GB checkpoint took 7.8 s from the page
-cache, slower than that host's disk (2.25 GB/s). :class:`ThreadedReader` hands disjoint parts of the same read
+tensors one after the other in the calling thread: on an H100 host a 13.3 GB checkpoint took 7.2 s from the page
+cache, slower than that host's disk (2.28 GB/s: 5.9 s). :class:`ThreadedReader` hands disjoint parts of the same read
 plan, each a run of neighbouring entries of about equal bytes, to ``FileSystemReader.read_data`` in threads of its
 own (file reads and tensor copies release the GIL); every entry is read exactly as torch reads it. Megatron builds
 its reader inside its load strategy, so :class:`~lightning_megatron.patches.ThreadedShardReads` puts this one in
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,22 +26,37 @@ if TYPE_CHECKING:
     from lightning_megatron.checkpointing.staging import HostBuffers
 
 
-def default_threads() -> int:
-    """Threads per rank for reading a checkpoint: the CPUs this process may use shared by the node's ranks
-    (``LOCAL_WORLD_SIZE``), at most 8 (each thread holds one deserialised entry at a time)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, min(8, cpus // max(1, ranks)))
+def default_threads(processes_per_node: int = 1) -> int:
+    """Threads per rank for reading a checkpoint, at most 8 (each holds one deserialised entry at a time): the CPUs
+    this process may use (its affinity, within a cgroup's CPU quota), shared by the node's ``processes_per_node``
+    ranks unless the process is already pinned to fewer CPUs than the machine has."""
+    machine = os.cpu_count() or 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    cpus = min(cpus, _cgroup_cpus() or cpus)
+    if cpus >= machine:  # not pinned: the node's ranks share the CPUs
+        cpus //= max(1, processes_per_node)
+    return max(1, min(8, cpus))
+
+
+def _cgroup_cpus() -> int | None:
+    """The CPUs a cgroup v2 quota (``cpu.max``) allows this process, rounded up; None without a quota."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        return None
 
 
 @dataclasses.dataclass
 class Reading:
     """How a strategy's load reads: the host buffers the optimizer state is read into (the next save reuses them),
-    where the load's timeline goes, and the threads per rank."""
+    where the load's timeline goes, the threads per rank, and the (gloo) group the ranks agree on a failed load in
+    (none of Megatron's collectives can pair with it; ``None``: the default group)."""
 
     buffers: HostBuffers | None = None
     timings: dict[str, float] | None = None
-    threads: int = dataclasses.field(default_factory=lambda: default_threads())
+    threads: int = 1
+    group: Any | None = None
 
 
 class ThreadedReader(FileSystemReader):

@@ -177,12 +177,13 @@ def load(
     buffers, clock = reading.buffers, _Clock(reading.timings)
     plan: dict[str, Any] = {}
     _raise_on_every_rank(
-        lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights, buffers, clock))
+        lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights, buffers, clock)),
+        reading.group,
     )
     state = plan["state"]
     clock.lap("verify_s")
     verification = checksums.Verification(path, plan["metadata"], plan["verify_while_reading"])
-    loaded = _read(path, state, verification, clock, reading.threads)
+    loaded = _read(path, state, verification, clock, reading)
     loaded.pop(MODEL_CONFIG_KEY, None)
     optimizer_state = loaded.pop(_OPTIMIZER_KEY, None)
     if optimizer is not None and plan["split"] is not None:  # saved at another expert-parallel size
@@ -221,14 +222,17 @@ class _Clock:
 
 
 def _read(
-    path: Path, state: dict[str, Any], verification: checksums.Verification, clock: _Clock, threads: int
+    path: Path, state: dict[str, Any], verification: checksums.Verification, clock: _Clock, reading: Reading
 ) -> dict[str, Any]:
-    """Collective: Megatron's load of ``state`` (in ``threads`` threads, :mod:`.reading`) while ``verification``
-    runs. Once every rank has read, a damaged entry it found -- or else a failed read -- raises on every rank (no
-    rank goes on alone), before anything read is used; the damage first, as it may be why the read failed."""
+    """Collective: Megatron's load of ``state`` (in ``reading.threads`` threads, :mod:`.reading`) while
+    ``verification`` runs. Once every rank has read, a damaged entry it found -- or else a failed read -- raises on
+    every rank, before anything read is used; the damage first, as it may be why the read failed. (A rank whose
+    read fails inside Megatron's collective part of the load -- its exchange between data-parallel ranks -- still
+    leaves the others there until the collective timeout.)"""
     from megatron.core import dist_checkpointing
 
     failure: BaseException | None = None
+    threads = reading.threads
     reads = patches.ThreadedShardReads(lambda directory: ThreadedReader(directory, threads))
     try:
         with checks.weights_only(), reads if threads > 1 else contextlib.nullcontext():
@@ -242,12 +246,12 @@ def _read(
         verification.wait()
         if failure is not None:
             raise ValueError(
-                f"cannot load checkpoint {path}: {type(failure).__name__}: {failure}. Objects other than tensors, "
-                "containers and numbers are refused (weights_only loading); allow a trusted class with "
-                "torch.serialization.add_safe_globals([...])"
+                f"cannot load checkpoint {path}: {type(failure).__name__}: {failure}. (Objects other than tensors, "
+                "containers and numbers are refused, as torch.load(weights_only=True) does; a trusted class can be "
+                "allowed with torch.serialization.add_safe_globals([...]))"
             ) from failure
 
-    _raise_on_every_rank(check)
+    _raise_on_every_rank(check, reading.group)
     clock.lap("verify_after_read_s")
     return loaded
 
@@ -434,9 +438,9 @@ def _read_common(path: Path, metadata: Any) -> dict[str, Any]:
         ) from error
 
 
-def _raise_on_every_rank(check: Callable[[], None]) -> None:
+def _raise_on_every_rank(check: Callable[[], None], group: Any | None = None) -> None:
     """Run a local check on every rank; if it fails anywhere, raise on every rank (no rank left in a collective),
-    with the failing rank's message."""
+    with the failing rank's message. ``group``: the group of all ranks to agree in (``None``: the default one)."""
     error: BaseException | None = None
     try:
         check()
@@ -447,7 +451,7 @@ def _raise_on_every_rank(check: Callable[[], None]) -> None:
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     messages: list[str | None] = [None if error is None else f"{type(error).__name__}: {error}"] * world
     if world > 1:
-        torch.distributed.all_gather_object(messages, messages[rank])
+        torch.distributed.all_gather_object(messages, messages[rank], group=group)
     if error is not None:
         raise error
     if failed := [(r, m) for r, m in enumerate(messages) if m is not None]:

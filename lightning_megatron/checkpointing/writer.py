@@ -61,20 +61,25 @@ class CheckpointWriter:
         ``verify_s`` (the checksums of what is read into the model), ``read_s`` (Megatron's load, while the
         optimizer state's checksums are verified), ``verify_after_read_s`` (waiting for those after the read),
         ``apply_s`` (into the model and optimizer); and ``read_parts``, the parts read in threads of their own."""
-        self.read_threads = default_threads()
-        """Threads each rank reads a checkpoint's tensors with (:mod:`.reading`; default: the CPUs this process may
-        use divided by the node's ranks, at most 8). ``1``: Megatron's own reader, one tensor after the other."""
+        self.read_threads: int | None = 1
+        """Threads each rank reads a checkpoint's tensors with when the strategy loads one (:mod:`.reading`): ``1``
+        (the default), Megatron's own reader, one tensor after the other; ``None``: the CPUs this process may use,
+        shared by the node's ranks, at most 8."""
+        self._processes_per_node = 1
         self._queue: Any | None = None
         self._saves: list[saving.PendingSave] = []  # oldest first, as Megatron's queue finalises them
         self._removals: list[Path] = []
 
-    def check(self, distributed_optimizer: bool) -> None:
-        """Raise ``ValueError`` for settings this run's optimizer cannot serve (before any process group exists)."""
-        if not isinstance(self.read_threads, int) or isinstance(self.read_threads, bool) or self.read_threads < 1:
+    def check(self, distributed_optimizer: bool, processes_per_node: int = 1) -> None:
+        """Raise ``ValueError`` for settings this run cannot serve (before any process group exists); the default
+        :attr:`read_threads` shares the CPUs among ``processes_per_node`` ranks."""
+        threads = self.read_threads
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ValueError(
-                f"checkpoint_writer.read_threads={self.read_threads!r}: give a positive int (1 reads with Megatron's "
-                "reader, one tensor after the other)"
+                f"checkpoint_writer.read_threads={threads!r}: give a positive int (1 reads with Megatron's reader, one "
+                "tensor after the other) or None (the CPUs per rank, at most 8)"
             )
+        self._processes_per_node = processes_per_node
         if not (self.save_model_weights or distributed_optimizer):
             raise ValueError(
                 "checkpoint_writer.save_model_weights=False stores the trained weights as the distributed optimizer's "
@@ -116,14 +121,15 @@ class CheckpointWriter:
         self._release_unless_kept()
 
     @contextlib.contextmanager
-    def loading(self) -> Iterator[Reading]:
+    def loading(self, group: Any | None = None) -> Iterator[Reading]:
         """Around a load: a save still being written is published first; yields how to read: the host buffers the
-        optimizer state is read into (freed afterwards unless :attr:`keep_host_buffers`), :attr:`last_load` and
-        :attr:`read_threads`."""
+        optimizer state is read into (freed afterwards unless :attr:`keep_host_buffers`), :attr:`last_load`,
+        :attr:`read_threads` and ``group``, the group the ranks agree on a failed load in."""
         self.finalize()
         self.last_load.clear()
+        threads = self.read_threads or default_threads(self._processes_per_node)
         try:
-            yield Reading(self.buffers, self.last_load, self.read_threads)
+            yield Reading(self.buffers, self.last_load, threads, group)
         finally:
             self._release_unless_kept()
 
