@@ -24,9 +24,9 @@ def _saved(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_the_plan_splits_into_runs_of_about_equal_bytes(tmp_path: Path) -> None:
-    _saved(tmp_path)
-    reader = FileSystemReader(str(tmp_path))
+def _read_plan(path: Path) -> tuple[FileSystemReader, list]:
+    """torch's reader of the checkpoint at ``path`` (set up) and the read items of all its entries."""
+    reader = FileSystemReader(str(path))
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, is_coordinator=True)
     plan = [
@@ -34,6 +34,12 @@ def test_the_plan_splits_into_runs_of_about_equal_bytes(tmp_path: Path) -> None:
         for fqn, meta in metadata.state_dict_metadata.items()
         for item in create_read_items_for_chunk_list(fqn, meta, meta.chunks)
     ]
+    return reader, plan
+
+
+def test_the_plan_splits_into_runs_of_about_equal_bytes(tmp_path: Path) -> None:
+    _saved(tmp_path)
+    reader, plan = _read_plan(tmp_path)
     sizes = {id(i): reader.storage_data[i.storage_index].length for i in plan}
     for parts in (1, 2, 3, 4, 50):
         runs = split(plan, reader.storage_data, parts)
@@ -74,14 +80,7 @@ def test_threads_read_what_torch_reads(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_an_error_in_one_part_is_raised_once_every_part_stopped(tmp_path: Path) -> None:
     state = _saved(tmp_path)
-    reader = FileSystemReader(str(tmp_path))
-    metadata = reader.read_metadata()
-    reader.set_up_storage_reader(metadata, is_coordinator=True)
-    plan = [
-        item
-        for fqn, meta in metadata.state_dict_metadata.items()
-        for item in create_read_items_for_chunk_list(fqn, meta, meta.chunks)
-    ]
+    reader, plan = _read_plan(tmp_path)
     runs = split(plan, reader.storage_data, 3)
     assert len(runs) == 3
     broken = reader.storage_data[runs[0][0].storage_index]  # the first run's first entry: its container's header
