@@ -244,7 +244,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def setup_environment(self) -> None:
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
-        self.checkpoint_writer.check(self.use_distributed_optimizer, processes_per_node=self.num_processes)
+        self.checkpoint_writer.prepare(self.use_distributed_optimizer, processes_per_node=self.num_processes)
         run_started(self, self._sigterm)  # tears down runs Lightning left unfinished first (training/retained.py)
         self._patches.install(patches.QuietRun(self.root_device.type))  # notices of the torch-native path
         if self.root_device.type == "cpu":

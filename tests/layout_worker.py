@@ -111,7 +111,12 @@ class SaveProbe(L.Callback):
             params = list(pl_module.parameters())  # this rank's: at most its weights and their fp32 Adam state
             bound = sum(p.numel() * (p.element_size() + 12) for p in params)
             self.saves.append({"allocations": writer.buffers.allocations, "plans": writer.plans.made,
-                               "host_bytes": writer.buffers.bytes, "host_bytes_bound": bound})  # fmt: skip
+                               "host_bytes": writer.buffers.bytes, "host_bytes_bound": bound,
+                               "shared": writer.buffers.shared is not None})  # fmt: skip
+            background = writer.background
+            if background is not None and background.writer is not None:  # async: the writer process
+                self.saves[-1] |= {"writers_started": background.writers_started, "pid": background.writer.process.pid,
+                                   "segments_sent": background.writer.segments_sent}  # fmt: skip
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         if self.optimizer_state_differs is None:

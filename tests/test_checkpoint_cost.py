@@ -75,6 +75,17 @@ def test_later_saves_allocate_nothing_and_reuse_the_plan(saved: dict, mode: str)
     assert all(s["allocations"] == saves[0]["allocations"] and s["plans"] == 1 for s in saves)
     assert saves[-1]["plan_reused"] == [True]  # Megatron verified the cached plan; later saves skip planning
     assert 0 < saves[0]["host_bytes"] <= saves[0]["host_bytes_bound"]  # one host copy of what the rank holds
+    assert all(s["shared"] == (mode == "async") for s in saves)  # async: shared with the writer process
+
+
+@pytest.mark.multiprocess
+def test_one_writer_process_serves_every_async_save(saved: dict) -> None:
+    # Started at the first save and kept; each shared buffer segment handed over once, at the first save.
+    saves = saved["async"]["saves"]
+    assert [s["writers_started"] for s in saves] == [1] * STEPS
+    assert len({s["pid"] for s in saves}) == 1
+    assert saves[0]["segments_sent"] > 0
+    assert all(s["segments_sent"] == saves[0]["segments_sent"] for s in saves)
 
 
 @pytest.mark.multiprocess
@@ -349,7 +360,7 @@ def test_read_threads_must_be_a_positive_int(threads: object) -> None:
     strategy = MegatronStrategy()
     strategy.checkpoint_writer.read_threads = threads  # type: ignore[assignment]
     with pytest.raises(ValueError, match=rf"read_threads={threads!r}: give a positive int"):
-        strategy.checkpoint_writer.check(distributed_optimizer=True)
+        strategy.checkpoint_writer.prepare(distributed_optimizer=True)
 
 
 def test_read_threads_are_checked_when_the_run_starts_and_none_is_the_cpus_per_rank(tmp_path: Path) -> None:
@@ -369,7 +380,7 @@ def test_read_threads_are_checked_when_the_run_starts_and_none_is_the_cpus_per_r
     with writer.loading() as reading:
         assert reading.threads == 1  # Megatron's reader by default
     writer.read_threads = None
-    writer.check(distributed_optimizer=True, processes_per_node=2)
+    writer.prepare(distributed_optimizer=True, processes_per_node=2)
     with writer.loading() as reading:
         assert reading.threads == default_threads(2) >= 1
     writer.read_threads = 3

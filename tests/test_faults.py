@@ -7,12 +7,12 @@ metadata, a full disk, a second writer, another batch size on resume, a truncate
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import pickle
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -377,26 +377,54 @@ def test_a_truncated_safetensors_file_is_named(tmp_path: Path) -> None:
 def test_no_space_left_is_named_and_the_last_checkpoint_stays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
 ) -> None:
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from lightning_megatron.checkpointing import write_process
+    from tests.full_disk_writer import fill_the_disk
 
-    real = filesystem_async._write_item
+    # Every write of the checkpoint step=4 fails as on a full disk: here (sync) or in the writer process (async).
+    if async_save:
+        monkeypatch.setattr(write_process, "COMMAND", [sys.executable, "-m", "tests.full_disk_writer"])
+    else:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    class FullDisk(L.Callback):  # from step 3 on, every write of a shard fails as on a full disk
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-            if trainer.global_step == 3:
-                monkeypatch.setattr(filesystem_async, "_write_item", _no_space)
-
-    def _no_space(*args: object, **kwargs: object) -> object:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
+        monkeypatch.setattr(filesystem_async, "_write_item", filesystem_async._write_item)  # restored by undo()
+        fill_the_disk()
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
     strategy = MegatronStrategy(micro_batch_size=2, async_save=async_save)
     with pytest.raises(OSError, match=r"writing checkpoint .*step=4\.ckpt failed: no space left on the device"):
-        _fit(6, FullDisk(), saver, strategy=strategy)
-    monkeypatch.setattr(filesystem_async, "_write_item", real)
+        _fit(6, saver, strategy=strategy)
+    monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt"]  # no .partial left, no lock
     full = _fit(4)
     assert _fit(4, ckpt_path=str(tmp_path / "step=2.ckpt")) == {step: full[step] for step in (3, 4)}
+
+
+def test_a_writer_process_that_dies_fails_its_save_and_the_next_save_starts_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_megatron.checkpointing import write_process
+
+    class KillTheIdleWriter(L.Callback):  # after step 2's save was published, its writer process is killed
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            background = trainer.strategy.checkpoint_writer.background
+            if trainer.global_step == 3:
+                trainer.strategy.checkpoint_writer.finalize()  # step 2's save published: the writer is idle
+                os.kill(background.writer.process.pid, signal.SIGKILL)
+                background.writer.process.wait()
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    strategy = MegatronStrategy(micro_batch_size=2, async_save=True)
+    _fit(4, saver, KillTheIdleWriter(), strategy=strategy)
+    assert strategy.checkpoint_writer.background.writers_started == 2  # step 4's save started a new one
+    assert strategy.checkpoint_writer.background.writer is None  # and it ended with the run
+    full = _fit(5)
+    assert _fit(5, ckpt_path=str(tmp_path / "a" / "step=4.ckpt")) == {5: full[5]}
+    # A writer process killed while it writes step=4: that save fails, naming it; step=2 stays.
+    monkeypatch.setattr(write_process, "COMMAND", [sys.executable, "-m", "tests.full_disk_writer", "--die"])
+    saver = ModelCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    died = r"step=4\.ckpt failed: .*checkpoint writer process \(pid \d+\) exited with code -9"
+    with pytest.raises(OSError, match=died):
+        _fit(6, saver, strategy=MegatronStrategy(micro_batch_size=2, async_save=True))
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["step=2.ckpt"]
 
 
 def test_a_second_writer_of_the_same_checkpoint_is_named(tmp_path: Path) -> None:

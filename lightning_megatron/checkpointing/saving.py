@@ -1,9 +1,9 @@
 """Writing a sharded checkpoint: crash-safe publish, checksums, one writer per checkpoint, failures that name a cause.
 
-Every rank writes its shards into ``<name>.partial`` through Megatron's ``dist_checkpointing`` (synchronously, or
-in Megatron's background writer processes); ``<name>.partial`` is renamed to ``<name>`` only once every rank has
-finished, every shard file has its checksums (:mod:`.checksums`, recorded by the writer that wrote it), and the
-small metadata files have theirs. A run killed mid-save leaves the previous checkpoint intact.
+Every rank writes its shards into ``<name>.partial`` through Megatron's ``dist_checkpointing`` (synchronously, or in
+the rank's background writer process, :mod:`.write_process`); ``<name>.partial`` is renamed to ``<name>`` only once
+every rank has finished, every shard file has its checksums (:mod:`.checksums`, recorded by the writer that wrote
+it), and the small metadata files have theirs. A run killed mid-save leaves the previous checkpoint intact.
 
 While rank 0 writes a checkpoint it holds an exclusive lock on ``<name>.lock`` beside it, so a second run saving the
 same checkpoint at the same time fails at once, naming the first, instead of both deleting each other's files.
@@ -25,12 +25,15 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from lightning_megatron.checkpointing import checksums
+
+if TYPE_CHECKING:
+    from lightning_megatron.checkpointing.background import BackgroundSaves
 
 PARTIAL_SUFFIX = ".partial"
 _WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
@@ -49,7 +52,7 @@ class PendingSave:
 
 
 def save(
-    state: dict[str, Any], path: str | Path, async_queue: Any | None = None, strategy: Any | None = None,
+    state: dict[str, Any], path: str | Path, background: BackgroundSaves | None = None, strategy: Any | None = None,
     validate: bool = True, timings: dict[str, float] | None = None,
 ) -> PendingSave | None:  # fmt: skip
     """Collective: every rank writes its shards of ``state`` (sharded tensors + common objects) to ``path``.
@@ -59,10 +62,10 @@ def save(
     ``timings`` receives the seconds spent planning (``plan_s``) and, for a synchronous save, writing (``write_s``:
     shards, checksums, publish).
 
-    With ``async_queue`` (Megatron's ``AsyncCallsQueue``, see :func:`async_queue`) the shards are written by a
-    background process and the publish (checksum check, rename) is the last finalisation step, run on every rank by
-    the queue's ``maybe_finalize_async_calls`` once every rank's writer is done; the returned :class:`PendingSave`
-    names the save if that raises.
+    With ``background`` (:class:`.background.BackgroundSaves`) the shards are written by this rank's writer process
+    and the publish (checksum check, rename) is the last finalisation step, run on every rank by
+    ``background.finalize`` once every rank's writer is done; the returned :class:`PendingSave` names the save if
+    that raises.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -71,22 +74,19 @@ def save(
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     rank = torch.distributed.get_rank()
     lock = _prepare(partial, rank)
-    writer = "mcore" if async_queue is None else _async_strategy()  # sync: Megatron's own sync path runs "mcore"
     timings = {} if timings is None else timings
     start = time.perf_counter()
     try:
         request = dist_checkpointing.save(
             state, str(partial), sharded_strategy=strategy, validate_access_integrity=validate,
-            async_sharded_save=True, async_strategy=writer,
+            async_sharded_save=True, async_strategy="mcore",
         )  # fmt: skip
-        if isinstance(request, AsyncRequest):  # the writer records its files' checksums right after writing them
-            if request.async_fn is not None:  # None: this rank writes no file
-                request = request._replace(async_fn=functools.partial(_write, request.async_fn, partial, rank))
-        else:  # NVIDIA's resiliency extension writes: record them once it is done
-            request.add_finalize_fn(lambda: checksums.record(partial, rank))
+        assert isinstance(request, AsyncRequest), type(request)
+        if request.async_fn is not None:  # None: this rank writes no file. Checksums recorded while writing:
+            request = request._replace(async_fn=functools.partial(_write, request.async_fn, partial, rank))
         request.add_finalize_fn(lambda: _publish(partial, path, lock))  # after Megatron's metadata.json finaliser
         timings["plan_s"] = time.perf_counter() - start
-        if async_queue is None:
+        if background is None:
             with _without_zip_crc32():
                 request.execute_sync()
             timings["write_s"] = time.perf_counter() - start - timings["plan_s"]
@@ -96,8 +96,7 @@ def save(
     except BaseException:  # e.g. KeyboardInterrupt: the lock must not outlive the save in this process
         lock.release()
         raise
-    with _without_zip_crc32():  # the writer process is forked in here and keeps the setting
-        async_queue.schedule_async_request(request)
+    background.schedule(request)  # the writer process writes without the zip CRC-32 too
     return PendingSave(partial, path, lock)
 
 
@@ -107,9 +106,8 @@ def _without_zip_crc32() -> Iterator[None]:
 
     Computing it caps ``torch.save`` at a fraction of a disk's write speed (one core, well under 1 GB/s), and it
     is redundant here: every shard file gets our own CRC-32 per 64 KiB block (:mod:`.checksums`), verified before
-    every load. ``torch.load`` reads records without it (torch does not check it when reading). Megatron's writer
-    process is forked inside this context and keeps the setting; NVIDIA's resiliency extension's persistent writer
-    (used where it is installed) is not, and computes it as usual: slower, not wrong."""
+    every load. ``torch.load`` reads records without it (torch does not check it when reading). The async writer
+    process (:mod:`.write_process`) turns it off for itself."""
     import torch.serialization
 
     before = torch.serialization.get_crc32_options()
@@ -194,21 +192,6 @@ def _replace(new: Path, path: Path) -> None:
         path.rename(old)
     new.rename(path)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _async_strategy() -> str:
-    # NVIDIA's resiliency extension is Megatron's preferred async writer; its own (deprecated) one otherwise.
-    from megatron.core.dist_checkpointing.strategies.torch import HAVE_NVRX
-
-    return "nvrx" if HAVE_NVRX else "mcore"
-
-
-def async_queue() -> Any:
-    """The ``AsyncCallsQueue`` that matches :func:`save`'s async requests."""
-    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
-
-    _, queue_class = get_async_strategy(_async_strategy(), "AsyncCallsQueue")
-    return queue_class()
 
 
 def _failure(error: BaseException, partial: Path, path: Path, lock: WriterLock) -> OSError:

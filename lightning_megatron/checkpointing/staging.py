@@ -13,6 +13,9 @@ host, ``benchmarks/pinned_alloc.py``): Megatron's writer forks processes at ever
 page-locked private pages into a forked child right away (4 s for 13 GB), while page-locked shared memory is
 faulted into each child page by page (about 3.5 s more per save), so either costs more than it saves.
 
+For async saves the buffers are cut from shared memory segments instead (:mod:`.shared_memory`, page-locked with
+``cudaHostRegister``): the writer process, started once, maps them once (:mod:`.write_process`).
+
 A staged tensor is a whole buffer, never a view, so Megatron's writer does not copy it again (it clones host views).
 """
 
@@ -23,11 +26,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_megatron.checkpointing.shared_memory import SharedSegments
+
 
 class HostBuffers:
     """The host buffers of one strategy's saves, keyed by what each holds (a sharded tensor's key and offset)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        self.shared = SharedSegments() if shared else None
+        """The shared memory segments the buffers are cut from (for a writer process), or None: torch's memory."""
         self._buffers: dict[tuple[Any, ...], Tensor] = {}
         self._staged: set[tuple[Any, ...]] = set()
         self._taken: set[int] = set()  # ids of the buffers this save holds (a renamed entry is staged already)
@@ -64,7 +71,10 @@ class HostBuffers:
         if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
             if buffer is not None:
                 self.bytes -= buffer.nbytes
-            buffer = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+            if self.shared is not None:
+                buffer = self.shared.tensor(shape, dtype, pinned)
+            else:
+                buffer = torch.empty(shape, dtype=dtype, pin_memory=pinned)
             self._buffers[name] = buffer
             self.allocations += 1
             self.bytes += buffer.nbytes
@@ -84,6 +94,8 @@ class HostBuffers:
         self._staged.clear()
         self._taken.clear()
         self.bytes = 0
+        if self.shared is not None:
+            self.shared.release()
         if to_system and torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()
 

@@ -1,9 +1,10 @@
 """When checkpoints become visible and when old ones may go: synchronous or asynchronous saves, deferred removals.
 
-With ``async_save`` a save returns once the shards are handed to a background writer process (Megatron's async
-dist-checkpointing); the checkpoint is *published* (``<name>.partial`` renamed to ``<name>``) when every rank's
-writer has finished, which :meth:`CheckpointWriter.poll` checks between training steps. A pending save is always
-finalised before the next save starts, before a checkpoint is loaded and at the end of training.
+With ``async_save`` a save returns once the shards are handed to this rank's background writer process (started when
+the run starts and kept for the run: :mod:`.write_process`); the checkpoint is *published* (``<name>.partial``
+renamed to ``<name>``) when every rank's writer has finished, which :meth:`CheckpointWriter.poll` checks between
+training steps. A pending save is always finalised before the next save starts, before a checkpoint is loaded and at
+the end of training.
 
 ``ModelCheckpoint`` removes an older checkpoint right after asking for a new one. While a save is pending those
 removals wait until it is published, so a kill at any moment leaves at least the last published checkpoint.
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,9 +23,11 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from lightning_megatron.checkpointing import saving
+from lightning_megatron.checkpointing.background import BackgroundSaves
 from lightning_megatron.checkpointing.plans import SavePlans
 from lightning_megatron.checkpointing.reading import Reading, default_threads
 from lightning_megatron.checkpointing.staging import HostBuffers
+from lightning_megatron.checkpointing.write_process import children_ignore_sigterm
 
 
 class CheckpointWriter:
@@ -35,7 +36,7 @@ class CheckpointWriter:
 
     def __init__(self, async_save: bool) -> None:
         self.async_save = async_save
-        self.buffers = HostBuffers()
+        self.buffers = HostBuffers(shared=async_save)
         self.plans = SavePlans()
         self.keep_host_buffers = True
         """Whether the host buffers stay allocated from one save to the next, so that a later save allocates nothing
@@ -66,13 +67,15 @@ class CheckpointWriter:
         (the default), Megatron's own reader, one tensor after the other; ``None``: the CPUs this process may use,
         shared by the node's ranks, at most 8."""
         self._processes_per_node = 1
-        self._queue: Any | None = None
-        self._saves: list[saving.PendingSave] = []  # oldest first, as Megatron's queue finalises them
+        self._queue: BackgroundSaves | None = None
+        self._saves: list[saving.PendingSave] = []  # oldest first, as they are finalised
         self._removals: list[Path] = []
 
-    def check(self, distributed_optimizer: bool, processes_per_node: int = 1) -> None:
-        """Raise ``ValueError`` for settings this run cannot serve (before any process group exists); the default
-        :attr:`read_threads` shares the CPUs among ``processes_per_node`` ranks."""
+    def prepare(self, distributed_optimizer: bool, processes_per_node: int = 1) -> None:
+        """When a run starts (before any process group exists): raise ``ValueError`` for settings this run cannot
+        serve; the default :attr:`read_threads` shares the CPUs among ``processes_per_node`` ranks. With async saves
+        the writer process is started now, so that its start (importing torch and Megatron: seconds) overlaps the
+        model's build instead of delaying the first save's publish."""
         threads = self.read_threads
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ValueError(
@@ -86,11 +89,20 @@ class CheckpointWriter:
                 "fp32 main weights, and this strategy has use_distributed_optimizer=False: use "
                 "MegatronStrategy(use_distributed_optimizer=True) or keep save_model_weights=True"
             )
+        if self.async_save:
+            if self._queue is None:
+                self._queue = BackgroundSaves(self.buffers)
+            self._queue.start()
+
+    @property
+    def background(self) -> BackgroundSaves | None:
+        """The async saves' writer process and the save it writes (None without async saves)."""
+        return self._queue
 
     @property
     def pending(self) -> int:
         """Saves handed to background writers and not yet published."""
-        return self._queue.get_num_unfinalized_calls() if self._queue is not None else 0
+        return self._queue.pending if self._queue is not None else 0
 
     def save(
         self, build: Callable[[HostBuffers, bool], dict[str, Any]], path: str | Path, publish: bool = False
@@ -104,10 +116,10 @@ class CheckpointWriter:
         staging = time.perf_counter()
         state = build(self.buffers, self.save_model_weights)
         timings = {"wait_s": staging - start, "stage_s": time.perf_counter() - staging}
-        if self.async_save and self._queue is None:
-            self._queue = saving.async_queue()
+        if self.async_save and self._queue is None:  # a save without prepare() (e.g. the benchmarks' own)
+            self._queue = BackgroundSaves(self.buffers)
         strategy, new = self.plans.strategy_for(state)
-        with _children_ignore_sigterm():
+        with children_ignore_sigterm():
             _start_result_queue()
             queue = self._queue if self.async_save else None
             pending = saving.save(state, path, queue, strategy, validate=new is not None, timings=timings)
@@ -136,6 +148,8 @@ class CheckpointWriter:
     def _release_unless_kept(self) -> None:
         if not self.keep_host_buffers and not self.pending:  # a pending save's writer still reads them
             self.buffers.release(to_system=True)
+            if self._queue is not None:
+                self._queue.forget_released_buffers()
 
     def remove(self, path: str | Path) -> None:
         """Remove a checkpoint directory (rank 0), or queue the removal until pending saves are published."""
@@ -159,7 +173,7 @@ class CheckpointWriter:
     def _finalize(self, blocking: bool) -> None:
         assert self._queue is not None
         try:
-            self._queue.maybe_finalize_async_calls(blocking=blocking)
+            self._queue.finalize(blocking=blocking)
         except (Exception, CheckpointException) as error:  # the oldest pending save failed
             failed = self._saves.pop(0)
             raise failed.failed(error) from error
@@ -173,6 +187,8 @@ class CheckpointWriter:
         try:
             self.abort() if failed else self.finalize()
         finally:
+            if self._queue is not None:
+                self._queue.close()  # the writer process ends (it has written everything it was sent)
             self.buffers.release()
             self.plans.clear()
 
@@ -180,9 +196,7 @@ class CheckpointWriter:
         """After a failure (peers may be gone): stop local writers without any collective; nothing is published,
         so the unfinished ``.partial`` directories stay unloadable and the older checkpoints stay in place."""
         if self._queue is not None:
-            for call in list(self._queue.async_calls):
-                call.async_caller.close(abort=True)
-            self._queue.async_calls.clear()
+            self._queue.close(abort=True)
         for pending in self._saves:
             pending.lock.release()
         self._saves.clear()
@@ -194,22 +208,6 @@ class CheckpointWriter:
             return
         for path in removals:
             shutil.rmtree(path, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _children_ignore_sigterm() -> Iterator[None]:
-    """Processes started in here -- Megatron's checkpoint writers and the manager process of their result queue --
-    inherit SIGTERM blocked, so a SIGTERM sent to the whole job (as schedulers do) leaves them running: the rank
-    stops at its next step (training/preemption.py) and can still publish the save. This process gets the signal
-    as usual (another of its threads takes it while the main thread blocks it, or it arrives at the unblock)."""
-    if threading.current_thread() is not threading.main_thread():  # then Python cannot block signals
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _start_result_queue() -> None:

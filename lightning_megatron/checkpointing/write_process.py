@@ -1,0 +1,193 @@
+"""The background writer of async saves: one process per rank, started when the run starts and kept for the run.
+
+Megatron's async writer forks the training process at every save, and each fork faults the staged buffers' pages
+into itself again (page-locked shared buffers of 11.4 GB wrote in 11.7-12.4 s that way, against 8.4-8.9 s from the
+training process, on an H100 host: ``benchmarks/results/2026-12-06-h100-checkpoint-1b-f.jsonl``). This writer is a
+fresh interpreter (``python -m lightning_megatron.checkpointing.writer_main``: it imports no user code and uses no
+GPU), started once; it maps each shared memory segment of the host buffers (:mod:`.shared_memory`) once, when it
+first sees it, and writes each save with Megatron's own writer function (the same files as a synchronous save),
+recording the checksums as it goes (the function :mod:`.saving` hands over).
+
+The training process sends it, per save, the write plan with each tensor named by its segment and offset; the
+writer answers with Megatron's write results (or the error). The publish stays in the training process, run on every
+rank once every rank's writer is done (:class:`.background.BackgroundSaves`).
+
+The writer blocks SIGTERM and ignores SIGINT: a job-wide SIGTERM leaves the write running, and the rank publishes it
+at its next step (training/preemption.py). It exits when the training process closes the connection (at the end of
+the run, or when that process dies), or is killed by it after a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recvfds, sendfds
+from typing import Any
+
+import torch
+
+from lightning_megatron.checkpointing.shared_memory import SharedSegments, map_segment, tensor_at
+
+COMMAND = [sys.executable, "-m", "lightning_megatron.checkpointing.writer_main"]
+"""How the writer process is started (its connection's descriptor is appended)."""
+_EXIT_WAIT_S = 60.0  # for an idle writer to exit when asked, before it is killed
+_PARENT_CHECK_S = 1.0  # how often an idle writer checks that the training process still runs
+
+
+class WriterProcess:
+    """The training process's end of one writer process: hands it segments and saves, and takes its answers."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        with children_ignore_sigterm():  # until it blocks SIGTERM itself
+            self.process = subprocess.Popen([*COMMAND, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        self._socket = ours
+        self._connection = Connection(os.dup(ours.fileno()))
+        self._mapped: set[int] = set()  # segments the writer maps
+        self.segments_sent = 0
+        """Segments handed to the writer so far: a later save of the same buffers hands over none."""
+        self.busy = False
+        """Whether a save was sent and its answer not yet taken."""
+
+    def write(self, function: Any, rank: int, buckets: list, shared: SharedSegments) -> None:
+        """Send one save: Megatron's write function and its buckets, every tensor cut from ``shared`` named by its
+        segment and offset (others, if any, sent by value)."""
+        assert not self.busy, "one save at a time"
+        self.segments(shared)
+        plan = [(path, key, (data, [(item, _describe(t, shared)) for item, t in tensors]))
+                for path, key, (data, tensors) in buckets]  # fmt: skip
+        self._send(("write", function, rank, plan))
+        self.busy = True
+
+    def segments(self, shared: SharedSegments | None) -> None:
+        """Make the writer map exactly ``shared``'s segments: new ones handed over, dropped ones unmapped."""
+        live = {} if shared is None else shared.segments
+        for index in sorted(live.keys() - self._mapped):
+            self._send(("segment", index, live[index].nbytes))
+            sendfds(self._socket, [live[index].fd])
+            self.segments_sent += 1
+        if self._mapped - live.keys():
+            self._send(("forget", sorted(self._mapped - live.keys())))
+        self._mapped = set(live)
+
+    def done(self, blocking: bool) -> bool:
+        """Whether the save sent last is written (or failed); with ``blocking``, wait for it."""
+        return not self.busy or blocking or self._connection.poll()
+
+    def answer(self) -> Any:
+        """The write results of the save sent last (or the exception it raised), waiting for them."""
+        assert self.busy
+        self.busy = False
+        try:
+            return pickle.loads(self._connection.recv_bytes())
+        except (EOFError, OSError):
+            code = self.process.wait()
+            return RuntimeError(f"the checkpoint writer process (pid {self.process.pid}) exited with code {code}")
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the writer: at once with ``kill``, else once it has finished what it was sent."""
+        if not kill and self.alive:
+            try:
+                self._send(("exit",))
+                self.process.wait(timeout=_EXIT_WAIT_S)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.alive:
+            self.process.kill()
+        self._connection.close()
+        self._socket.close()
+        self.process.wait()
+
+    def _send(self, message: tuple) -> None:
+        self._connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+@contextlib.contextmanager
+def children_ignore_sigterm() -> Iterator[None]:
+    """Processes started in here -- the writer process, the manager process of Megatron's result queue -- inherit
+    SIGTERM blocked (also through ``exec``), so a SIGTERM sent to the whole job (as schedulers do) leaves them running:
+    the rank stops at its next step (training/preemption.py) and can still publish the save. This process gets the
+    signal as usual (another of its threads takes it while the main thread blocks it, or it arrives at the unblock)."""
+    if threading.current_thread() is not threading.main_thread():  # then Python cannot block signals
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _describe(tensor: torch.Tensor, shared: SharedSegments) -> Any:
+    where = shared.locate(tensor)
+    if where is None:
+        return ("value", tensor)
+    return ("shared", *where, tuple(tensor.shape), tensor.dtype)
+
+
+def _rebuild(description: Any, views: dict[int, Any]) -> torch.Tensor:
+    if description[0] == "value":
+        return description[1]
+    _, segment, offset, shape, dtype = description
+    return tensor_at(views[segment], offset, shape, dtype)
+
+
+def serve(descriptor: int) -> None:
+    """The writer's loop: map segments, write saves, answer, until the training process closes the connection."""
+    import queue
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.serialization.set_crc32_options(False)  # our block checksums cover the shards (saving._without_zip_crc32)
+    channel = socket.socket(fileno=descriptor)
+    connection = Connection(os.dup(descriptor))
+    parent = os.getppid()
+    views: dict[int, Any] = {}
+    while True:
+        try:
+            # Processes forked by the training process later (data loader workers, ...) hold its end of the
+            # connection too, so its death need not close the connection: the writer checks its parent as well.
+            while not connection.poll(_PARENT_CHECK_S):
+                if os.getppid() != parent:
+                    return
+            message = pickle.loads(connection.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if message[0] == "exit":
+            return
+        if message[0] == "segment":
+            views[message[1]] = map_segment(recvfds(channel, 1)[0], message[2])
+        elif message[0] == "forget":
+            for index in message[1]:
+                views.pop(index, None)
+        else:
+            _, function, rank, plan = message
+            results: queue.Queue = queue.Queue()
+            buckets: list = []
+            try:
+                buckets = [(path, key, (data, [(item, _rebuild(d, views)) for item, d in tensors]))
+                           for path, key, (data, tensors) in plan]  # fmt: skip
+                function(rank, buckets, results)
+                answer = results.get_nowait()
+            except Exception as error:  # answered, not raised: the training process names it
+                answer = RuntimeError(f"{type(error).__name__}: {error}")
+            del buckets
+            try:
+                payload = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # an exception that does not pickle
+                payload = pickle.dumps(RuntimeError(repr(answer)))
+            connection.send_bytes(payload)
