@@ -254,8 +254,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         if self._groups is None or not self._groups.alive():  # a later fit/validate/... of this strategy reuses them
             self._megatron_optimizer = self._scheduler = self._retained = None  # an earlier run's, for its groups
             self._groups = state.initialize(self._sizes, timeout=self._collective_timeout)
-        self._rng = state.seed(state.resolve_seed(self._seed))
-        self._log_names = schedule.LogNames()
+        self._rng, self._log_names = state.seed(state.resolve_seed(self._seed)), schedule.LogNames()
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -269,6 +268,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             self._ddp_chunks = ddp.wrap(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
             self._run_chunks = self._ddp_chunks
             self.setup_optimizers(trainer)
+            self.checkpoint_writer.start()  # async saves: the writer process, while the first steps run
         self.setup_precision_plugin()
 
     @override

@@ -4,6 +4,7 @@ and test_faults.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,51 @@ def test_pinned_segments_take_copies_from_the_gpu_without_waiting() -> None:
     finally:
         del buffer
         shared.release()
+
+
+def _children() -> list[int]:
+    tasks = Path("/proc/self/task")
+    return [int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+
+
+def _holds_buffers(pid: int) -> bool:
+    """Whether process ``pid`` maps a checkpoint buffer segment or holds a descriptor of one."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    fds = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            fds.append(os.readlink(fd))
+        except OSError:
+            continue
+    return any("lightning_megatron_ckpt_" in text for text in [maps, *fds])
+
+
+def test_processes_forked_during_a_run_do_not_keep_the_buffers(tmp_path: Path) -> None:
+    """Data loader workers forked after the first async save (a new epoch) and Megatron's result-queue manager hold
+    neither the buffers' mappings nor their descriptors (which would keep the memory for as long as they live); the
+    writer process maps them."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+    from lightning_megatron.data.corpus import synthetic_tokens
+    from tests.conftest import one_process_trainer
+
+    seen: dict[str, bool] = {}
+
+    class Look(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            if trainer.global_step != 3:  # in the second epoch, after two saves: its worker forked since
+                return
+            writer = trainer.strategy.checkpoint_writer.background.writer.process.pid
+            others = [pid for pid in _children() if pid != writer]
+            seen["writer"] = _holds_buffers(writer)
+            seen["others"] = bool(others) and not any(_holds_buffers(pid) for pid in others)
+
+    strategy = MegatronStrategy(micro_batch_size=2, async_save=True)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=1)
+    trainer = one_process_trainer(4, strategy=strategy, callbacks=[Look(), saver], enable_checkpointing=True)
+    data = DataLoader(synthetic_tokens(8, 32, 256, seed=2), batch_size=4, num_workers=1)  # 2 steps an epoch
+    trainer.fit(MegatronLMModule(tiny_gpt(), lr=1e-2), data)
+    assert seen == {"writer": True, "others": True}

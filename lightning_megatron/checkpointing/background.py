@@ -21,9 +21,11 @@ class BackgroundSaves:
     def __init__(self, buffers: HostBuffers) -> None:
         self.buffers = buffers
         self.writer: WriterProcess | None = None
-        """This rank's writer process, started at the first save that writes something (and again if it died)."""
+        """This rank's writer process, started when a fit starts (:meth:`start`; by the first save otherwise, and
+        again if it died)."""
         self.writers_started = 0
         self._request: Any | None = None
+        self._failed: Exception | None = None  # handing the save to the writer failed: this rank's write result
 
     @property
     def pending(self) -> int:
@@ -32,10 +34,15 @@ class BackgroundSaves:
     def schedule(self, request: Any) -> None:
         """Collective (with :meth:`finalize`): hand ``request`` (Megatron's ``AsyncRequest``) to the writer."""
         assert self._request is None, "the previous save must be published before the next one starts"
-        if request.async_fn is not None:  # None: this rank writes no file
+        self._request, self._failed = request, None
+        if request.async_fn is None:  # this rank writes no file
+            return
+        try:
             buckets = request.preload_fn() if request.preload_fn is not None else request.async_fn_args[1]
             self._writer().write(request.async_fn, torch.distributed.get_rank(), buckets, self.buffers.shared)
-        self._request = request
+        except Exception as error:  # failed here; every rank learns it when the save is finalised, as for a write
+            self._failed = RuntimeError(f"handing the save to the writer process failed: {type(error).__name__}: "
+                                        f"{error}")  # fmt: skip
 
     def finalize(self, blocking: bool) -> bool:
         """Collective: if every rank's writer is done (with ``blocking``: once it is), run the save's finalisers
@@ -47,8 +54,10 @@ class BackgroundSaves:
         if _any_rank(local) and not blocking:
             return False
         request, self._request = self._request, None
-        if writing:
-            request.async_fn_args[2].put(self.writer.answer())  # where Megatron's finaliser reads the results
+        if self._failed is not None:
+            request.async_fn_args[2].put(self._failed)  # where Megatron's finaliser reads the results
+        elif writing:
+            request.async_fn_args[2].put(self.writer.answer())
         for finalize in request.finalize_fns:
             finalize()
         return True
@@ -60,8 +69,7 @@ class BackgroundSaves:
 
     def close(self, abort: bool = False) -> None:
         """Stop the writer process (killing it with ``abort``: nothing is published; no collective)."""
-        if abort:
-            self._request = None
+        self._request = self._failed = None
         if self.writer is not None:
             self.writer.close(kill=abort)
             self.writer = None

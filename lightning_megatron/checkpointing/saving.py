@@ -91,12 +91,12 @@ def save(
                 request.execute_sync()
             timings["write_s"] = time.perf_counter() - start - timings["plan_s"]
             return None
+        background.schedule(request)  # the writer process writes without the zip CRC-32 too
     except (Exception, CheckpointException) as error:
         raise _failure(error, partial, path, lock) from error
     except BaseException:  # e.g. KeyboardInterrupt: the lock must not outlive the save in this process
         lock.release()
         raise
-    background.schedule(request)  # the writer process writes without the zip CRC-32 too
     return PendingSave(partial, path, lock)
 
 

@@ -13,8 +13,10 @@ never clones it (it clones views of a larger storage).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +25,7 @@ from torch import Tensor
 SEGMENT_BYTES = 256 << 20
 """The size of a segment buffers are cut from (a larger buffer gets a segment of its own)."""
 _ALIGN = 4096
+_NAME = "lightning_megatron_ckpt_"  # the segments' names, as /proc shows them (/memfd:<name><index>)
 
 
 @dataclass
@@ -38,12 +41,15 @@ class Segment:
     pinned: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class SharedSegments:
     """The segments of one strategy's host buffers; :meth:`tensor` cuts a new buffer from them."""
 
     segments: dict[int, Segment] = field(default_factory=dict)
     _next: int = 0
+
+    def __post_init__(self) -> None:
+        _LIVE.add(self)
 
     def tensor(self, shape: torch.Size, dtype: torch.dtype, pinned: bool) -> Tensor:
         """A new tensor (its content undefined) in a segment; page-locked when ``pinned`` and a GPU is there."""
@@ -72,26 +78,52 @@ class SharedSegments:
         for segment in self.segments.values():
             if segment.pinned:
                 torch.cuda.cudart().cudaHostUnregister(segment.address)
-            os.close(segment.fd)
+            if segment.fd >= 0:
+                os.close(segment.fd)
         self.segments.clear()
 
     def _new(self, nbytes: int, pinned: bool) -> Segment:
-        fd = os.memfd_create(f"lightning_megatron_ckpt_{self._next}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"{_NAME}{self._next}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
             view = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.close(fd)
             raise
+        view.madvise(mmap.MADV_DONTFORK)  # processes forked later (data loader workers) do not map it
         segment = Segment(self._next, fd, nbytes, view, _address(view), pinned=pinned)
         if pinned:
             _fault_in(view)
             code = torch.cuda.cudart().cudaHostRegister(segment.address, nbytes, 0)
             if int(code) != 0:
+                os.close(fd)
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of checkpoint host memory failed ({code})")
         self.segments[segment.index] = segment
         self._next += 1
         return segment
+
+
+_LIVE: weakref.WeakSet[SharedSegments] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    """In a process forked from this one (a data loader worker, ...): close the segments' descriptors, which would
+    keep their memory allocated for as long as that process lives. Python's ``mmap`` holds a duplicate of each
+    descriptor it maps, which it does not expose: they are found by name. The child never uses the segments (their
+    mappings are not inherited: MADV_DONTFORK)."""
+    if not any(shared.segments for shared in list(_LIVE)):
+        return
+    for shared in list(_LIVE):
+        for segment in shared.segments.values():
+            segment.fd = -1
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                if os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{_NAME}"):
+                    os.close(int(name))
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def map_segment(fd: int, nbytes: int) -> mmap.mmap:

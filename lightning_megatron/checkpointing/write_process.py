@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
@@ -53,6 +54,7 @@ class WriterProcess:
         theirs.close()
         self._socket = ours
         self._connection = Connection(os.dup(ours.fileno()))
+        _LIVE.add(self)
         self._mapped: set[int] = set()  # segments the writer maps
         self.segments_sent = 0
         """Segments handed to the writer so far: a later save of the same buffers hands over none."""
@@ -93,6 +95,8 @@ class WriterProcess:
         except (EOFError, OSError):
             code = self.process.wait()
             return RuntimeError(f"the checkpoint writer process (pid {self.process.pid}) exited with code {code}")
+        except Exception as error:  # an answer that does not unpickle: still this save's failure on this rank
+            return RuntimeError(f"the checkpoint writer process's answer could not be read: {error!r}")
 
     @property
     def alive(self) -> bool:
@@ -132,6 +136,21 @@ def children_ignore_sigterm() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+_LIVE: weakref.WeakSet[WriterProcess] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    """In a process forked from this one (a data loader worker, ...): close its copy of the writers' connections, so
+    that the writer sees the connection end when the training process does."""
+    for writer in list(_LIVE):
+        with contextlib.suppress(OSError):
+            writer._connection.close()
+            writer._socket.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 def _describe(tensor: torch.Tensor, shared: SharedSegments) -> Any:
     where = shared.locate(tensor)
     if where is None:
@@ -152,10 +171,11 @@ def serve(descriptor: int) -> None:
 
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    _die_with(parent)  # a rank killed mid-save: its writer must not go on writing into a directory reused later
     torch.serialization.set_crc32_options(False)  # our block checksums cover the shards (saving._without_zip_crc32)
     channel = socket.socket(fileno=descriptor)
     connection = Connection(os.dup(descriptor))
-    parent = os.getppid()
     views: dict[int, Any] = {}
     while True:
         try:
@@ -165,7 +185,7 @@ def serve(descriptor: int) -> None:
                 if os.getppid() != parent:
                     return
             message = pickle.loads(connection.recv_bytes())
-        except (EOFError, OSError):
+        except Exception:  # the connection ended (or is broken): nothing more to write
             return
         if message[0] == "exit":
             return
@@ -191,3 +211,13 @@ def serve(descriptor: int) -> None:
             except Exception:  # an exception that does not pickle
                 payload = pickle.dumps(RuntimeError(repr(answer)))
             connection.send_bytes(payload)
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this process (SIGKILL, which it cannot block) when its parent dies."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the call
+        os._exit(1)

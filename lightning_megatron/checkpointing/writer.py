@@ -1,7 +1,7 @@
 """When checkpoints become visible and when old ones may go: synchronous or asynchronous saves, deferred removals.
 
 With ``async_save`` a save returns once the shards are handed to this rank's background writer process (started when
-the run starts and kept for the run: :mod:`.write_process`); the checkpoint is *published* (``<name>.partial``
+a fit starts and kept for it: :mod:`.write_process`); the checkpoint is *published* (``<name>.partial``
 renamed to ``<name>``) when every rank's writer has finished, which :meth:`CheckpointWriter.poll` checks between
 training steps. A pending save is always finalised before the next save starts, before a checkpoint is loaded and at
 the end of training.
@@ -13,6 +13,7 @@ removals wait until it is published, so a kill at any moment leaves at least the
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -73,9 +74,7 @@ class CheckpointWriter:
 
     def prepare(self, distributed_optimizer: bool, processes_per_node: int = 1) -> None:
         """When a run starts (before any process group exists): raise ``ValueError`` for settings this run cannot
-        serve; the default :attr:`read_threads` shares the CPUs among ``processes_per_node`` ranks. With async saves
-        the writer process is started now, so that its start (importing torch and Megatron: seconds) overlaps the
-        model's build instead of delaying the first save's publish."""
+        serve; the default :attr:`read_threads` shares the CPUs among ``processes_per_node`` ranks."""
         threads = self.read_threads
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ValueError(
@@ -89,6 +88,18 @@ class CheckpointWriter:
                 "fp32 main weights, and this strategy has use_distributed_optimizer=False: use "
                 "MegatronStrategy(use_distributed_optimizer=True) or keep save_model_weights=True"
             )
+        if self.async_save and not hasattr(os, "memfd_create"):
+            raise ValueError(
+                "MegatronStrategy(async_save=True) stages saves in shared memory made with memfd_create, which this "
+                "system does not have (Linux only): use async_save=False"
+            )
+        if self.async_save:  # forked before any shared memory or writer socket exists: it inherits none of them
+            with children_ignore_sigterm():
+                _start_result_queue()
+
+    def start(self) -> None:
+        """At the start of a fit with async saves: start the writer process (its start, seconds of imports, overlaps
+        the first steps instead of delaying the first save's publish)."""
         if self.async_save:
             if self._queue is None:
                 self._queue = BackgroundSaves(self.buffers)
@@ -116,12 +127,13 @@ class CheckpointWriter:
         staging = time.perf_counter()
         state = build(self.buffers, self.save_model_weights)
         timings = {"wait_s": staging - start, "stage_s": time.perf_counter() - staging}
-        if self.async_save and self._queue is None:  # a save without prepare() (e.g. the benchmarks' own)
+        background = self.async_save and not publish  # published at once (a save after fit): written here
+        if background and self._queue is None:  # a save without start() (e.g. the benchmarks' own)
             self._queue = BackgroundSaves(self.buffers)
         strategy, new = self.plans.strategy_for(state)
         with children_ignore_sigterm():
             _start_result_queue()
-            queue = self._queue if self.async_save else None
+            queue = self._queue if background else None
             pending = saving.save(state, path, queue, strategy, validate=new is not None, timings=timings)
         if new is not None:
             self.plans.remember(new, strategy)
