@@ -9,6 +9,9 @@ faults a forked writer pays), and whether a forked child sees the parent's later
 
     PYTHONPATH=. python benchmarks/writer_probe.py --gb 4 --dir /tmp/probe
 
+(The writer process imports this script as ``writer_probe``, from the benchmarks directory Python puts first on
+``sys.path`` when it runs the script.)
+
 Prints one JSON line per measurement.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import mmap
 import multiprocessing as mp
 import os
 import threading
@@ -146,6 +150,8 @@ def main() -> None:
     start = time.perf_counter()
     shared = [segments.tensor(torch.Size([per]), torch.float32, pinned=True).fill_(1.0) for _ in range(count)]
     emit("allocate", kind="memfd_registered", s=time.perf_counter() - start)
+    for segment in segments.segments.values():  # the package keeps them out of forked children; the probe forks
+        segment.view.madvise(mmap.MADV_DOFORK)
     emit("child_sees_later_writes", kind="cudaHostAlloc", shared=shared_after_fork(pinned))
     for kind, buffers in (("cudaHostAlloc", pinned), ("memfd_registered", shared)):
         emit("touch_pages", kind=kind, where="parent", s=touch(buffers))

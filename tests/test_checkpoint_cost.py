@@ -377,12 +377,13 @@ def test_read_threads_are_checked_when_the_run_starts_and_none_is_the_cpus_per_r
     with pytest.raises(ValueError, match=r"read_threads=0: give a positive int"):
         one_process_trainer(1, strategy=strategy).fit(MegatronLMModule(tiny_gpt()), data)
     writer = MegatronStrategy().checkpoint_writer
-    with writer.loading() as reading:
-        assert reading.threads == 1  # Megatron's reader by default
-    writer.read_threads = None
+    assert writer.read_threads is None  # by default: the CPUs per rank
     writer.prepare(distributed_optimizer=True, processes_per_node=2)
     with writer.loading() as reading:
         assert reading.threads == default_threads(2) >= 1
+    writer.read_threads = 1  # Megatron's reader
+    with writer.loading() as reading:
+        assert reading.threads == 1
     writer.read_threads = 3
     with writer.loading() as reading:
         assert reading.threads == 3

@@ -7,6 +7,7 @@ on every rank once every rank's writer is done, which one small all-reduce per c
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -65,7 +66,8 @@ class BackgroundSaves:
     def forget_released_buffers(self) -> None:
         """After the host buffers were given back: the writer unmaps them too, so the memory really goes back."""
         if self.writer is not None and not self.writer.busy and self.writer.alive:
-            self.writer.segments(self.buffers.shared)
+            with contextlib.suppress(Exception):  # a broken writer is replaced at the next save
+                self.writer.segments(self.buffers.shared)
 
     def close(self, abort: bool = False) -> None:
         """Stop the writer process (killing it with ``abort``: nothing is published; no collective)."""

@@ -5,16 +5,12 @@ those copies while training changes the originals). From the GPU, copies into pa
 the link's speed, about ten times faster than into pageable memory, and allocating and pinning gigabytes takes
 seconds; so the buffers are kept for the run: a later save of the same tensors allocates nothing. They hold one
 copy of the rank's share of the checkpoint in host memory (about 14 bytes per parameter with Adam and bf16 weights)
-until the strategy is torn down (pinned memory then goes back to torch's pinned-memory cache, not to the system).
+until the strategy is torn down.
 
-The buffers are torch's pinned memory (``cudaHostAlloc``), though page-locking ordinary memory with
-``cudaHostRegister`` after a parallel fill allocates 11.4 GB six times faster (0.93 s against 5.8 s on an H100
-host, ``benchmarks/pinned_alloc.py``): Megatron's writer forks processes at every save, and Linux copies
-page-locked private pages into a forked child right away (4 s for 13 GB), while page-locked shared memory is
-faulted into each child page by page (about 3.5 s more per save), so either costs more than it saves.
-
-For async saves the buffers are cut from shared memory segments instead (:mod:`.shared_memory`, page-locked with
-``cudaHostRegister``): the writer process, started once, maps them once (:mod:`.write_process`).
+The buffers of synchronous saves are torch's pinned memory (``cudaHostAlloc``; at teardown they go back to torch's
+pinned-memory cache, not to the system). Those of async saves are cut from shared memory segments
+(:mod:`.shared_memory`, page-locked with ``cudaHostRegister``), which the writer process, started once, maps once
+(:mod:`.write_process`); they go back to the system when released.
 
 A staged tensor is a whole buffer, never a view, so Megatron's writer does not copy it again (it clones host views).
 """
@@ -87,9 +83,10 @@ class HostBuffers:
             torch.cuda.current_stream().synchronize()
 
     def release(self, to_system: bool = False) -> None:
-        """Free every buffer (the next save allocates them again): into torch's cache of pinned memory, which later
-        pinned allocations of the process reuse, or with ``to_system`` back to the system (torch has no public call
-        for this: ``torch._C._host_emptyCache``, which also frees the cache's other unused pinned blocks)."""
+        """Free every buffer (the next save allocates them again): shared segments go back to the system; torch's
+        pinned memory goes into torch's cache, which later pinned allocations of the process reuse, or with
+        ``to_system`` back to the system (torch has no public call for this: ``torch._C._host_emptyCache``, which
+        also frees the cache's other unused pinned blocks)."""
         self._buffers.clear()
         self._staged.clear()
         self._taken.clear()

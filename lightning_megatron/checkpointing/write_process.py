@@ -1,20 +1,20 @@
-"""The background writer of async saves: one process per rank, started when the run starts and kept for the run.
+"""The background writer of async saves: one process per rank, started when a fit starts and kept for it.
 
-Megatron's async writer forks the training process at every save, and each fork faults the staged buffers' pages
-into itself again (page-locked shared buffers of 11.4 GB wrote in 11.7-12.4 s that way, against 8.4-8.9 s from the
-training process, on an H100 host: ``benchmarks/results/2026-12-06-h100-checkpoint-1b-f.jsonl``). This writer is a
-fresh interpreter (``python -m lightning_megatron.checkpointing.writer_main``: it imports no user code and uses no
-GPU), started once; it maps each shared memory segment of the host buffers (:mod:`.shared_memory`) once, when it
-first sees it, and writes each save with Megatron's own writer function (the same files as a synchronous save),
-recording the checksums as it goes (the function :mod:`.saving` hands over).
+A process forked per save (Megatron's async writer) faults the staged buffers' pages into itself again at every save
+(``benchmarks/writer_probe.py``). This writer is a fresh interpreter (``python -m
+lightning_megatron.checkpointing.writer_main``: it runs no user code and uses no GPU), started once; it maps each
+shared memory segment of the host buffers (:mod:`.shared_memory`) once, when it first sees it, and writes each save
+with Megatron's own writer function (the same files as a synchronous save), recording the checksums as it goes (the
+function :mod:`.saving` hands over).
 
-The training process sends it, per save, the write plan with each tensor named by its segment and offset; the
-writer answers with Megatron's write results (or the error). The publish stays in the training process, run on every
+The training process sends it, per save, the write plan with each tensor named by its segment and offset (from a
+thread, so that a writer still starting does not hold up the training step); the writer answers with Megatron's
+write results (or the error). The publish stays in the training process, run on every
 rank once every rank's writer is done (:class:`.background.BackgroundSaves`).
 
 The writer blocks SIGTERM and ignores SIGINT: a job-wide SIGTERM leaves the write running, and the rank publishes it
-at its next step (training/preemption.py). It exits when the training process closes the connection (at the end of
-the run, or when that process dies), or is killed by it after a failure.
+at its next step (training/preemption.py). It exits when asked at the end of the fit, when the training process dies
+(``PR_SET_PDEATHSIG``), or is killed by it after a failure.
 """
 
 from __future__ import annotations
@@ -60,36 +60,67 @@ class WriterProcess:
         """Segments handed to the writer so far: a later save of the same buffers hands over none."""
         self.busy = False
         """Whether a save was sent and its answer not yet taken."""
+        self._sender: threading.Thread | None = None
+        self._send_error: Exception | None = None
 
     def write(self, function: Any, rank: int, buckets: list, shared: SharedSegments) -> None:
-        """Send one save: Megatron's write function and its buckets, every tensor cut from ``shared`` named by its
-        segment and offset (others, if any, sent by value)."""
+        """Hand over one save: Megatron's write function and its buckets, every tensor cut from ``shared`` named by
+        its segment and offset (others, if any, sent by value). Sent by a thread: a writer still starting (importing)
+        does not hold up the training step."""
         assert not self.busy, "one save at a time"
-        self.segments(shared)
         plan = [(path, key, (data, [(item, _describe(t, shared)) for item, t in tensors]))
                 for path, key, (data, tensors) in buckets]  # fmt: skip
-        self._send(("write", function, rank, plan))
-        self.busy = True
+        messages = [*self._segment_messages(shared), (("write", function, rank, plan), None)]
+        self.busy, self._send_error = True, None
+        self._sender = threading.Thread(target=self._send_all, args=(messages,), name="checkpoint-handoff", daemon=True)
+        self._sender.start()
 
     def segments(self, shared: SharedSegments | None) -> None:
         """Make the writer map exactly ``shared``'s segments: new ones handed over, dropped ones unmapped."""
+        assert not self.busy, "not while a save is handed over"
+        self._send_all(self._segment_messages(shared))
+        if self._send_error is not None:
+            raise self._send_error
+
+    def _segment_messages(self, shared: SharedSegments | None) -> list[tuple[tuple, int | None]]:
+        """The messages (each with the descriptor to pass along, if any) that make the writer map ``shared``."""
         live = {} if shared is None else shared.segments
+        messages: list[tuple[tuple, int | None]] = []
         for index in sorted(live.keys() - self._mapped):
-            self._send(("segment", index, live[index].nbytes))
-            sendfds(self._socket, [live[index].fd])
+            messages.append((("segment", index, live[index].nbytes), live[index].fd))
             self.segments_sent += 1
         if self._mapped - live.keys():
-            self._send(("forget", sorted(self._mapped - live.keys())))
+            messages.append((("forget", sorted(self._mapped - live.keys())), None))
         self._mapped = set(live)
+        return messages
+
+    def _send_all(self, messages: list[tuple[tuple, int | None]]) -> None:
+        try:
+            for message, fd in messages:
+                self._send(message)
+                if fd is not None:
+                    sendfds(self._socket, [fd])
+        except Exception as error:  # the writer is gone or broken: the save fails when its answer is taken
+            self._send_error = error
 
     def done(self, blocking: bool) -> bool:
         """Whether the save sent last is written (or failed); with ``blocking``, wait for it."""
-        return not self.busy or blocking or self._connection.poll()
+        if not self.busy or blocking:
+            return True
+        if self._sender is not None and self._sender.is_alive():
+            return False
+        return self._send_error is not None or self._connection.poll()
 
     def answer(self) -> Any:
         """The write results of the save sent last (or the exception it raised), waiting for them."""
         assert self.busy
         self.busy = False
+        if self._sender is not None:
+            self._sender.join()
+        if self._send_error is not None:
+            code = self.process.poll()
+            return RuntimeError(f"handing the save to the checkpoint writer process (pid {self.process.pid}, exit code "
+                                f"{code}) failed: {self._send_error!r}")  # fmt: skip
         try:
             return pickle.loads(self._connection.recv_bytes())
         except (EOFError, OSError):
@@ -104,6 +135,10 @@ class WriterProcess:
 
     def close(self, kill: bool = False) -> None:
         """Stop the writer: at once with ``kill``, else once it has finished what it was sent."""
+        if kill and self.alive:
+            self.process.kill()  # (also ends a handoff blocked on a writer that does not read)
+        if self._sender is not None:
+            self._sender.join()
         if not kill and self.alive:
             try:
                 self._send(("exit",))

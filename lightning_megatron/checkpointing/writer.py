@@ -63,10 +63,10 @@ class CheckpointWriter:
         ``verify_s`` (the checksums of what is read into the model), ``read_s`` (Megatron's load, while the
         optimizer state's checksums are verified), ``verify_after_read_s`` (waiting for those after the read),
         ``apply_s`` (into the model and optimizer); and ``read_parts``, the parts read in threads of their own."""
-        self.read_threads: int | None = 1
-        """Threads each rank reads a checkpoint's tensors with when the strategy loads one (:mod:`.reading`): ``1``
-        (the default), Megatron's own reader, one tensor after the other; ``None``: the CPUs this process may use,
-        shared by the node's ranks, at most 8."""
+        self.read_threads: int | None = None
+        """Threads each rank reads a checkpoint's tensors with when the strategy loads one (:mod:`.reading`):
+        ``None`` (the default), the CPUs this process may use, shared by the node's ranks, at most 8; ``1``:
+        Megatron's own reader, one tensor after the other."""
         self._processes_per_node = 1
         self._queue: BackgroundSaves | None = None
         self._saves: list[saving.PendingSave] = []  # oldest first, as they are finalised
