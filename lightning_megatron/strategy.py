@@ -31,7 +31,7 @@ from lightning_megatron.modules.base import MegatronLightningModule, check_overr
 from lightning_megatron.parallel import ddp, state
 from lightning_megatron.parallel import precision as mixed
 from lightning_megatron.parallel.sizes import ParallelSizes
-from lightning_megatron.training import graphs, guards, optim
+from lightning_megatron.training import graphs, guards, optim, retained
 from lightning_megatron.training.accumulation import GradientAccumulation
 from lightning_megatron.training.grad_norms import GradNormReads, grad_norms
 from lightning_megatron.training.offload import Offloader
@@ -104,8 +104,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._batching = micro_batching(self._sizes, micro_batch_size, max_tokens_per_micro_batch)
         self.use_distributed_optimizer = use_distributed_optimizer
         ddp.check_config(ddp_config, use_distributed_optimizer)
-        self._ddp_config = ddp_config
-        self._seed = seed
+        self._ddp_config, self._seed = ddp_config, seed
         self._ddp_chunks: list[nn.Module] | None = None
         self._run_chunks: list[nn.Module] | None = None  # what the schedule runs: chunks, precision/DDP-wrapped
         self._megatron_optimizer: Any | None = None
@@ -407,7 +406,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         with self._retained.restored(self.module.chunks, self._megatron_optimizer) if after_run else nullcontext():
             self.sync_params()  # with overlapped param gather the last step's update may be pending
             build = partial(sharded.module_state, checkpoint, self.module, self._megatron_optimizer, self._scheduler)
-            self.checkpoint_writer.save(build, filepath, publish=self._ddp_chunks is None)  # after a run: right away
+            at_once = self._ddp_chunks is None or retained.interrupted(self.module)  # after a run, or on the way out
+            self.checkpoint_writer.save(build, filepath, publish=at_once)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

@@ -37,4 +37,4 @@ if __name__ == "__main__":
     from lightning_megatron.checkpointing.write_process import serve
 
     fill_the_disk(die="--die" in sys.argv)
-    serve(int(sys.argv[-1]))
+    serve(int(sys.argv[-2]), int(sys.argv[-1]))

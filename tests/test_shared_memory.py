@@ -100,7 +100,7 @@ def _holds_buffers(pid: int) -> bool:
 
 
 def test_processes_forked_during_a_run_do_not_keep_the_buffers(tmp_path: Path) -> None:
-    """Data loader workers forked after the first async save (a new epoch) and Megatron's result-queue manager hold
+    """A data loader worker forked after the first async saves (a new epoch) and Megatron's result-queue manager hold
     neither the buffers' mappings nor their descriptors (which would keep the memory for as long as they live); the
     writer process maps them."""
     import lightning as L
@@ -111,20 +111,38 @@ def test_processes_forked_during_a_run_do_not_keep_the_buffers(tmp_path: Path) -
     from lightning_megatron.data.corpus import synthetic_tokens
     from tests.conftest import one_process_trainer
 
+    workers = tmp_path / "workers"
     seen: dict[str, bool] = {}
 
     class Look(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-            if trainer.global_step != 3:  # in the second epoch, after two saves: its worker forked since
+            if trainer.global_step != 4:  # the second of three batches of the second epoch, after four saves
                 return
             writer = trainer.strategy.checkpoint_writer.background.writer.process.pid
+            worker = int(workers.read_text().split()[-1])  # this epoch's worker, forked after the saves
             others = [pid for pid in _children() if pid != writer]
             seen["writer"] = _holds_buffers(writer)
-            seen["others"] = bool(others) and not any(_holds_buffers(pid) for pid in others)
+            seen["worker alive"] = worker in others
+            seen["others"] = not any(_holds_buffers(pid) for pid in others)
 
     strategy = MegatronStrategy(micro_batch_size=2, async_save=True)
-    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=1)
-    trainer = one_process_trainer(4, strategy=strategy, callbacks=[Look(), saver], enable_checkpointing=True)
-    data = DataLoader(synthetic_tokens(8, 32, 256, seed=2), batch_size=4, num_workers=1)  # 2 steps an epoch
-    trainer.fit(MegatronLMModule(tiny_gpt(), lr=1e-2), data)
-    assert seen == {"writer": True, "others": True}
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=1)
+    trainer = one_process_trainer(5, strategy=strategy, callbacks=[Look(), saver], enable_checkpointing=True)
+    data = DataLoader(_Recorded(synthetic_tokens(12, 32, 256, seed=2), workers), batch_size=4, num_workers=1)
+    trainer.fit(MegatronLMModule(tiny_gpt(), lr=1e-2), data)  # 3 steps an epoch
+    assert seen == {"writer": True, "worker alive": True, "others": True}
+
+
+class _Recorded(torch.utils.data.Dataset):
+    """``data``, writing the pid of the process that reads it to ``record`` (a data loader worker's)."""
+
+    def __init__(self, data: torch.Tensor, record: Path) -> None:
+        self.data, self.record = data, record
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        with open(self.record, "a") as file:
+            file.write(f"{os.getpid()}\n")
+        return self.data[index]

@@ -25,9 +25,10 @@ MASKED = [
 ]
 
 
-def _trainer(max_steps: int = 3, **kwargs: object) -> L.Trainer:
+def _trainer(max_steps: int = 3, async_save: bool = False, **kwargs: object) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), max_steps=max_steps,
+        accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2, async_save=async_save),
+        max_steps=max_steps,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         **{"enable_checkpointing": False, **kwargs},
     )  # fmt: skip
@@ -68,10 +69,12 @@ def test_a_save_before_the_first_step_resumes_exactly(tmp_path: Path) -> None:
     assert len(full.losses) == 3
 
 
-def test_a_first_step_error_stays_the_users_own_with_on_exception_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_first_step_error_stays_the_users_own_with_on_exception_checkpoint(tmp_path: Path, async_save: bool) -> None:
     bad = DATA.clone()
     bad[:, 0] = 10_000  # a token id beyond the vocabulary: the most common first-step error
-    trainer = _trainer(callbacks=[OnExceptionCheckpoint(tmp_path)], enable_checkpointing=True)
+    # (with async saves, the checkpoint on the way out is written at once: the run's teardown follows)
+    trainer = _trainer(callbacks=[OnExceptionCheckpoint(tmp_path)], enable_checkpointing=True, async_save=async_save)
     with pytest.raises(ValueError, match=r"outside \[0, 256\)"):
         trainer.fit(_model(), DataLoader(bad, batch_size=4))
     # The checkpoint written on the way out holds the initial state and resumes.

@@ -117,10 +117,14 @@ def _close_in_child() -> None:
         for segment in shared.segments.values():
             segment.fd = -1
     with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                if os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{_NAME}"):
-                    os.close(int(name))
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            for name in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError, ValueError):
+                    if os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{_NAME}"):
+                        os.dup2(null, int(name))  # (the number stays taken: Python's mmap closes it at its end)
+        finally:
+            os.close(null)
 
 
 os.register_at_fork(after_in_child=_close_in_child)

@@ -38,7 +38,7 @@ import torch
 from lightning_megatron.checkpointing.shared_memory import SharedSegments, map_segment, tensor_at
 
 COMMAND = [sys.executable, "-m", "lightning_megatron.checkpointing.writer_main"]
-"""How the writer process is started (its connection's descriptor is appended)."""
+"""How the writer process is started (the training process's pid and the connection's descriptor are appended)."""
 _EXIT_WAIT_S = 60.0  # for an idle writer to exit when asked, before it is killed
 _PARENT_CHECK_S = 1.0  # how often an idle writer checks that the training process still runs
 
@@ -50,7 +50,8 @@ class WriterProcess:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         with children_ignore_sigterm():  # until it blocks SIGTERM itself
-            self.process = subprocess.Popen([*COMMAND, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env)
+            command = [*COMMAND, str(os.getpid()), str(theirs.fileno())]
+            self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         self._socket = ours
         self._connection = Connection(os.dup(ours.fileno()))
@@ -71,9 +72,10 @@ class WriterProcess:
         plan = [(path, key, (data, [(item, _describe(t, shared)) for item, t in tensors]))
                 for path, key, (data, tensors) in buckets]  # fmt: skip
         messages = [*self._segment_messages(shared), (("write", function, rank, plan), None)]
-        self.busy, self._send_error = True, None
+        self._send_error = None
         self._sender = threading.Thread(target=self._send_all, args=(messages,), name="checkpoint-handoff", daemon=True)
         self._sender.start()
+        self.busy = True
 
     def segments(self, shared: SharedSegments | None) -> None:
         """Make the writer map exactly ``shared``'s segments: new ones handed over, dropped ones unmapped."""
@@ -114,11 +116,12 @@ class WriterProcess:
     def answer(self) -> Any:
         """The write results of the save sent last (or the exception it raised), waiting for them."""
         assert self.busy
-        self.busy = False
         if self._sender is not None:
             self._sender.join()
-        if self._send_error is not None:
-            code = self.process.poll()
+        self.busy = False
+        if self._send_error is not None:  # a writer that took part of a message is of no further use: replaced
+            self.process.kill()
+            code = self.process.wait()
             return RuntimeError(f"handing the save to the checkpoint writer process (pid {self.process.pid}, exit code "
                                 f"{code}) failed: {self._send_error!r}")  # fmt: skip
         try:
@@ -134,7 +137,9 @@ class WriterProcess:
         return self.process.poll() is None
 
     def close(self, kill: bool = False) -> None:
-        """Stop the writer: at once with ``kill``, else once it has finished what it was sent."""
+        """Stop the writer: at once with ``kill`` or while it still writes a save (whose answer nobody takes), else
+        once it has finished what it was sent."""
+        kill = kill or self.busy
         if kill and self.alive:
             self.process.kill()  # (also ends a handoff blocked on a writer that does not read)
         if self._sender is not None:
@@ -200,52 +205,72 @@ def _rebuild(description: Any, views: dict[int, Any]) -> torch.Tensor:
     return tensor_at(views[segment], offset, shape, dtype)
 
 
-def serve(descriptor: int) -> None:
-    """The writer's loop: map segments, write saves, answer, until the training process closes the connection."""
-    import queue
-
+def serve(parent: int, descriptor: int) -> None:
+    """The writer's loop: map segments, write saves, answer, until the training process (``parent``) asks it to
+    exit or dies."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
     _die_with(parent)  # a rank killed mid-save: its writer must not go on writing into a directory reused later
     torch.serialization.set_crc32_options(False)  # our block checksums cover the shards (saving._without_zip_crc32)
     channel = socket.socket(fileno=descriptor)
     connection = Connection(os.dup(descriptor))
     views: dict[int, Any] = {}
+    trouble: str | None = None  # a message the writer could not act on: the next save's answer names it
     while True:
+        message = _next_message(connection, parent)
+        if message is None or message[0] == "exit":
+            return
         try:
-            # Processes forked by the training process later (data loader workers, ...) hold its end of the
-            # connection too, so its death need not close the connection: the writer checks its parent as well.
-            while not connection.poll(_PARENT_CHECK_S):
-                if os.getppid() != parent:
-                    return
-            message = pickle.loads(connection.recv_bytes())
-        except Exception:  # the connection ended (or is broken): nothing more to write
-            return
-        if message[0] == "exit":
-            return
-        if message[0] == "segment":
-            views[message[1]] = map_segment(recvfds(channel, 1)[0], message[2])
-        elif message[0] == "forget":
-            for index in message[1]:
-                views.pop(index, None)
-        else:
-            _, function, rank, plan = message
-            results: queue.Queue = queue.Queue()
-            buckets: list = []
-            try:
-                buckets = [(path, key, (data, [(item, _rebuild(d, views)) for item, d in tensors]))
-                           for path, key, (data, tensors) in plan]  # fmt: skip
-                function(rank, buckets, results)
-                answer = results.get_nowait()
-            except Exception as error:  # answered, not raised: the training process names it
-                answer = RuntimeError(f"{type(error).__name__}: {error}")
-            del buckets
-            try:
-                payload = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception:  # an exception that does not pickle
-                payload = pickle.dumps(RuntimeError(repr(answer)))
-            connection.send_bytes(payload)
+            if message[0] == "segment":
+                views[message[1]] = map_segment(recvfds(channel, 1)[0], message[2])
+            elif message[0] == "forget":
+                for index in message[1]:
+                    views.pop(index, None)
+            elif message[0] == "write":
+                connection.send_bytes(_write_save(message, views, trouble))
+                trouble = None
+            else:
+                trouble = f"an unreadable message ({message[1]})"
+        except Exception as error:
+            trouble = f"its {message[0]!r} message failed: {type(error).__name__}: {error}"
+
+
+def _next_message(connection: Connection, parent: int) -> tuple | None:
+    """The next message, or None once the connection ended or the training process died. Processes it forked
+    (data loader workers, ...) may hold its end of the connection, so its death need not end the connection."""
+    try:
+        while not connection.poll(_PARENT_CHECK_S):
+            if os.getppid() != parent:
+                return None
+        data = connection.recv_bytes()
+    except (EOFError, OSError):
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception as error:
+        return ("unreadable", f"{type(error).__name__}: {error}")
+
+
+def _write_save(message: tuple, views: dict[int, Any], trouble: str | None) -> bytes:
+    """Write one save; the answer (Megatron's write results, or the error) pickled."""
+    import queue
+
+    _, function, rank, plan = message
+    results: queue.Queue = queue.Queue()
+    try:
+        if trouble is not None:
+            raise RuntimeError(f"the writer process could not go on: {trouble}")
+        buckets = [(path, key, (data, [(item, _rebuild(d, views)) for item, d in tensors]))
+                   for path, key, (data, tensors) in plan]  # fmt: skip
+        function(rank, buckets, results)
+        del buckets
+        answer = results.get_nowait()
+    except Exception as error:  # answered, not raised: the training process names it
+        answer = RuntimeError(f"{type(error).__name__}: {error}")
+    try:
+        return pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # an exception that does not pickle
+        return pickle.dumps(RuntimeError(repr(answer)))
 
 
 def _die_with(parent: int) -> None:

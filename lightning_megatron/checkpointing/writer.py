@@ -120,7 +120,8 @@ class CheckpointWriter:
     ) -> None:
         """Collective. Publishes any earlier pending save, then saves ``build(buffers, save_model_weights)`` (the
         state, its tensors staged in the host buffers, which the earlier save no longer reads) synchronously or
-        asynchronously (and, with ``publish``, publishes it before returning)."""
+        asynchronously; with ``publish`` (a save after a run, or on its way out after an exception, when the
+        writer process may be stopped next) synchronously in any case."""
         start = time.perf_counter()
         self.finalize()  # the earlier save no longer reads the host buffers once published
         assert not self.pending, "a save must not stage into host buffers a pending save still reads"

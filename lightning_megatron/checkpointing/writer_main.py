@@ -6,4 +6,4 @@ import sys
 from lightning_megatron.checkpointing.write_process import serve
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[-2]), int(sys.argv[-1]))
