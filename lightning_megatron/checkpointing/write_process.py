@@ -82,7 +82,9 @@ class WriterProcess:
         assert not self.busy, "not while a save is handed over"
         self._send_all(self._segment_messages(shared))
         if self._send_error is not None:
-            raise self._send_error
+            code = self._replace()
+            error = RuntimeError(f"the checkpoint writer process (exit code {code}) could not take its segments")
+            raise error from self._send_error
 
     def _segment_messages(self, shared: SharedSegments | None) -> list[tuple[tuple, int | None]]:
         """The messages (each with the descriptor to pass along, if any) that make the writer map ``shared``."""
@@ -95,6 +97,12 @@ class WriterProcess:
             messages.append((("forget", sorted(self._mapped - live.keys())), None))
         self._mapped = set(live)
         return messages
+
+    def _replace(self) -> int | None:
+        """After a failed send: a writer that took part of a message is of no further use. Killed, so that the next
+        save starts another (:class:`.background.BackgroundSaves`); returns its exit code."""
+        self.process.kill()
+        return self.process.wait()
 
     def _send_all(self, messages: list[tuple[tuple, int | None]]) -> None:
         try:
@@ -119,9 +127,8 @@ class WriterProcess:
         if self._sender is not None:
             self._sender.join()
         self.busy = False
-        if self._send_error is not None:  # a writer that took part of a message is of no further use: replaced
-            self.process.kill()
-            code = self.process.wait()
+        if self._send_error is not None:
+            code = self._replace()
             return RuntimeError(f"handing the save to the checkpoint writer process (pid {self.process.pid}, exit code "
                                 f"{code}) failed: {self._send_error!r}")  # fmt: skip
         try:

@@ -101,9 +101,12 @@ class CheckpointWriter:
         """At the start of a fit with async saves: start the writer process (its start, seconds of imports, overlaps
         the first steps instead of delaying the first save's publish)."""
         if self.async_save:
-            if self._queue is None:
-                self._queue = BackgroundSaves(self.buffers)
-            self._queue.start()
+            self._background().start()
+
+    def _background(self) -> BackgroundSaves:
+        if self._queue is None:
+            self._queue = BackgroundSaves(self.buffers)
+        return self._queue
 
     @property
     def background(self) -> BackgroundSaves | None:
@@ -129,12 +132,10 @@ class CheckpointWriter:
         state = build(self.buffers, self.save_model_weights)
         timings = {"wait_s": staging - start, "stage_s": time.perf_counter() - staging}
         background = self.async_save and not publish  # published at once (a save after fit): written here
-        if background and self._queue is None:  # a save without start() (e.g. the benchmarks' own)
-            self._queue = BackgroundSaves(self.buffers)
         strategy, new = self.plans.strategy_for(state)
         with children_ignore_sigterm():
             _start_result_queue()
-            queue = self._queue if background else None
+            queue = self._background() if background else None  # (also for a save without start(): benchmarks)
             pending = saving.save(state, path, queue, strategy, validate=new is not None, timings=timings)
         if new is not None:
             self.plans.remember(new, strategy)
