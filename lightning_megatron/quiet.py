@@ -35,6 +35,9 @@ _LOGGED = {
     # Advice to callers of DDP: computing the layout inside DDP gives the same layout.
     "megatron.core.distributed.distributed_data_parallel": ("DistributedDataParallel: full_param_layout not provided",),
     "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+    # Every save runs Megatron's "mcore" writer function (in the training process, or in this package's writer
+    # process for async saves); the advice to switch to NVRx's writer is not the user's to follow.
+    "megatron.core.dist_checkpointing.strategies.torch": ("MCore's async save is deprecated",),
 }
 
 
