@@ -7,8 +7,10 @@ Lightning's launcher re-runs this command once per extra process; rank 0 writes 
 from __future__ import annotations
 
 import json
+import os
 import logging
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -247,6 +249,10 @@ def main(args: dict) -> None:
         max_tokens_per_micro_batch=args.get("max_tokens"),
         async_save=args.get("async_save", False),
     )
+    if args.get("writer_dies_on_rank") == int(os.environ.get("LOCAL_RANK", 0)):  # at step=4.ckpt (SIGKILL)
+        from lightning_megatron.checkpointing import write_process
+
+        write_process.COMMAND = [sys.executable, str(Path(__file__).with_name("full_disk_writer.py")), "--die"]
     strategy.checkpoint_writer.save_model_weights = not args.get("lean", False)  # lean: weights as main weights only
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -272,6 +278,10 @@ def main(args: dict) -> None:
     if mode == "fit":
         try:
             trainer.fit(model, train_loader, val_loader, ckpt_path=args.get("resume"))
+        except OSError as error:  # a failed save, expected by the test that asked for one
+            if "writer_dies_on_rank" not in args:
+                raise
+            result["error"] = str(error)
         finally:
             summary_log.removeHandler(printed)
         result["train"] = recorder.train

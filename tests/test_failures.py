@@ -201,3 +201,17 @@ def test_sigterm_to_one_rank_just_before_an_async_save_stops_the_other_too(tmp_p
     for name in ("epoch=0-step=2.ckpt", "last.ckpt"):  # published whole: metadata, shards, checksums
         common = sharded.read_common_state(ckpt / name)
         assert common["global_step"] == 2
+
+
+@pytest.mark.multiprocess
+def test_a_writer_process_dying_on_one_rank_fails_the_save_on_both_naming_it(tmp_path: Path) -> None:
+    from tests.conftest import run_worker
+
+    # DP=2, async saves every 2 steps; rank 1's writer process kills itself when it starts writing step=4.
+    args = {"devices": 2, "max_steps": 4, "async_save": True, "ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}
+    rank0 = run_worker({**args, "writer_dies_on_rank": 1}, tmp_path)
+    rank1 = json.loads(next(tmp_path.glob("result-*.json.rank1")).read_text())
+    died = r"step=4\.ckpt failed: rank 1: .*checkpoint writer process \(pid \d+\) exited with code -9"
+    for result in (rank0, rank1):  # the cause comes from rank 1, and rank 0 gathered it: both name it
+        assert re.search(died, result["error"]), result["error"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=2.ckpt"]

@@ -197,6 +197,12 @@ def _replace(new: Path, path: Path) -> None:
 def _failure(error: BaseException, partial: Path, path: Path, lock: WriterLock) -> OSError:
     """``OSError`` naming the failed save's cause; rank 0 removes its ``.partial`` directory and lock."""
     causes = [*_causes(error), *_writer_errors(partial)]
+    if isinstance(error, CheckpointException) and _distributed():
+        # Raised on every rank at once (torch DCP and Megatron agree on failures collectively), but Megatron's
+        # finaliser gives every rank's cause to rank 0 alone: the others would name none.
+        shared = [causes]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        causes = list(dict.fromkeys([*shared[0], *_writer_errors(partial)]))
     no_space = any("No space left" in cause or f"Errno {errno.ENOSPC}]" in cause for cause in causes)
     free = "unknown"
     with contextlib.suppress(OSError):
@@ -214,6 +220,10 @@ def _failure(error: BaseException, partial: Path, path: Path, lock: WriterLock) 
         f"writing checkpoint {path} failed: {reason}. Older checkpoints are intact; the incomplete {partial.name} "
         "was removed",
     )
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def _causes(error: BaseException) -> list[str]:
