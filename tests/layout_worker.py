@@ -7,8 +7,8 @@ Lightning's launcher re-runs this command once per extra process; rank 0 writes 
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import sys
 from pathlib import Path
 
