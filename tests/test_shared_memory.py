@@ -63,6 +63,38 @@ def test_the_writer_process_reads_what_the_training_process_writes_later() -> No
     assert writer.process.returncode == 0  # asked to exit, it did
 
 
+def test_a_writer_still_starting_does_not_hold_up_the_handoff(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save is handed over from a thread: ``write`` returns while the writer has not read a byte yet (a 16 MB
+    message, far more than the connection buffers), and the save is written once the writer serves."""
+    import sys
+    import threading
+
+    from lightning_megatron.checkpointing import write_process
+
+    gate = tmp_path / "gate"
+    starting = f"import pathlib, sys, time\nwhile not pathlib.Path({str(gate)!r}).exists(): time.sleep(0.05)\n"
+    serving = "from lightning_megatron.checkpointing.write_process import serve\nserve(*map(int, sys.argv[-2:]))"
+    monkeypatch.setattr(write_process, "COMMAND", [sys.executable, "-c", starting + serving])
+    shared = SharedSegments()
+    writer = write_process.WriterProcess()
+    try:
+        tensor = torch.ones(4 << 20)  # not in a segment: sent by value
+        handoff = threading.Thread(target=writer.write, args=(_sum_of_buckets, 0, [("f", "k", ([], [("t", tensor)]))],
+                                                              shared))  # fmt: skip
+        handoff.start()
+        handoff.join(timeout=60)  # (a handoff in this thread would wait for the gate, opened below: forever)
+        assert not handoff.is_alive()
+        assert writer.busy
+        assert not writer.done(blocking=False)  # still sending
+        gate.touch()
+        assert writer.answer() == float(4 << 20)
+    finally:
+        gate.touch()
+        writer.close()
+        shared.release()
+    assert writer.process.returncode == 0
+
+
 def _sum_of_buckets(rank: int, buckets: list, results: object) -> None:
     results.put(sum(float(t.sum()) for _, _, (_, tensors) in buckets for _, t in tensors))
 
