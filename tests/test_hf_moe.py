@@ -140,6 +140,31 @@ def test_unsupported_hf_moe_settings_are_named(models: dict[str, Path]) -> None:
         ModelConfig.from_hf({**config, "router_jitter_noise": 0.1})
     aux = ModelConfig.from_hf({**config, "output_router_logits": True, "router_aux_loss_coef": 0.02})
     assert aux.moe_aux_loss_coeff == pytest.approx(0.02 * 2 / 2)  # x top-k / MoE layers: Megatron's per-layer loss
+    qwen2 = json.loads((models["qwen2_moe"] / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"shared_expert_intermediate_size=0 is not supported"):
+        ModelConfig.from_hf({**qwen2, "shared_expert_intermediate_size": 0})
+
+
+def test_qwen_moe_configs_without_biases_or_with_sparse_steps_map(models: dict[str, Path]) -> None:
+    """Qwen2-MoE's ``qkv_bias=False`` (no q/k/v biases, in and out) and ``decoder_sparse_step`` (every n-th layer
+    MoE, transformers' rule: layer i is sparse iff (i + 1) % step == 0 and it is not in ``mlp_only_layers``)."""
+    qwen2 = json.loads((models["qwen2_moe"] / "config.json").read_text())
+    config = ModelConfig.from_hf({**qwen2, "qkv_bias": False})
+    assert not config.add_qkv_bias
+    adapter = family(config)
+    assert type(adapter).__name__ == "Qwen2MoE"
+    assert adapter.hf_config_kwargs(config)["qkv_bias"] is False
+    assert not any(name.endswith("q_proj.bias") for name in hf_weight_shapes(config))
+    qwen3 = json.loads((models["qwen3_moe"] / "config.json").read_text())
+    four = {**qwen3, "num_hidden_layers": 4, "mlp_only_layers": []}
+    assert ModelConfig.from_hf({**four, "decoder_sparse_step": 2}).moe_layer_freq == (0, 1, 0, 1)
+    assert ModelConfig.from_hf({**four, "decoder_sparse_step": 2, "mlp_only_layers": [3]}).moe_layer_freq == (
+        0,
+        1,
+        0,
+        0,
+    )
+    assert ModelConfig.from_hf({**four, "decoder_sparse_step": 1}).moe_layer_freq == 1
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

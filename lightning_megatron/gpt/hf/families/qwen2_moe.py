@@ -20,13 +20,18 @@ class Qwen2MoE(QwenMoEFamily):
     config_class = "Qwen2MoeConfig"
 
     def fields(self, hf: Any) -> dict[str, Any]:
-        shared = {"moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size}
-        return {"add_qkv_bias": True, "qk_layernorm": False, **self.qwen_moe_fields(hf), **shared,
-                "moe_shared_expert_gate": True}  # fmt: skip
+        size = hf.shared_expert_intermediate_size
+        if not size:  # transformers builds a shared expert in every MoE layer; Megatron's needs a size
+            raise ValueError(f"Qwen2MoeForCausalLM with shared_expert_intermediate_size={size!r} is not supported (a "
+                             "shared expert of size 0); a positive size")  # fmt: skip
+        shared = {"moe_shared_expert_intermediate_size": size, "moe_shared_expert_gate": True}
+        # q/k/v biases unless the config turns them off (``qkv_bias``, transformers >= 5; always on before)
+        bias = bool(getattr(hf, "qkv_bias", True))
+        return {"add_qkv_bias": bias, "qk_layernorm": False, **self.qwen_moe_fields(hf), **shared}
 
     def matches(self, c: ModelShape) -> bool:
         shared = c.moe_shared_expert_intermediate_size is not None and c.moe_shared_expert_gate
-        return c.num_moe_experts is not None and c.add_qkv_bias and not c.qk_layernorm and shared
+        return c.num_moe_experts is not None and not c.qk_layernorm and shared
 
     def shared_expert_params(self, c: ModelShape, m: str, hb: str) -> list[Param]:
         ffn, hidden = c.moe_shared_expert_intermediate_size or 0, c.hidden_size
@@ -39,4 +44,5 @@ class Qwen2MoE(QwenMoEFamily):
         return dense_adapters(c, lora, m + "shared_experts.", h + "shared_expert.", ffn)
 
     def hf_config_kwargs(self, c: ModelShape) -> dict[str, Any]:
-        return {**super().hf_config_kwargs(c), "shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size}
+        return {**super().hf_config_kwargs(c), "shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size,
+                "qkv_bias": c.add_qkv_bias}  # fmt: skip
