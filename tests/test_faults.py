@@ -446,3 +446,36 @@ def test_resuming_mid_epoch_with_another_global_batch_size_is_refused(tmp_path: 
     # 3 batches are a whole epoch of batches of 16, but not of the saved run's: still mid-epoch
     with pytest.raises(ValueError, match=r"saved 3 batches into an epoch of global batches of 8 samples.*is 16"):
         _fit(4, ckpt_path=str(tmp_path / "mid.ckpt"), batch_size=16)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename"])
+def test_a_checkpoint_saved_again_under_its_name_is_swapped_in_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    """Publishing over a checkpoint of the same name (``last.ckpt``): the new one takes the name and the old one goes.
+    Where the kernel swaps the two names at once, a crash right after the swap still leaves a complete checkpoint
+    under the name (the old one waits under the ``.partial`` name, which is never loaded)."""
+    from lightning_megatron.checkpointing import saving
+
+    def directory(name: str, content: str) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shard").write_text(content)
+        return tmp_path / name
+
+    if not exchange:  # a kernel or filesystem without renameat2's exchange: renamed to last.ckpt.old first
+        monkeypatch.setattr(saving, "_exchange", lambda a, b: False)
+    last = directory("last.ckpt", "old")
+    saving.replace_directory(directory("last.ckpt.partial", "new"), last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert (last / "shard").read_text() == "new"
+    if not exchange:
+        return
+
+    def crash(path: object, ignore_errors: bool = False) -> None:
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(saving.shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        saving.replace_directory(directory("last.ckpt.partial", "newer"), last)
+    assert (last / "shard").read_text() == "newer"
+    assert (tmp_path / "last.ckpt.partial" / "shard").read_text() == "new"

@@ -175,7 +175,7 @@ def _publish(partial: Path, path: Path, lock: WriterLock) -> None:
         try:
             checksums.check_complete(partial)
             checksums.record_metadata(partial)
-            _replace(partial, path)
+            replace_directory(partial, path)
         except (OSError, ValueError) as error:
             status = [f"{type(error).__name__}: {error}"]
         finally:
@@ -185,13 +185,39 @@ def _publish(partial: Path, path: Path, lock: WriterLock) -> None:
         raise OSError(f"checkpoint {path} was written but not published ({status[0]}); older checkpoints are intact")
 
 
-def _replace(new: Path, path: Path) -> None:
+def replace_directory(new: Path, path: Path) -> None:
+    """``new`` takes the name ``path``. A checkpoint already there (``last.ckpt``) is swapped out in one step where
+    the kernel can (``renameat2(RENAME_EXCHANGE)``: Linux, most local filesystems), so that a crash at any moment
+    leaves a complete checkpoint under the name, then removed from ``new``'s name (a ``.partial`` left by a crash
+    there is never loaded, and the next save of it clears it); elsewhere it is renamed to ``<name>.old`` first."""
+    if path.exists() and _exchange(new, path):
+        shutil.rmtree(new, ignore_errors=True)
+        return
     old = path.with_name(path.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         path.rename(old)
     new.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically; False where the kernel or filesystem cannot (nothing changed)."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    return renameat2(at_cwd, os.fsencode(a.absolute()), at_cwd, os.fsencode(b.absolute()), exchange) == 0
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def _failure(error: BaseException, partial: Path, path: Path, lock: WriterLock) -> OSError:
