@@ -78,8 +78,8 @@ class ExportCheck(L.Callback):
 
 
 class SaveAtEnd(L.Callback):
-    """save_hf (merged weights with LoRA) and, with LoRA, the PEFT adapter; buckets checked against the
-    per-tensor export (one gather / broadcast per bucket)."""
+    """save_hf (merged weights with LoRA) and, with LoRA unless ``peft=False``, the PEFT adapter; buckets checked
+    against the per-tensor export (one gather / broadcast per bucket)."""
 
     def __init__(self, path: str, peft: bool = True) -> None:
         self.path, self.peft = path, peft
@@ -87,9 +87,8 @@ class SaveAtEnd(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: MegatronLMModule) -> None:  # type: ignore[override]
         module.save_hf(self.path, max_shard_size=64 * 1024)  # small shards: the index path is exercised too
-        if module.lora is None or not self.peft:
-            return
-        module.save_hf(f"{self.path}-adapter", adapter=True)
+        if module.lora is not None and self.peft:
+            module.save_hf(f"{self.path}-adapter", adapter=True)
         tensors = dict(module.export_hf_weights())
         buckets = list(module.export_hf_weights(bucket_bytes=100_000))
         flat = [pair for bucket in buckets for pair in bucket]

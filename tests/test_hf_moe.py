@@ -280,6 +280,9 @@ LAYOUTS = {
     # LoRA on every linear: attention, the experts (one adapter per expert and projection), the shared expert
     "qwen2_moe_ep2_lora": {"arch": "qwen2_moe", "ep": 2, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0,
                                                                                     "seed": 3}, "peft": False},
+    # LoRA on the experts split over expert-parallel ranks, exported as a PEFT adapter (no dense MLPs: PEFT can name
+    # the experts' adapters apart)
+    "mixtral_ep2_lora": {"arch": "mixtral", "ep": 2, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0, "seed": 5}},
     # LoRA on every linear with the experts split over expert tensor parallelism, checkpointed at step 2
     "mixtral_tp2_lora": {"arch": "mixtral", "tp": 2, "sp": True, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0,
                                                                                            "seed": 4}, "ckpt": True},
@@ -375,6 +378,28 @@ def test_lora_on_experts_at_ep2_equals_one_process(layouts: dict, models: dict, 
     merged = hf_forward(ep2["save"], tokens)[0]  # the adapters merged into the experts' and the others' weights
     torch.testing.assert_close(merged, one_logits, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(merged, hf_forward(models["qwen2_moe"], tokens)[0], atol=1e-3)  # the adapters moved
+    assert all(result["buckets"]["equal"] for result in ep2["ranks"])  # bucketed = per tensor, experts gathered
+
+
+@pytest.mark.multiprocess
+def test_a_peft_adapter_of_experts_at_ep2_gives_the_merged_logits(layouts: dict, models: dict,
+                                                                  tokens: torch.Tensor) -> None:  # fmt: skip
+    """Expert adapters trained with the experts split over two ranks: the PEFT adapter (each expert's pieces joined
+    from its rank) on the untouched HF base gives the logits of the merged export, as do the bucketed exports."""
+    import peft
+
+    ep2 = layouts["mixtral_ep2_lora"]
+    merged = hf_forward(ep2["save"], tokens)[0]
+    for rank_logits in ep2["logits"]:
+        torch.testing.assert_close(rank_logits, merged, rtol=1e-4, atol=1e-4)
+    adapter = load_file(Path(f"{ep2['save']}-adapter") / "adapter_model.safetensors")
+    assert any("experts.base_layer.lora_B" in name for name in adapter)  # the experts' fused gate_up adapters
+    base = hf_model(models["mixtral"])
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, f"{ep2['save']}-adapter").eval()(input_ids=tokens).logits
+    torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(merged, hf_forward(models["mixtral"], tokens)[0], atol=1e-3)  # the adapters moved
+    assert all(result["buckets"]["equal"] for result in ep2["ranks"])
 
 
 @pytest.mark.multiprocess

@@ -206,7 +206,14 @@ def test_deepseek_and_qwen_routers_train_and_log_their_losses() -> None:
         def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
             before.update({n: p.detach().clone() for n, p in pl_module.chunks.named_parameters()})
 
-    trainer = one_process_trainer(2, callbacks=[probe, Before()])
+    routed_as_deepseek_v3: list[bool] = []
+
+    class DeepSeekRouting(L.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+            _routes_as_deepseek_v3(pl_module.chunks[0].decoder.layers[1].mlp.router)
+            routed_as_deepseek_v3.append(True)
+
+    trainer = one_process_trainer(2, callbacks=[probe, Before(), DeepSeekRouting()])
     trainer.fit(model, DataLoader(synthetic_tokens(16, 32, 256, seed=1), batch_size=8))
 
     layers = model.chunks[0].decoder.layers
@@ -224,6 +231,54 @@ def test_deepseek_and_qwen_routers_train_and_log_their_losses() -> None:
     for step in probe.steps:
         assert step["micro_batches"] == {2: 4, 3: 4}  # layer numbers 2 and 3 (1-based) are the MoE layers
         assert step["logged"] == pytest.approx(step["reference"], rel=1e-5)
+    assert routed_as_deepseek_v3  # checked at the end of the fit (Megatron's router needs the run's device setup)
+
+
+def _routes_as_deepseek_v3(router: torch.nn.Module) -> None:
+    """The router (sigmoid scores, the expert bias in the choice only, the best group by its top-2 score sum, the
+    chosen scores renormalised, x the scaling factor) picks the experts and weights transformers' DeepSeek-V3
+    router picks with the same weight and bias (``e_score_correction_bias``)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    hidden = router.weight.shape[1]
+    config = DeepseekV3Config(hidden_size=hidden, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                              routed_scaling_factor=2.0, norm_topk_prob=True)  # fmt: skip
+    reference = DeepseekV3TopkRouter(config)
+    bias = torch.tensor([0.2, 0.1, -0.2, 0.0])  # favours group 0 by 0.3: changes some choices
+    tokens = torch.randn(64, 1, hidden, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        reference.weight.copy_(router.weight.float())
+        reference.e_score_correction_bias.copy_(bias)
+        router.expert_bias.copy_(bias)
+        router.eval()
+        probs, routing_map = router(tokens)
+        _, weights, chosen = reference(tokens)
+    want = torch.zeros(64, 4).scatter(1, chosen, weights)
+    assert torch.equal(routing_map, want > 0)
+    torch.testing.assert_close(probs.float() * routing_map, want, rtol=1e-5, atol=1e-6)
+    plain = reference.e_score_correction_bias.zero_() is not None and reference(tokens)[2]
+    assert not torch.equal(plain.sort(dim=1).values, chosen.sort(dim=1).values)  # the bias decided some choices
+
+
+def test_a_shared_expert_without_a_gate_trains() -> None:
+    """DeepSeek's shared experts take every token ungated (``moe_shared_expert_gate=False``): built without a gate
+    weight, and they train with the routed experts."""
+    config = tiny_gpt(num_moe_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=64)
+    model = MegatronLMModule(config, lr=3e-3)
+    trainer = one_process_trainer(1)
+    before: dict[str, torch.Tensor] = {}
+
+    class Before(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            before.update({n: p.detach().clone() for n, p in pl_module.chunks.named_parameters() if "shared" in n})
+
+    trainer.callbacks.append(Before())
+    trainer.fit(model, DataLoader(synthetic_tokens(8, 32, 256, seed=1), batch_size=8))
+    shared = model.chunks[0].decoder.layers[0].mlp.shared_experts
+    assert shared.gate_weight is None
+    assert before
+    assert all(not torch.equal(p.detach(), before[n]) for n, p in model.chunks.named_parameters() if "shared" in n)
 
 
 def test_router_losses_are_off_without_coefficients() -> None:
@@ -244,15 +299,18 @@ def test_grouped_gemm_required_where_there_is_none() -> None:
 
 
 @pytest.mark.multiprocess
-def test_router_losses_are_the_same_on_every_pipeline_stage(tmp_path: Path) -> None:
-    """PP=2 splits the MoE layers (one per stage, built from the stage's global layer offset) and reduces the losses
-    over the stages: every rank logs what one process logs for the same weights and batch."""
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"ep": 2}, {"tp": 2, "sp": True}], ids=["pp2", "ep2_dp2", "tp2_sp"])
+def test_router_losses_are_the_same_at_every_layout(tmp_path: Path, layout: dict) -> None:
+    """The router losses are reduced over the layout's ranks as the loss is: PP=2 splits the MoE layers (one per
+    stage, from the stage's global layer offset) and sums over the stages; EP=2 (with DP=2: each rank routes half the
+    batch) averages over the data-parallel ranks; TP=2 with SP adds up the load-balancing partial sums of the
+    sequence shards and averages the z-loss. Every rank logs what one process logs for the same weights and batch."""
     model = {**ROUTERS, "moe_layer_freq": [0, 1, 1, 0]}  # a list, as from YAML
     ckpt = {"model": model, "ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 1}
     run_here({**ckpt, "max_steps": 1}, tmp_path)
     resume = {"model": model, "max_steps": 2, "resume": str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt")}
     one = run_here(resume, tmp_path)["callback_metrics"]
-    two = run_worker({**resume, "devices": 2, "pp": 2}, tmp_path)
+    two = run_worker({**resume, "devices": 2, **layout}, tmp_path)
     (other,) = tmp_path.glob("result-*.json.rank1")
     for metrics in (two["callback_metrics"], json.loads(other.read_text())["callback_metrics"]):
         for name in ("moe_aux_loss", "moe_z_loss", "train_loss"):
