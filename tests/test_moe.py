@@ -306,9 +306,13 @@ def test_router_losses_are_the_same_at_every_layout(tmp_path: Path, layout: dict
     batch) averages over the data-parallel ranks; TP=2 with SP adds up the load-balancing partial sums of the
     sequence shards and averages the z-loss. Every rank logs what one process logs for the same weights and batch."""
     model = {**ROUTERS, "moe_layer_freq": [0, 1, 1, 0]}  # a list, as from YAML
-    ckpt = {"model": model, "ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 1}
+    # One sample per micro-batch: the router losses are per micro-batch and not linear in its samples, so a
+    # data-parallel rank's micro-batches must hold what one process's do (the distributed sampler deals samples
+    # alternately to the two ranks).
+    ckpt = {"model": model, "ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 1, "micro_batch_size": 1}
     run_here({**ckpt, "max_steps": 1}, tmp_path)
-    resume = {"model": model, "max_steps": 2, "resume": str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt")}
+    resume = {"model": model, "max_steps": 2, "resume": str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"),
+              "micro_batch_size": 1}  # fmt: skip
     one = run_here(resume, tmp_path)["callback_metrics"]
     two = run_worker({**resume, "devices": 2, **layout}, tmp_path)
     (other,) = tmp_path.glob("result-*.json.rank1")
