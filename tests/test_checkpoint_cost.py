@@ -387,3 +387,60 @@ def test_read_threads_are_checked_when_the_run_starts_and_none_is_the_cpus_per_r
     writer.read_threads = 3
     with writer.loading() as reading:
         assert reading.threads == 3
+
+
+def test_async_saves_of_two_structures_without_kept_buffers_or_model_weights(tmp_path: Path) -> None:
+    """Async saves with every option that changes what is staged: a full checkpoint and a weights-only one every step
+    (two structures: a save plan each, reused from their second save on), host buffers given back after each save,
+    the full checkpoints without the model's weights. Saving changes nothing in the run, the full checkpoint
+    resumes exactly, and the weights-only one holds the run's final weights."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+    from lightning_megatron.data.corpus import synthetic_tokens
+    from tests.conftest import one_process_trainer
+
+    losses: dict[int, float] = {}
+    plans: list[tuple[int, list[bool]]] = []
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            losses[trainer.global_step] = float(outputs["loss"])
+            writer = trainer.strategy.checkpoint_writer
+            plans.append((writer.plans.made, writer.plans.reused()))
+
+    data = DataLoader(synthetic_tokens(24, 32, 256, seed=2), batch_size=4)
+
+    def fit(steps: int, saving: bool, ckpt_path: str | None = None) -> None:
+        strategy = MegatronStrategy(micro_batch_size=2, async_save=saving)
+        strategy.checkpoint_writer.keep_host_buffers = False
+        strategy.checkpoint_writer.save_model_weights = False
+        savers = [ModelCheckpoint(dirpath=tmp_path / "full", every_n_train_steps=1, save_top_k=-1, filename="{step}"),
+                  ModelCheckpoint(dirpath=tmp_path / "weights", every_n_train_steps=1, save_top_k=-1,
+                                  filename="{step}", save_weights_only=True, monitor="train_loss")  # (a state key)
+                  ] if saving else []  # fmt: skip
+        trainer = one_process_trainer(steps, strategy=strategy, callbacks=[Probe(), *savers], enable_checkpointing=True)
+        trainer.fit(MegatronLMModule(tiny_gpt(), lr=1e-2), data, ckpt_path=ckpt_path)
+
+    fit(3, saving=False)
+    unsaved = dict(losses)
+    losses.clear()
+    fit(3, saving=True)
+    assert losses == unsaved
+    # Saves happen after each step's end: at step k's end the plans of steps 1..k-1 exist.
+    assert [made for made, _ in plans[-3:]] == [0, 2, 2]
+    assert plans[-1][1] == [True, True]  # both structures' plans are reused
+    losses.clear()
+    fit(3, saving=False, ckpt_path=str(tmp_path / "full" / "step=2.ckpt"))
+    assert losses == {3: unsaved[3]}
+    predictor = one_process_trainer(1)
+    tokens = DataLoader(synthetic_tokens(4, 32, 256, seed=6), batch_size=4)
+    want = torch.cat(
+        predictor.predict(MegatronLMModule.load_from_checkpoint(tmp_path / "full" / "step=3.ckpt"), tokens)
+    )
+    got = torch.cat(
+        predictor.predict(MegatronLMModule.load_from_checkpoint(tmp_path / "weights" / "step=3.ckpt"), tokens)
+    )
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
