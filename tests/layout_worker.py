@@ -295,6 +295,8 @@ def main(args: dict) -> None:
     elif mode in ("validate", "validate+predict"):
         out = trainer.validate(model, val_loader, ckpt_path=args.get("resume"))
         result["val"] = out[0]["val_loss"]
+    if mode == "fit" and args.get("save_to"):  # a save after fit (synchronous), e.g. of what a resume loaded
+        trainer.save_checkpoint(args["save_to"])
     if mode == "validate+predict" or (mode == "fit" and args.get("pred_out")):  # predict with the weights now held
         _save_predictions(trainer.predict(model, val_loader), args["pred_out"], trainer.global_rank)
     if mode == "routing" or (mode == "fit" and args.get("routing_out")):

@@ -124,6 +124,13 @@ def test_dp2_checkpoint_resumes_at_dp2_and_dp1(saved: dict, tmp_path: Path) -> N
     assert sorted(one["train"]) == sorted(later)
     for step, loss in later.items():
         assert one["train"][step] == pytest.approx(loss, rel=2e-4)
+    # Loaded at DP=1 exactly: what one process loaded (no step taken) saves back to the same tensors.
+    again = tmp_path / "again.ckpt"
+    run_here({"devices": 1, "max_steps": 2, "resume": ckpt, "save_to": str(again)}, tmp_path)
+    original, reloaded = _tensors(Path(ckpt), tmp_path), _tensors(again, tmp_path)
+    assert original.keys() == reloaded.keys()
+    for key, tensor in original.items():
+        assert torch.equal(reloaded[key], tensor), key
 
 
 @pytest.mark.multiprocess
