@@ -263,11 +263,15 @@ def test_training_follows_transformers_and_adamw(arch: str, aux: bool, models: d
 
 
 def test_value_module_on_an_moe_checkpoint(models: dict, tokens: torch.Tensor) -> None:
-    """The critic imports the MoE body (not its LM head) and gives one value per token."""
+    """The critic imports the MoE body (not its LM head): values = head(final hidden states of transformers)."""
     module = MegatronValueModule.from_hf(models["qwen3_moe"], seq_length=SEQ)
     values = torch.cat(_trainer().predict(module, DataLoader(tokens, batch_size=4)))
-    assert values.shape[:2] == (4, SEQ)
-    assert torch.isfinite(values).all()
+    assert values.shape == tokens.shape
+    head = module.chunks[0].output_layer
+    with torch.no_grad():
+        hidden = hf_model(models["qwen3_moe"]).model(input_ids=tokens).last_hidden_state  # after the final norm
+        want = (hidden @ head.weight.float().T + head.bias.float()).squeeze(-1)
+    torch.testing.assert_close(values, want, rtol=1e-4, atol=1e-4)
 
 
 # One 2-process run: each architecture at expert, tensor and pipeline parallelism (qwen3_moe's dense layer 1 on its own
