@@ -359,6 +359,8 @@ def load_timeline(found: list[Row]) -> list[str]:
     for data in loads:
         cells = [number(data["timeline"].get(p), 2) for p in parts]
         threads = data.get("read_threads", 1)  # rows without the field: Megatron's own reader
+        if threads is None:  # the default: the read split into parts by the CPUs at hand
+            threads = f"default ({data['timeline'].get('read_parts', '?')})"
         row = f"| {data.get('cache', '-')} | {threads} | {number(data.get('resume_load_s'))} | "
         out.append(row + " | ".join(cells) + " |")
     return [*out, ""]

@@ -253,6 +253,19 @@ def main(args: dict) -> None:
         from lightning_megatron.checkpointing import write_process
 
         write_process.COMMAND = [sys.executable, str(Path(__file__).with_name("full_disk_writer.py")), "--die"]
+    if args.get("checksums_fail_on_rank") == int(os.environ.get("LOCAL_RANK", 0)):  # step=4's, as on a full disk
+        import errno
+
+        from lightning_megatron.checkpointing import checksums
+
+        exit_recorder = checksums.Recorder.__exit__
+
+        def full_disk(self, *exc: object) -> None:  # noqa: ANN001
+            exit_recorder(self, *exc)
+            if "step=4" in self.directory.name:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.directory / "checksums.json"))
+
+        checksums.Recorder.__exit__ = full_disk
     strategy.checkpoint_writer.save_model_weights = not args.get("lean", False)  # lean: weights as main weights only
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -279,7 +292,7 @@ def main(args: dict) -> None:
         try:
             trainer.fit(model, train_loader, val_loader, ckpt_path=args.get("resume"))
         except OSError as error:  # a failed save, expected by the test that asked for one
-            if "writer_dies_on_rank" not in args:
+            if "writer_dies_on_rank" not in args and "checksums_fail_on_rank" not in args:
                 raise
             result["error"] = str(error)
         finally:

@@ -451,3 +451,5 @@ def test_async_saves_of_two_structures_without_kept_buffers_or_model_weights(tmp
         predictor.predict(MegatronLMModule.load_from_checkpoint(tmp_path / "weights" / "step=3.ckpt"), tokens)
     )
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    untrained = torch.cat(predictor.predict(MegatronLMModule(tiny_gpt()), tokens))
+    assert not torch.equal(untrained, want)  # the checkpoints hold trained weights

@@ -204,14 +204,20 @@ def test_sigterm_to_one_rank_just_before_an_async_save_stops_the_other_too(tmp_p
 
 
 @pytest.mark.multiprocess
-def test_a_writer_process_dying_on_one_rank_fails_the_save_on_both_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["writer_dies", "checksums_fail"])
+def test_a_save_failing_on_one_rank_fails_on_both_naming_it(tmp_path: Path, fault: str) -> None:
+    """DP=2, saves every 2 steps; step=4's fails on rank 1 alone: its async writer process kills itself, or (sync)
+    its checksums file hits a full disk after the shards were written. Both ranks raise, naming rank 1's cause
+    (Megatron's finaliser gathers it on rank 0), instead of the other rank waiting until the timeout."""
     from tests.conftest import run_worker
 
-    # DP=2, async saves every 2 steps; rank 1's writer process kills itself when it starts writing step=4.
-    args = {"devices": 2, "max_steps": 4, "async_save": True, "ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}
-    rank0 = run_worker({**args, "writer_dies_on_rank": 1}, tmp_path)
+    args = {"devices": 2, "max_steps": 4, "async_save": fault == "writer_dies", "ckpt_dir": str(tmp_path / "ckpt"),
+            "ckpt_every": 2, f"{fault}_on_rank": 1}  # fmt: skip
+    rank0 = run_worker(args, tmp_path, timeout=300)
     rank1 = json.loads(next(tmp_path.glob("result-*.json.rank1")).read_text())
-    died = r"step=4\.ckpt failed: rank 1: .*checkpoint writer process \(pid \d+\) exited with code -9"
+    cause = {"writer_dies": r"checkpoint writer process \(pid \d+\) exited with code -9",
+             "checksums_fail": r"no space left on the device"}[fault]  # fmt: skip
+    died = r"step=4\.ckpt failed: " + (r"rank 1: .*" if fault == "writer_dies" else "") + cause
     for result in (rank0, rank1):  # the cause comes from rank 1, and rank 0 gathered it: both name it
         assert re.search(died, result["error"]), result["error"]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=2.ckpt"]

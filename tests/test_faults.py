@@ -452,7 +452,8 @@ def test_resuming_mid_epoch_with_another_global_batch_size_is_refused(tmp_path: 
 def test_a_checkpoint_saved_again_under_its_name_is_swapped_in_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
-    """Publishing over a checkpoint of the same name (``last.ckpt``): the new one takes the name and the old one goes.
+    """Publishing over a checkpoint of the same name (``last.ckpt``, or a link to one): the new one takes the name and
+    the old one (or the link) goes.
     Where the kernel swaps the two names at once, a crash right after the swap still leaves a complete checkpoint
     under the name (the old one waits under the ``.partial`` name, which is never loaded)."""
     from lightning_megatron.checkpointing import saving
@@ -464,7 +465,17 @@ def test_a_checkpoint_saved_again_under_its_name_is_swapped_in_whole(
 
     if not exchange:  # a kernel or filesystem without renameat2's exchange: renamed to last.ckpt.old first
         monkeypatch.setattr(saving, "_exchange", lambda a, b: False)
-    last = directory("last.ckpt", "old")
+    elif not saving._exchange(directory("a", "a"), directory("b", "b")):
+        pytest.skip(f"the filesystem of {tmp_path} cannot exchange names (renameat2)")
+    else:
+        shutil.rmtree(tmp_path / "a")
+        shutil.rmtree(tmp_path / "b")
+    last = tmp_path / "last.ckpt"
+    last.symlink_to(directory("step=1.ckpt", "linked"))  # left by ModelCheckpoint(save_last="link")
+    saving.replace_directory(directory("last.ckpt.partial", "old"), last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=1.ckpt"]  # the link went, not its target
+    assert not last.is_symlink()
+    shutil.rmtree(tmp_path / "step=1.ckpt")
     saving.replace_directory(directory("last.ckpt.partial", "new"), last)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     assert (last / "shard").read_text() == "new"

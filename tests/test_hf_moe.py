@@ -141,7 +141,7 @@ def test_unsupported_hf_moe_settings_are_named(models: dict[str, Path]) -> None:
     aux = ModelConfig.from_hf({**config, "output_router_logits": True, "router_aux_loss_coef": 0.02})
     assert aux.moe_aux_loss_coeff == pytest.approx(0.02 * 2 / 2)  # x top-k / MoE layers: Megatron's per-layer loss
     qwen2 = json.loads((models["qwen2_moe"] / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"shared_expert_intermediate_size=0 is not supported"):
+    with pytest.raises(ValueError, match=r"shared_expert_intermediate_size=0 is not supported; a positive size"):
         ModelConfig.from_hf({**qwen2, "shared_expert_intermediate_size": 0})
 
 

@@ -20,6 +20,7 @@ import fcntl
 import functools
 import logging
 import os
+import queue
 import shutil
 import socket
 import time
@@ -126,7 +127,7 @@ def _prepare(partial: Path, rank: int) -> WriterLock:
         try:
             partial.parent.mkdir(parents=True, exist_ok=True)
             lock.acquire()
-            shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
+            _remove(partial)  # left by a run killed while saving, or an older checkpoint swapped out
             partial.mkdir()
         except RuntimeError as error:  # another writer
             status = [error]
@@ -153,10 +154,18 @@ def _write(write: Any, directory: Path, rank: int, *args: Any, **kwargs: Any) ->
             write(*args, **kwargs)
             if errors.messages:
                 recorder.discard()
+        if errors.messages:
+            (directory / _WRITER_ERRORS.format(rank=rank)).write_text("\n".join(errors.messages))
+    except OSError as error:  # e.g. this rank's checksums file on a full disk
+        # This rank's write failed: report it as Megatron's writer reports one, in the results queue (the last
+        # argument), so that every rank raises it at Megatron's finaliser -- raised here, on this rank alone, the
+        # others would wait in the finaliser's gather until the timeout.
+        results = args[-1]
+        with contextlib.suppress(queue.Empty):
+            results.get_nowait()
+        results.put(error)
     finally:
         logger.removeHandler(errors)
-    if errors.messages:
-        (directory / _WRITER_ERRORS.format(rank=rank)).write_text("\n".join(errors.messages))
 
 
 class _Records(logging.Handler):
@@ -190,15 +199,26 @@ def replace_directory(new: Path, path: Path) -> None:
     the kernel can (``renameat2(RENAME_EXCHANGE)``: Linux, most local filesystems), so that a crash at any moment
     leaves a complete checkpoint under the name, then removed from ``new``'s name (a ``.partial`` left by a crash
     there is never loaded, and the next save of it clears it); elsewhere it is renamed to ``<name>.old`` first."""
-    if path.exists() and _exchange(new, path):
-        shutil.rmtree(new, ignore_errors=True)
+    if not new.is_dir():
+        raise FileNotFoundError(f"{new} is not a directory: nothing to publish as {path}")
+    if (path.exists() or path.is_symlink()) and _exchange(new, path):
+        _remove(new)
         return
     old = path.with_name(path.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
+    _remove(old)
+    if path.exists() or path.is_symlink():
         path.rename(old)
     new.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path`` if it is there: a directory with its contents, or a file or link (``save_last="link"``)."""
+    if path.is_symlink() or path.is_file():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:

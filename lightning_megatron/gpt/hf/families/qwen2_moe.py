@@ -22,8 +22,8 @@ class Qwen2MoE(QwenMoEFamily):
     def fields(self, hf: Any) -> dict[str, Any]:
         size = hf.shared_expert_intermediate_size
         if not size:  # transformers builds a shared expert in every MoE layer; Megatron's needs a size
-            raise ValueError(f"Qwen2MoeForCausalLM with shared_expert_intermediate_size={size!r} is not supported (a "
-                             "shared expert of size 0); a positive size")  # fmt: skip
+            raise ValueError(f"Qwen2MoeForCausalLM with shared_expert_intermediate_size={size!r} is not supported; a "
+                             "positive size")  # fmt: skip
         shared = {"moe_shared_expert_intermediate_size": size, "moe_shared_expert_gate": True}
         # q/k/v biases unless the config turns them off (``qkv_bias``, transformers >= 5; always on before)
         bias = bool(getattr(hf, "qkv_bias", True))
