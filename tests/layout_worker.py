@@ -266,7 +266,9 @@ def main(args: dict) -> None:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.directory / "checksums.json"))
 
         checksums.Recorder.__exit__ = full_disk
-    strategy.checkpoint_writer.save_model_weights = not args.get("lean", False)  # lean: weights as main weights only
+    strategy.checkpoint_writer.save_model_weights = not args.get("lean", False)
+    if "read_threads" in args:
+        strategy.checkpoint_writer.read_threads = args["read_threads"]  # lean: weights as main weights only
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=devices,
@@ -303,6 +305,7 @@ def main(args: dict) -> None:
         result["shapes"] = shapes
         result["saves"], result["optimizer_state_differs"] = probe.saves, probe.optimizer_state_differs
         result["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        result["last_load"] = strategy.checkpoint_writer.last_load
         if args.get("summary"):
             result["summary"] = {**_summary(trainer), "printed": "\n".join(printed.lines)}
     elif mode in ("validate", "validate+predict"):

@@ -8,6 +8,7 @@ DP=2 and DP=1.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -118,8 +119,17 @@ def test_each_data_parallel_rank_writes_half(saved: dict) -> None:
 def test_dp2_checkpoint_resumes_at_dp2_and_dp1(saved: dict, tmp_path: Path) -> None:
     ckpt = str(_ckpt(saved["tmp"] / "async", 2))
     later = {k: v for k, v in saved["sync"]["train"].items() if int(k) > 2}
-    resumed = run_worker({"devices": 2, "overlap": True, "max_steps": STEPS, "resume": ckpt}, tmp_path)
+    resume = {"devices": 2, "overlap": True, "max_steps": STEPS, "resume": ckpt, "read_threads": 2}
+    resumed = run_worker(resume, tmp_path)
     assert resumed["train"] == later  # the same layout: bit-identical
+    # Read in parallel: each data-parallel rank reads about half the checkpoint (Megatron's fully-parallel load
+    # hands the other half over), each in 2 threads.
+    other = json.loads(next(tmp_path.glob("result-*.json.rank1")).read_text())
+    loads = [resumed["last_load"], other["last_load"]]
+    stored = sum(f.stat().st_size for f in Path(ckpt).glob("*.distcp"))
+    assert all(load["read_parts"] >= 2 for load in loads), loads
+    assert 0.35 < loads[0]["read_bytes"] / stored < 0.65, (loads, stored)
+    assert 0.9 < (loads[0]["read_bytes"] + loads[1]["read_bytes"]) / stored < 1.01, (loads, stored)
     one = run_here({"devices": 1, "max_steps": STEPS, "resume": ckpt}, tmp_path)
     assert sorted(one["train"]) == sorted(later)
     for step, loss in later.items():

@@ -67,10 +67,14 @@ class ThreadedReader(FileSystemReader):
         self.threads = threads
         self.parts_read = 0
         """How many parts the last :meth:`read_data` was split into (for tests and timelines)."""
+        self.bytes_read = 0
+        """The stored bytes of the entries the last :meth:`read_data` read (with data parallelism, this rank's
+        share of the checkpoint)."""
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         parts = split(plan.items, self.storage_data, self.threads)
         self.parts_read = len(parts)
+        self.bytes_read = sum(self.storage_data[item.storage_index].length for item in plan.items)
         read = super().read_data
         if len(parts) <= 1:
             return read(plan, planner)

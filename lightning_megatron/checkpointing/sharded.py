@@ -241,6 +241,7 @@ def _read(
         failure = error
     clock.lap("read_s")
     clock.note("read_parts", sum(reader.parts_read for reader in reads.readers))
+    clock.note("read_bytes", sum(reader.bytes_read for reader in reads.readers))
 
     def check() -> None:
         verification.wait()
