@@ -242,13 +242,14 @@ def _libc() -> Any:
 
 def _failure(error: BaseException, partial: Path, path: Path, lock: WriterLock) -> OSError:
     """``OSError`` naming the failed save's cause; rank 0 removes its ``.partial`` directory and lock."""
-    causes = [*_causes(error), *_writer_errors(partial)]
+    written = _writer_errors(partial)
+    causes = [*_causes(error), *written]
     if isinstance(error, CheckpointException) and _distributed():
         # Raised on every rank at once (torch DCP and Megatron agree on failures collectively), but Megatron's
         # finaliser gives every rank's cause to rank 0 alone: the others would name none.
         shared = [causes]
         torch.distributed.broadcast_object_list(shared, src=0)
-        causes = list(dict.fromkeys([*shared[0], *_writer_errors(partial)]))
+        causes = list(dict.fromkeys([*shared[0], *written]))
     no_space = any("No space left" in cause or f"Errno {errno.ENOSPC}]" in cause for cause in causes)
     free = "unknown"
     with contextlib.suppress(OSError):
