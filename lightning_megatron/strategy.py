@@ -245,6 +245,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
         self.checkpoint_writer.prepare(self.use_distributed_optimizer, processes_per_node=self.num_processes)
         run_started(self, self._sigterm)  # tears down runs Lightning left unfinished first (training/retained.py)
+        self.checkpoint_writer.start(self.lightning_module.trainer.state.fn)  # while the model is built
         self._patches.install(patches.QuietRun(self.root_device.type))  # notices of the torch-native path
         if self.root_device.type == "cpu":
             self._patches.install(patches.CpuMode())
@@ -267,7 +268,6 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             self._ddp_chunks = ddp.wrap(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
             self._run_chunks = self._ddp_chunks
             self.setup_optimizers(trainer)
-            self.checkpoint_writer.start()  # async saves: the writer process, while the first steps run
         self.setup_precision_plugin()
 
     @override

@@ -112,9 +112,11 @@ class SaveProbe(L.Callback):
         if trainer.global_step > 0:  # after the previous step's save
             params = list(pl_module.parameters())  # this rank's: at most its weights and their fp32 Adam state
             bound = sum(p.numel() * (p.element_size() + 12) for p in params)
+            # (an async save's timeline gains its write and publish in place, when it is published)
             self.saves.append({"allocations": writer.buffers.allocations, "plans": writer.plans.made,
                                "host_bytes": writer.buffers.bytes, "host_bytes_bound": bound,
-                               "shared": writer.buffers.shared is not None})  # fmt: skip
+                               "shared": writer.buffers.shared is not None,
+                               "timeline": writer.last_save})  # fmt: skip
             background = writer.background
             if background is not None and background.writer is not None:  # async: the writer process
                 self.saves[-1] |= {"writers_started": background.writers_started, "pid": background.writer.process.pid,

@@ -87,6 +87,13 @@ def test_one_writer_process_serves_every_async_save(saved: dict) -> None:
     assert len({s["pid"] for s in saves}) == 1
     assert saves[0]["segments_sent"] > 0
     assert all(s["segments_sent"] == saves[0]["segments_sent"] for s in saves)
+    # Each save's timeline gained its write in the writer process and its publish; a sync save's has neither.
+    for save in saves:
+        timeline = save["timeline"]
+        assert timeline["writer_wait_s"] >= 0
+        assert timeline["write_s"] > 0
+        assert timeline["published_s"] >= timeline["blocked_s"] > 0
+    assert all("published_s" not in s["timeline"] and s["timeline"]["write_s"] > 0 for s in saved["sync"]["saves"])
 
 
 @pytest.mark.multiprocess

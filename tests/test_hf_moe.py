@@ -41,9 +41,9 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 FAMILY = {"qwen3_moe": "Qwen3MoE", "qwen2_moe": "Qwen2MoE", "mixtral": "Mixtral"}
 
 
-def make_hf_model(arch: str, path: Path) -> Path:
+def make_hf_model(arch: str, path: Path, **extra: Any) -> Path:
     config_name, overrides = ARCHS[arch]
-    config = getattr(transformers, config_name)(**{**BASE, **overrides})
+    config = getattr(transformers, config_name)(**{**BASE, **overrides, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms start at 1 and biases at 0: randomise them so that a wrong mapping shows
@@ -211,12 +211,15 @@ def test_a_moe_model_not_from_hf_is_written_in_its_family(tmp_path: Path, tokens
 
 
 AUX_COEF = 0.05
+ONE_MOE_LAYER = {"qwen3_moe": {}, "qwen2_moe": {"mlp_only_layers": [1]}, "mixtral": {"num_hidden_layers": 1}}
+"""Each family with one MoE layer, where Megatron's per-layer aux loss is HF's, pooled over the layers."""
 
 
-@pytest.mark.parametrize(("arch", "aux"), [*((arch, False) for arch in ARCHS), ("qwen3_moe", True)])
+@pytest.mark.parametrize("aux", [False, True], ids=["aux_off", "aux_on"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_training_follows_transformers_and_adamw(arch: str, aux: bool, models: dict, tmp_path: Path) -> None:
     """Three steps of full fine-tuning step for step: the aux loss off (HF without output_router_logits), and on
-    (qwen3_moe: one MoE layer, where Megatron's per-layer loss is HF's pooled one) with router_aux_loss_coef.
+    with router_aux_loss_coef (each family with one MoE layer, where Megatron's per-layer loss is HF's pooled one).
 
     With the aux loss on, the batch is one micro-batch (Megatron's "aux_loss" is each micro-batch's, HF's the
     batch's), and Megatron normalises the routers' loss gradient by the loss tokens of the batch, as the
@@ -224,11 +227,8 @@ def test_training_follows_transformers_and_adamw(arch: str, aux: bool, models: d
     row has no label), so HF runs with its coefficient times S / (S - 1)."""
     path = models[arch]
     if aux:
-        path = tmp_path / arch
-        hf_model(models[arch]).save_pretrained(path)
-        config = json.loads((path / "config.json").read_text())
-        config.update(output_router_logits=True, router_aux_loss_coef=AUX_COEF)
-        (path / "config.json").write_text(json.dumps(config))
+        extra = {**ONE_MOE_LAYER[arch], "output_router_logits": True, "router_aux_loss_coef": AUX_COEF}
+        path = make_hf_model(arch, tmp_path / arch, **extra)
     samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(3))
     settings = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
     model = hf_model(path).train()

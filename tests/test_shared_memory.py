@@ -63,6 +63,24 @@ def test_the_writer_process_reads_what_the_training_process_writes_later() -> No
     assert writer.process.returncode == 0  # asked to exit, it did
 
 
+def test_the_writer_process_starts_light_and_ready_to_write() -> None:
+    """The writer imports what writing needs -- Megatron's writer, before any save arrives -- and not the package's
+    API (Lightning, the models), whose import made a save in a fit's first steps wait seconds for the writer. Each
+    answer says when the write began and ended."""
+    from lightning_megatron.checkpointing.write_process import WriterProcess
+
+    writer = WriterProcess()
+    try:
+        writer.write(_modules, 0, [], SharedSegments())
+        assert writer.answer() == {"megatron.core.dist_checkpointing.strategies.filesystem_async"}
+        assert set(writer.last_write) == {"writer_wait_s", "write_s"}
+        assert writer.last_write["writer_wait_s"] >= 0
+        assert writer.last_write["write_s"] >= 0
+    finally:
+        writer.close()
+    assert writer.process.returncode == 0
+
+
 def test_a_writer_still_starting_does_not_hold_up_the_handoff(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The save is handed over from a thread: ``write`` returns while the writer has not read a byte yet (a 16 MB
     message, far more than the connection buffers), and the save is written once the writer serves."""
@@ -93,6 +111,15 @@ def test_a_writer_still_starting_does_not_hold_up_the_handoff(tmp_path: Path, mo
         writer.close()
         shared.release()
     assert writer.process.returncode == 0
+
+
+def _modules(rank: int, buckets: list, results: object) -> None:
+    """Which of these modules the writer process has imported (this test module's own imports are all light)."""
+    import sys
+
+    names = ("lightning", "torchmetrics", "transformers", "lightning_megatron.strategy",
+             "megatron.core.dist_checkpointing.strategies.filesystem_async")  # fmt: skip
+    results.put({name for name in names if name in sys.modules})
 
 
 def _sum_of_buckets(rank: int, buckets: list, results: object) -> None:

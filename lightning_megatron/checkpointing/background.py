@@ -25,6 +25,9 @@ class BackgroundSaves:
         """This rank's writer process, started when a fit starts (:meth:`start`; by the first save otherwise, and
         again if it died)."""
         self.writers_started = 0
+        self.last_write: dict[str, float] = {}
+        """This rank's write of the save published last (:attr:`.write_process.WriterProcess.last_write`; empty if
+        this rank wrote no file)."""
         self._request: Any | None = None
         self._failed: Exception | None = None  # handing the save to the writer failed: this rank's write result
 
@@ -35,7 +38,7 @@ class BackgroundSaves:
     def schedule(self, request: Any) -> None:
         """Collective (with :meth:`finalize`): hand ``request`` (Megatron's ``AsyncRequest``) to the writer."""
         assert self._request is None, "the previous save must be published before the next one starts"
-        self._request, self._failed = request, None
+        self._request, self._failed, self.last_write = request, None, {}
         if request.async_fn is None:  # this rank writes no file
             return
         try:
@@ -59,6 +62,7 @@ class BackgroundSaves:
             request.async_fn_args[2].put(self._failed)  # where Megatron's finaliser reads the results
         elif writing:
             request.async_fn_args[2].put(self.writer.answer())
+            self.last_write = self.writer.last_write
         for finalize in request.finalize_fns:
             finalize()
         return True

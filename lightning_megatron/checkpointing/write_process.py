@@ -1,8 +1,8 @@
 """The background writer of async saves: one process per rank, started when a fit starts and kept for it.
 
 A process forked per save (Megatron's async writer) faults the staged buffers' pages into itself again at every save
-(``benchmarks/writer_probe.py``). This writer is a fresh interpreter (``python -m
-lightning_megatron.checkpointing.writer_main``: it runs no user code and uses no GPU), started once; it maps each
+(``benchmarks/writer_probe.py``). This writer is a fresh interpreter (``python .../checkpointing/writer_main.py``: it
+runs no user code, uses no GPU and imports only what writing needs), started once; it maps each
 shared memory segment of the host buffers (:mod:`.shared_memory`) once, when it first sees it, and writes each save
 with Megatron's own writer function (the same files as a synchronous save), recording the checksums as it goes (the
 function :mod:`.saving` hands over).
@@ -10,7 +10,8 @@ function :mod:`.saving` hands over).
 The training process sends it, per save, the write plan with each tensor named by its segment and offset (from a
 thread, so that a writer still starting does not hold up the training step); the writer answers with Megatron's
 write results (or the error). The publish stays in the training process, run on every
-rank once every rank's writer is done (:class:`.background.BackgroundSaves`).
+rank once every rank's writer is done (:class:`.background.BackgroundSaves`). Each answer carries when the writer
+began and ended the write (``time.monotonic``, one clock for the machine's processes): :attr:`WriterProcess.last_write`.
 
 The writer blocks SIGTERM and ignores SIGINT: a job-wide SIGTERM leaves the write running, and the rank publishes it
 at its next step (training/preemption.py). It exits when asked at the end of the fit, when the training process dies
@@ -27,17 +28,19 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_megatron.checkpointing.shared_memory import SharedSegments, map_segment, tensor_at
 
-COMMAND = [sys.executable, "-m", "lightning_megatron.checkpointing.writer_main"]
+COMMAND = [sys.executable, str(Path(__file__).with_name("writer_main.py"))]
 """How the writer process is started (the training process's pid and the connection's descriptor are appended)."""
 _EXIT_WAIT_S = 60.0  # for an idle writer to exit when asked, before it is killed
 _PARENT_CHECK_S = 1.0  # how often an idle writer checks that the training process still runs
@@ -63,6 +66,10 @@ class WriterProcess:
         """Whether a save was sent and its answer not yet taken."""
         self._sender: threading.Thread | None = None
         self._send_error: Exception | None = None
+        self._handed = 0.0  # when the save sent last was handed over (time.monotonic)
+        self.last_write: dict[str, float] = {}
+        """Of the save answered last: ``writer_wait_s``, from the handoff until the writer began writing it (a
+        writer still starting, the handoff's transfer), and ``write_s``, its write (shards and checksums)."""
 
     def write(self, function: Any, rank: int, buckets: list, shared: SharedSegments) -> None:
         """Hand over one save: Megatron's write function and its buckets, every tensor cut from ``shared`` named by
@@ -73,6 +80,7 @@ class WriterProcess:
                 for path, key, (data, tensors) in buckets]  # fmt: skip
         messages = [*self._segment_messages(shared), (("write", function, rank, plan), None)]
         self._send_error = None
+        self._handed = time.monotonic()
         self._sender = threading.Thread(target=self._send_all, args=(messages,), name="checkpoint-handoff", daemon=True)
         self._sender.start()
         self.busy = True
@@ -127,17 +135,20 @@ class WriterProcess:
         if self._sender is not None:
             self._sender.join()
         self.busy = False
+        self.last_write = {}
         if self._send_error is not None:
             code = self._replace()
             return RuntimeError(f"handing the save to the checkpoint writer process (pid {self.process.pid}, exit code "
                                 f"{code}) failed: {self._send_error!r}")  # fmt: skip
         try:
-            return pickle.loads(self._connection.recv_bytes())
+            answer, started, written = pickle.loads(self._connection.recv_bytes())
         except (EOFError, OSError):
             code = self.process.wait()
             return RuntimeError(f"the checkpoint writer process (pid {self.process.pid}) exited with code {code}")
         except Exception as error:  # an answer that does not unpickle: still this save's failure on this rank
             return RuntimeError(f"the checkpoint writer process's answer could not be read: {error!r}")
+        self.last_write = {"writer_wait_s": started - self._handed, "write_s": written - started}
+        return answer
 
     @property
     def alive(self) -> bool:
@@ -219,6 +230,7 @@ def serve(parent: int, descriptor: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(parent)  # a rank killed mid-save: its writer must not go on writing into a directory reused later
     torch.serialization.set_crc32_options(False)  # our block checksums cover the shards (saving._without_zip_crc32)
+    _import_what_saves_use()
     channel = socket.socket(fileno=descriptor)
     connection = Connection(os.dup(descriptor))
     views: dict[int, Any] = {}
@@ -242,6 +254,16 @@ def serve(parent: int, descriptor: int) -> None:
             trouble = f"its {message[0]!r} message failed: {type(error).__name__}: {error}"
 
 
+def _import_what_saves_use() -> None:
+    """Import now, while no save waits, what unpickling the first save would import (Megatron's writer: seconds)."""
+    from lightning_megatron import quiet
+
+    with quiet.importing():  # megatron-core's notices about Transformer Engine/apex
+        import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+
+        import lightning_megatron.checkpointing.saving  # noqa: F401
+
+
 def _next_message(connection: Connection, parent: int) -> tuple | None:
     """The next message, or None once the connection ended or the training process died. Processes it forked
     (data loader workers, ...) may hold its end of the connection, so its death need not end the connection."""
@@ -263,6 +285,7 @@ def _write_save(message: tuple, views: dict[int, Any], trouble: str | None) -> b
     import queue
 
     _, function, rank, plan = message
+    started = time.monotonic()
     results: queue.Queue = queue.Queue()
     try:
         if trouble is not None:
@@ -274,10 +297,11 @@ def _write_save(message: tuple, views: dict[int, Any], trouble: str | None) -> b
         answer = results.get_nowait()
     except Exception as error:  # answered, not raised: the training process names it
         answer = RuntimeError(f"{type(error).__name__}: {error}")
+    written = time.monotonic()
     try:
-        return pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps((answer, started, written), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # an exception that does not pickle
-        return pickle.dumps(RuntimeError(repr(answer)))
+        return pickle.dumps((RuntimeError(repr(answer)), started, written))
 
 
 def _die_with(parent: int) -> None:

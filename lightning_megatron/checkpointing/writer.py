@@ -56,7 +56,10 @@ class CheckpointWriter:
         self.last_save: dict[str, Any] = {}
         """Seconds the last save took on this rank: ``wait_s`` (for the previous async save to be published),
         ``stage_s`` (state dict and host copies), ``plan_s``, ``write_s`` (synchronous saves), ``blocked_s`` (all
-        of it: what training waited), ``new_structure``."""
+        of it: what training waited), ``new_structure``. An async save's entry gains, in place, when it is published:
+        ``writer_wait_s`` (from the handoff until this rank's writer process began the write), ``write_s`` (its
+        write: shards and checksums) and ``published_s`` (from the save's start until published here, between two
+        training steps)."""
         self.last_load: dict[str, float] = {}
         """Seconds the parts of the last load took on this rank: ``open_s`` (metadata and common state),
         ``state_s`` (the state to read into, with its host buffers), ``check_s`` (the model against the files),
@@ -72,6 +75,7 @@ class CheckpointWriter:
         self._queue: BackgroundSaves | None = None
         self._saves: list[saving.PendingSave] = []  # oldest first, as they are finalised
         self._removals: list[Path] = []
+        self._save_started = 0.0  # time.monotonic() when the last save started
 
     def prepare(self, distributed_optimizer: bool, processes_per_node: int = 1) -> None:
         """When a run starts (before any process group exists): raise ``ValueError`` for settings this run cannot
@@ -98,10 +102,11 @@ class CheckpointWriter:
             with children_ignore_sigterm():
                 _start_result_queue()
 
-    def start(self) -> None:
-        """At the start of a fit with async saves: start the writer process (its start, seconds of imports, overlaps
-        the first steps instead of delaying the first save's publish)."""
-        if self.async_save:
+    def start(self, trainer_fn: str = "fit") -> None:
+        """When a run starts: for a fit (``trainer_fn``, Lightning's ``TrainerFn``) with async saves, start the writer
+        process (its start, seconds of imports, overlaps building the model and the first steps instead of delaying
+        the first save's publish)."""
+        if self.async_save and trainer_fn == "fit":
             self._background().start()
 
     def _background(self) -> BackgroundSaves:
@@ -126,8 +131,9 @@ class CheckpointWriter:
         state, its tensors staged in the host buffers, which the earlier save no longer reads) synchronously or
         asynchronously; with ``publish`` (a save after a run, or on its way out after an exception, when the
         writer process may be stopped next) synchronously in any case."""
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.monotonic()
         self.finalize()  # the earlier save no longer reads the host buffers once published
+        self._save_started = started  # (after the finalisation: it may publish the earlier save, timed from its own)
         assert not self.pending, "a save must not stage into host buffers a pending save still reads"
         staging = time.perf_counter()
         state = build(self.buffers, self.save_model_weights)
@@ -188,12 +194,14 @@ class CheckpointWriter:
     def _finalize(self, blocking: bool) -> None:
         assert self._queue is not None
         try:
-            self._queue.finalize(blocking=blocking)
+            published = self._queue.finalize(blocking=blocking)
         except (Exception, CheckpointException) as error:  # the oldest pending save failed
             failed = self._saves.pop(0)
             raise failed.failed(error) from error
         finally:
             del self._saves[: len(self._saves) - self.pending]  # published
+        if published:  # (the save of last_save: a save publishes the one before it first)
+            self.last_save.update(self._queue.last_write, published_s=time.monotonic() - self._save_started)
         self._release_unless_kept()
 
     def close(self, failed: bool) -> None:

@@ -1,9 +1,30 @@
-"""The entry point of the async-save writer process (:mod:`.write_process`): ``python -m`` runs this module, which
-the package itself never imports (running an imported module as ``__main__`` would load it twice)."""
+"""The entry point of the async-save writer process (:mod:`.write_process`), run by its file path.
 
+The writer needs the checkpointing modules and Megatron's writer, not the package's public API: importing
+``lightning_megatron`` runs its ``__init__``, which imports Lightning, torchmetrics, the models and the strategy --
+seconds of a process start that runs while the training process starts too, so that a save made in the first steps
+waited for it. Here ``lightning_megatron`` is entered in ``sys.modules`` as a package whose ``__init__`` does not
+run; its submodules import as usual. The package itself never imports this module.
+"""
+
+import importlib.util
 import sys
+from pathlib import Path
 
-from lightning_megatron.checkpointing.write_process import serve
+
+def _package_without_init() -> None:
+    package = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "lightning_megatron", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    assert spec is not None
+    sys.modules["lightning_megatron"] = importlib.util.module_from_spec(spec)
+
 
 if __name__ == "__main__":
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]  # this directory: its modules are submodules, not top-level ones
+    _package_without_init()
+    from lightning_megatron.checkpointing.write_process import serve
+
     serve(int(sys.argv[-2]), int(sys.argv[-1]))
