@@ -295,3 +295,32 @@ class Payload:
 
     def __reduce__(self) -> tuple:
         return (open, (str(self.marker), "w"))
+
+
+def flip_bit(path: Path, fqn_prefix: str) -> str:
+    """Flip one bit in the values of the first stored tensor of checkpoint ``path`` whose name starts with
+    ``fqn_prefix`` (not in its ``torch.save`` container: the entry still loads, with a wrong value); its name."""
+    import io
+
+    import torch
+
+    metadata = checkpoint_metadata(path)
+    index, info = next((i, s) for i, s in sorted(metadata.storage_data.items(), key=lambda x: x[0].fqn)
+                       if i.fqn.startswith(fqn_prefix))  # fmt: skip
+    file = path / info.relative_path
+    blob = bytearray(file.read_bytes())
+    entry = bytes(blob[info.offset : info.offset + info.length])
+    values = torch.load(io.BytesIO(entry), weights_only=True).contiguous().view(torch.uint8).numpy().tobytes()
+    at = entry.find(values)
+    assert at > 0, "the tensor's bytes in the entry"
+    assert entry.find(values, at + 1) < 0, "once"
+    blob[info.offset + at + len(values) // 2] ^= 0x40
+    file.write_bytes(bytes(blob))
+    return index.fqn
+
+
+def checkpoint_metadata(path: Path) -> Any:
+    """The torch DCP metadata of checkpoint ``path`` (where each stored entry is)."""
+    from lightning_megatron.checkpointing.checks import read_metadata
+
+    return read_metadata(path)

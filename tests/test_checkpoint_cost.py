@@ -9,12 +9,14 @@ DP=2 and DP=1.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_here, run_worker, run_workers
+from tests.conftest import checkpoint_metadata, flip_bit, run_here, run_worker, run_workers
 
 STEPS = 4
 RUN = {"devices": 2, "overlap": True, "max_steps": STEPS, "ckpt_every": 1, "save_probe": True}
@@ -126,17 +128,30 @@ def test_each_data_parallel_rank_writes_half(saved: dict) -> None:
 def test_dp2_checkpoint_resumes_at_dp2_and_dp1(saved: dict, tmp_path: Path) -> None:
     ckpt = str(_ckpt(saved["tmp"] / "async", 2))
     later = {k: v for k, v in saved["sync"]["train"].items() if int(k) > 2}
+    damaged = tmp_path / "damaged.ckpt"
+    shutil.copytree(ckpt, damaged)
+    fqn = flip_bit(damaged, "optimizer.state.exp_avg_sq")
     resume = {"devices": 2, "overlap": True, "max_steps": STEPS, "resume": ckpt, "read_threads": 2}
-    resumed = run_worker(resume, tmp_path)
+    resumed, refused = run_workers([resume, {**resume, "resume": str(damaged), "expect_load_error": True}], tmp_path)
     assert resumed["train"] == later  # the same layout: bit-identical
     # Read in parallel: each data-parallel rank reads about half the checkpoint (Megatron's fully-parallel load
-    # hands the other half over), each in 2 threads.
-    other = json.loads(next(tmp_path.glob("result-*.json.rank1")).read_text())
+    # hands the other half over), each in 2 threads, which verify the optimizer state's share they read.
+    others = [json.loads(f.read_text()) for f in tmp_path.glob("result-*.json.rank1")]
+    (other,), (refused_other,) = [o for o in others if "error" not in o], [o for o in others if "error" in o]
     loads = [resumed["last_load"], other["last_load"]]
     stored = sum(f.stat().st_size for f in Path(ckpt).glob("*.distcp"))
     assert all(load["read_parts"] >= 2 for load in loads), loads
     assert 0.35 < loads[0]["read_bytes"] / stored < 0.65, (loads, stored)
     assert 0.9 < (loads[0]["read_bytes"] + loads[1]["read_bytes"]) / stored < 1.01, (loads, stored)
+    optimizer = sum(s.length for i, s in checkpoint_metadata(Path(ckpt)).storage_data.items() if i.fqn.startswith(
+        "optimizer."))  # fmt: skip
+    verified = [load["read_verified_bytes"] for load in loads]
+    assert sum(verified) == optimizer, (verified, optimizer)
+    assert 0.3 < verified[0] / optimizer < 0.7, (verified, optimizer)
+    # A damaged moment, read by one of the ranks: both refuse the checkpoint naming it, before any step.
+    for result in (refused, refused_other):
+        assert re.search(rf"is damaged: .* hold .*{re.escape(fqn)}", result["error"]), result["error"]
+        assert result["train"] == {}
     one = run_here({"devices": 1, "max_steps": STEPS, "resume": ckpt}, tmp_path)
     assert sorted(one["train"]) == sorted(later)
     for step, loss in later.items():

@@ -7,7 +7,6 @@ metadata, a full disk, a second writer, another batch size on resume, a truncate
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import shutil
@@ -27,7 +26,7 @@ from lightning_megatron import MegatronLMModule, MegatronStrategy, Preempted, ti
 from lightning_megatron.checkpointing import checksums
 from lightning_megatron.checkpointing.saving import WriterLock
 from lightning_megatron.data.corpus import synthetic_tokens
-from tests.conftest import Payload
+from tests.conftest import Payload, flip_bit
 
 DATA = synthetic_tokens(48, 32, 256, seed=5)
 
@@ -246,35 +245,11 @@ def test_code_in_a_checkpoint_never_runs(saved: dict, tmp_path: Path, load: str,
 
 
 # ---------------------------------------------------------------------------------------------- damage
-def _flip_bit(path: Path, fqn_prefix: str) -> str:
-    """Flip one bit in the values of the first stored tensor whose name starts with ``fqn_prefix`` (not in its
-    ``torch.save`` container: the entry still loads, with a wrong value); its name."""
-    metadata = checksums_metadata(path)
-    index, info = next((i, s) for i, s in sorted(metadata.storage_data.items(), key=lambda x: x[0].fqn)
-                       if i.fqn.startswith(fqn_prefix))  # fmt: skip
-    file = path / info.relative_path
-    blob = bytearray(file.read_bytes())
-    entry = bytes(blob[info.offset : info.offset + info.length])
-    values = torch.load(io.BytesIO(entry), weights_only=True).contiguous().view(torch.uint8).numpy().tobytes()
-    at = entry.find(values)
-    assert at > 0, "the tensor's bytes in the entry"
-    assert entry.find(values, at + 1) < 0, "once"
-    blob[info.offset + at + len(values) // 2] ^= 0x40
-    file.write_bytes(bytes(blob))
-    return index.fqn
-
-
-def checksums_metadata(path: Path) -> object:
-    from lightning_megatron.checkpointing.checks import read_metadata
-
-    return read_metadata(path)
-
-
 @pytest.mark.parametrize("prefix", ["decoder.layers.mlp.linear_fc1.weight", "optimizer.state.exp_avg_sq"])
 def test_a_flipped_bit_is_found_and_named(saved: dict, tmp_path: Path, prefix: str) -> None:
     path = tmp_path / "full.ckpt"
     shutil.copytree(saved["full"], path)
-    fqn = _flip_bit(path, prefix)
+    fqn = flip_bit(path, prefix)
     with pytest.raises(ValueError, match=rf"checkpoint {path} is damaged: __0_0\.distcp differs .* hold .*{fqn}"):
         _trainer(3).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
 
@@ -332,7 +307,7 @@ def test_the_optimizer_state_is_verified_while_it_is_read(
     assert [names for thread, names in verified if thread == "checksums-verify"] == [{"optimizer"}]
     assert applied[:2] == ["fill", "model"]
 
-    fqn = _flip_bit(path, "optimizer.state.exp_avg_sq")
+    fqn = flip_bit(path, "optimizer.state.exp_avg_sq")
     with pytest.raises(ValueError, match=rf"checkpoint {path} is damaged: __0_0\.distcp differs .* hold .*{fqn}"):
         resume(path)
     assert [thread for thread, _ in verified].count("checksums-verify") == 1

@@ -161,14 +161,16 @@ def check_complete(directory: Path) -> None:
         )
 
 
-def verify(path: Path, metadata: Any, items: Iterable[Any] | None = None) -> None:
+def verify(
+    path: Path, metadata: Any, items: Iterable[Any] | None = None, recorded: dict[str, dict[str, Any]] | None = None
+) -> None:
     """Raise ``ValueError`` naming the file, byte range and tensors of every block whose checksum differs.
 
     ``items``: only the blocks holding these entries of ``metadata.storage_data`` (what a load reads; default: all).
-    A damaged checksum table raises ``ValueError`` too; a checkpoint written without checksums passes (there is
-    nothing to compare).
+    ``recorded``: the checksums table :func:`read` returned for ``path`` (default: read here). A damaged checksum
+    table raises ``ValueError`` too; a checkpoint written without checksums passes (there is nothing to compare).
     """
-    recorded = read(path)
+    recorded = read(path) if recorded is None else recorded
     if recorded is None:
         return
     wanted = _ranges(metadata, items)

@@ -7,12 +7,21 @@ plan, each a run of neighbouring entries of about equal bytes, to ``FileSystemRe
 own (file reads and tensor copies release the GIL); every entry is read exactly as torch reads it. Megatron builds
 its reader inside its load strategy, so :class:`~lightning_megatron.patches.ThreadedShardReads` puts this one in
 its place for one load.
+
+With data-parallel ranks, Megatron's fully-parallel load reads each tensor on one rank and sends it to the others.
+The reader then verifies the checksums of the entries it was asked to verify (the optimizer state) right before
+reading them, in the same threads, so each rank verifies only its share, and the disk is read once (the verification
+brings the blocks into the page cache). A damaged part is not read at all -- a read that broke on it would leave the
+other ranks waiting in Megatron's exchange -- and :meth:`ThreadedReader.raise_damage` raises it after the load, on
+every rank, before anything read is used (:func:`.sharded.load`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+from collections.abc import Set
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +30,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from lightning_megatron.checkpointing import checksums
 
 if TYPE_CHECKING:
     from lightning_megatron.checkpointing.staging import HostBuffers
@@ -62,32 +73,69 @@ class Reading:
 class ThreadedReader(FileSystemReader):
     """torch DCP's file reader whose :meth:`read_data` runs in ``threads`` threads (see the module)."""
 
-    def __init__(self, path: str | os.PathLike, threads: int) -> None:
+    def __init__(
+        self, path: str | os.PathLike, threads: int, verify: Set[Any] = frozenset(), metadata: Any | None = None
+    ) -> None:
+        """``verify``: the entries (``metadata.storage_data`` keys) whose checksums are verified right before they
+        are read (see the module); ``metadata``: the checkpoint's, which holds where they are stored."""
         super().__init__(path)
         self.threads = threads
+        self._verify, self._metadata = verify, metadata
         self.parts_read = 0
         """How many parts the last :meth:`read_data` was split into (for tests and timelines)."""
         self.bytes_read = 0
         """The stored bytes of the entries the last :meth:`read_data` read (with data parallelism, this rank's
         share of the checkpoint)."""
+        self.bytes_verified = 0
+        """The stored bytes of the entries :meth:`read_data` verified before reading them."""
+        self._damage: list[ValueError] = []
+        self._lock = threading.Lock()
+        self._table: dict[str, dict[str, Any]] | None = None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         parts = split(plan.items, self.storage_data, self.threads)
         self.parts_read = len(parts)
         self.bytes_read = sum(self.storage_data[item.storage_index].length for item in plan.items)
-        read = super().read_data
+        self.bytes_verified = sum(self.storage_data[i.storage_index].length for i in plan.items if i.storage_index in
+                                  self._verify)  # fmt: skip
         if len(parts) <= 1:
-            return read(plan, planner)
+            return self._read_part(plan, planner)
         # CUDA targets are copied to from the pool's threads: on the caller's device (each thread has its own).
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         start = None if device is None else lambda: torch.cuda.set_device(device)
         with ThreadPoolExecutor(len(parts), thread_name_prefix="checkpoint-read", initializer=start) as pool:
-            futures = [pool.submit(read, dataclasses.replace(plan, items=part), planner) for part in parts]
+            futures = [pool.submit(self._read_part, dataclasses.replace(plan, items=part), planner) for part in parts]
             for future in futures:  # the first error, once every part has stopped
                 future.result().wait()
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+        return _done()
+
+    def _read_part(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Verify the part's entries that are to be verified, then read it; a damaged part is not read."""
+        verify = [item.storage_index for item in plan.items if item.storage_index in self._verify]
+        if verify:
+            try:
+                checksums.verify(Path(self.path), self._metadata, verify, self._recorded())
+            except ValueError as damage:
+                self._damage.append(damage)
+                return _done()
+        return super().read_data(plan, planner)
+
+    def _recorded(self) -> dict[str, dict[str, Any]] | None:
+        with self._lock:  # read once, by the first part that verifies
+            if self._table is None:
+                self._table = checksums.read(Path(self.path))
+            return self._table
+
+    def raise_damage(self) -> None:
+        """Raise the damage the last :meth:`read_data` found (the first part's), if any."""
+        if self._damage:
+            raise self._damage[0]
+
+
+def _done() -> Future[None]:
+    done: Future[None] = Future()
+    done.set_result(None)
+    return done
 
 
 def split(items: list[ReadItem], storage_data: dict[Any, Any], parts: int) -> list[list[ReadItem]]:

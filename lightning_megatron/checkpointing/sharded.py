@@ -174,16 +174,17 @@ def load(
     ``CheckpointWriter.last_load``), and the threads per rank that read the tensors.
     """
     path, reading = Path(path), reading or Reading()
-    buffers, clock = reading.buffers, _Clock(reading.timings)
+    clock = _Clock(reading.timings)
     plan: dict[str, Any] = {}
     _raise_on_every_rank(
-        lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights, buffers, clock)),
+        lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights, reading, clock)),
         reading.group,
     )
     state = plan["state"]
     clock.lap("verify_s")
     verification = checksums.Verification(path, plan["metadata"], plan["verify_while_reading"])
-    loaded = _read(path, state, verification, clock, reading)
+    threads, in_reader, metadata = reading.threads, plan["verify_in_reader"], plan["metadata"]
+    loaded = _read(path, state, verification, lambda d: ThreadedReader(d, threads, in_reader, metadata), clock, reading)
     loaded.pop(MODEL_CONFIG_KEY, None)
     optimizer_state = loaded.pop(_OPTIMIZER_KEY, None)
     if optimizer is not None and plan["split"] is not None:  # saved at another expert-parallel size
@@ -222,18 +223,20 @@ class _Clock:
 
 
 def _read(
-    path: Path, state: dict[str, Any], verification: checksums.Verification, clock: _Clock, reading: Reading
-) -> dict[str, Any]:
-    """Collective: Megatron's load of ``state`` (in ``reading.threads`` threads, :mod:`.reading`) while
-    ``verification`` runs. Once every rank has read, a damaged entry it found -- or else a failed read -- raises on
-    every rank, before anything read is used; the damage first, as it may be why the read failed. (A rank whose
-    read fails inside Megatron's collective part of the load -- its exchange between data-parallel ranks -- still
-    leaves the others there until the collective timeout.)"""
+    path: Path, state: dict[str, Any], verification: checksums.Verification,
+    make_reader: Callable[[Any], ThreadedReader], clock: _Clock, reading: Reading,
+) -> dict[str, Any]:  # fmt: skip
+    """Collective: Megatron's load of ``state`` (in ``reading.threads`` threads by ``make_reader``'s readers,
+    :mod:`.reading`, which verify the entries they were given before reading them) while ``verification`` runs.
+    Once every rank has read, a damaged entry it found -- or else a failed read -- raises on every rank, before
+    anything read is used; the damage first, as it may be why the read failed. (A rank whose read fails inside
+    Megatron's collective part of the load -- its exchange between data-parallel ranks -- still leaves the others
+    there until the collective timeout.)"""
     from megatron.core import dist_checkpointing
 
     failure: BaseException | None = None
     threads = reading.threads
-    reads = patches.ThreadedShardReads(lambda directory: ThreadedReader(directory, threads))
+    reads = patches.ThreadedShardReads(make_reader)
     try:
         with checks.weights_only(), reads if threads > 1 else contextlib.nullcontext():
             loaded = dist_checkpointing.load(state, str(path), sharded_strategy=_parallel_load(path))
@@ -242,9 +245,12 @@ def _read(
     clock.lap("read_s")
     clock.note("read_parts", sum(reader.parts_read for reader in reads.readers))
     clock.note("read_bytes", sum(reader.bytes_read for reader in reads.readers))
+    clock.note("read_verified_bytes", sum(reader.bytes_verified for reader in reads.readers))
 
     def check() -> None:
         verification.wait()
+        for reader in reads.readers:
+            reader.raise_damage()
         if failure is not None:
             raise ValueError(
                 f"cannot load checkpoint {path}: {type(failure).__name__}: {failure}. (Objects other than tensors, "
@@ -275,8 +281,8 @@ def _load_schedule(scheduler: Any | None, scheduler_state: dict[str, Any] | None
 def _parallel_load(path: Path) -> Any:
     """Megatron's fully-parallel load over the data-parallel (x context-parallel) group: a tensor that several of
     its ranks load (a replicated weight, the optimizer state every rank loads whole) is read by one of them and
-    broadcast to the others. (Each rank still reads the blocks of everything it loads to verify their checksums,
-    before the read.)"""
+    broadcast to the others. (Each rank verifies the checksums of the weights it loads before the read, and those of
+    the optimizer state it reads itself as it reads them: :mod:`.reading`.)"""
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
@@ -313,9 +319,10 @@ def _weights(
 
 def _plan(
     path: Path, chunks: Sequence[nn.Module], optimizer: Any | None, model_config: dict[str, Any] | None,
-    frozen_base: dict[str, str] | None, weights: Weights | None, buffers: HostBuffers | None, clock: _Clock,
+    frozen_base: dict[str, str] | None, weights: Weights | None, reading: Reading, clock: _Clock,
 ) -> dict[str, Any]:  # fmt: skip
     """Check the files and the model against them; the state dict to load into and which weights it holds."""
+    buffers = reading.buffers
     metadata = open_checkpoint(path)
     common = _read_common(path, metadata)
     if optimizer is not None and "optimizer" not in common.get(CONTENTS_KEY, ["model", "optimizer"]):
@@ -340,15 +347,19 @@ def _plan(
     split = None if optimizer is None else _optimizer_split(path, metadata, optimizer, state[_OPTIMIZER_KEY], buffers)
     # Last, as it reads the shards: each rank verifies the stored entries it loads -- those read in place into the
     # model now; the optimizer state read into host buffers, which reaches the optimizer only after the read, while
-    # it is read (:func:`_read`), so that the disk is read once. Not where Megatron's fully-parallel load exchanges
-    # what each rank read: a rank whose read broke on a damaged entry would leave the others waiting in it.
+    # it is read (:func:`_read`), so that the disk is read once: in a thread of its own with one data-parallel rank;
+    # with several, where Megatron's fully-parallel load exchanges what each rank read, by the reading threads
+    # (:mod:`.reading`), each rank its share, not reading a damaged part (a read that broke on it would leave the
+    # others waiting in the exchange); with Megatron's own reader (read_threads=1) before the read.
     clock.lap("check_s")
     group = data_parallel_group()
     exchange = group is not None and torch.distributed.get_world_size(group) > 1
-    later = _stored_items(metadata, {_OPTIMIZER_KEY: state[_OPTIMIZER_KEY]}) if reads and not exchange else []
-    checksums.verify(path, metadata, items=set(_stored_items(metadata, state)) - set(later))
+    later = set(_stored_items(metadata, {_OPTIMIZER_KEY: state[_OPTIMIZER_KEY]})) if reads else set()
+    while_reading = set() if exchange else later
+    in_reader = later if exchange and reading.threads > 1 else set()
+    checksums.verify(path, metadata, items=set(_stored_items(metadata, state)) - while_reading - in_reader)
     return {"state": state, "weights": selected, "split": split, "from_optimizer": from_optimizer,
-            "metadata": metadata, "verify_while_reading": later}  # fmt: skip
+            "metadata": metadata, "verify_while_reading": while_reading, "verify_in_reader": in_reader}  # fmt: skip
 
 
 def _optimizer_split(

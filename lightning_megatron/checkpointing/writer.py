@@ -66,7 +66,9 @@ class CheckpointWriter:
         ``verify_s`` (the checksums of what is read into the model), ``read_s`` (Megatron's load, while the
         optimizer state's checksums are verified), ``verify_after_read_s`` (waiting for those after the read),
         ``apply_s`` (into the model and optimizer); and ``read_parts``, the parts read in threads of their own, and
-        ``read_bytes``, the stored bytes they read (both 0 with Megatron's reader, ``read_threads=1``)."""
+        ``read_bytes``, the stored bytes they read, and ``read_verified_bytes``, those they verified right before
+        reading them (the optimizer state's share, with data-parallel ranks; all three 0 with Megatron's reader,
+        ``read_threads=1``)."""
         self.read_threads: int | None = None
         """Threads each rank reads a checkpoint's tensors with when the strategy loads one (:mod:`.reading`):
         ``None`` (the default), the CPUs this process may use, shared by the node's ranks, at most 8; ``1``:
