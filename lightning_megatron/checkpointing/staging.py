@@ -17,6 +17,7 @@ A staged tensor is a whole buffer, never a view, so Megatron's writer does not c
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -39,12 +40,16 @@ class HostBuffers:
         """Buffers allocated so far: a second save of the same tensors adds none."""
         self.bytes = 0
         """Bytes held in host buffers."""
+        self.timings = {"allocate_s": 0.0, "copy_wait_s": 0.0}
+        """Seconds of the current (or last) save spent allocating buffers (and page-locking them) and waiting for
+        the copies from the GPU in :meth:`finish`."""
 
     def begin(self) -> None:
         """Start a save: each buffer may be staged into once until :meth:`finish`."""
         self._staged.clear()
         self._taken.clear()
         self._cuda = False
+        self.timings = {"allocate_s": 0.0, "copy_wait_s": 0.0}
 
     def stage(self, name: tuple[Any, ...], tensor: Tensor) -> Tensor:
         """A host copy of ``tensor`` in the buffer ``name`` (allocated if new or of another shape). Copies from the
@@ -67,10 +72,12 @@ class HostBuffers:
         if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
             if buffer is not None:
                 self.bytes -= buffer.nbytes
+            start = time.perf_counter()
             if self.shared is not None:
                 buffer = self.shared.tensor(shape, dtype, pinned)
             else:
                 buffer = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+            self.timings["allocate_s"] += time.perf_counter() - start
             self._buffers[name] = buffer
             self.allocations += 1
             self.bytes += buffer.nbytes
@@ -80,7 +87,9 @@ class HostBuffers:
     def finish(self) -> None:
         """Wait until every copy of this save is in host memory."""
         if self._cuda:
+            start = time.perf_counter()
             torch.cuda.current_stream().synchronize()
+            self.timings["copy_wait_s"] += time.perf_counter() - start
 
     def release(self, to_system: bool = False) -> None:
         """Free every buffer (the next save allocates them again): shared segments go back to the system; torch's

@@ -55,11 +55,12 @@ class CheckpointWriter:
         (checked when the run starts)."""
         self.last_save: dict[str, Any] = {}
         """Seconds the last save took on this rank: ``wait_s`` (for the previous async save to be published),
-        ``stage_s`` (state dict and host copies), ``plan_s``, ``write_s`` (synchronous saves), ``blocked_s`` (all
-        of it: what training waited), ``new_structure``. An async save's entry gains, in place, when it is published:
-        ``writer_wait_s`` (from the handoff until this rank's writer process began the write), ``write_s`` (its
-        write: shards and checksums) and ``published_s`` (from the save's start until published here, between two
-        training steps)."""
+        ``stage_s`` (state dict and host copies; of it, ``allocate_s`` allocating and page-locking host buffers, a
+        save's first, and ``copy_wait_s`` waiting for the copies from the GPU), ``plan_s``, ``write_s`` (synchronous
+        saves), ``blocked_s`` (all of it: what training waited), ``new_structure``. An async save's entry gains, in
+        place, when it is published: ``writer_wait_s`` (from the handoff until this rank's writer process began the
+        write), ``write_s`` (its write: shards and checksums) and ``published_s`` (from the save's start until
+        published here, between two training steps)."""
         self.last_load: dict[str, float] = {}
         """Seconds the parts of the last load took on this rank: ``open_s`` (metadata and common state),
         ``state_s`` (the state to read into, with its host buffers), ``check_s`` (the model against the files),
@@ -139,7 +140,7 @@ class CheckpointWriter:
         assert not self.pending, "a save must not stage into host buffers a pending save still reads"
         staging = time.perf_counter()
         state = build(self.buffers, self.save_model_weights)
-        timings = {"wait_s": staging - start, "stage_s": time.perf_counter() - staging}
+        timings = {"wait_s": staging - start, "stage_s": time.perf_counter() - staging, **self.buffers.timings}
         background = self.async_save and not publish  # published at once (a save after fit): written here
         strategy, new = self.plans.strategy_for(state)
         with children_ignore_sigterm():
