@@ -264,6 +264,7 @@ def test_host_buffers_can_be_given_back_after_each_save(tmp_path: Path) -> None:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
             buffers = trainer.strategy.checkpoint_writer.buffers
             seen.append((buffers.bytes, buffers.allocations))
+            assert not buffers.segments.segments  # the memory itself went back (no segment left mapped)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             losses[trainer.global_step] = float(outputs["loss"])

@@ -7,10 +7,11 @@ seconds; so the buffers are kept for the run: a later save of the same tensors a
 copy of the rank's share of the checkpoint in host memory (about 14 bytes per parameter with Adam and bf16 weights)
 until the strategy is torn down.
 
-The buffers of synchronous saves are torch's pinned memory (``cudaHostAlloc``; at teardown they go back to torch's
-pinned-memory cache, not to the system). Those of async saves are cut from shared memory segments
-(:mod:`.shared_memory`, page-locked with ``cudaHostRegister``), which the writer process, started once, maps once
-(:mod:`.write_process`); they go back to the system when released.
+The buffers are cut from memory segments of 256 MB (:mod:`.shared_memory`; page-locked with ``cudaHostRegister`` on a
+GPU), not torch's pinned memory: ``cudaHostAlloc`` pins about 2 GB/s, where touching pageable memory in ATen's
+threads and registering it runs several times faster (``benchmarks/pinned_alloc.py``), and torch's allocator rounds
+each buffer up to a power of two and keeps freed blocks in its cache. An async save's writer process, started once,
+maps the segments once (:mod:`.write_process`). They go back to the system when released.
 
 A staged tensor is a whole buffer, never a view, so Megatron's writer does not copy it again (it clones host views).
 """
@@ -30,8 +31,10 @@ class HostBuffers:
     """The host buffers of one strategy's saves, keyed by what each holds (a sharded tensor's key and offset)."""
 
     def __init__(self, shared: bool = False) -> None:
-        self.shared = SharedSegments() if shared else None
-        """The shared memory segments the buffers are cut from (for a writer process), or None: torch's memory."""
+        self.segments = SharedSegments()
+        """The memory segments the buffers are cut from."""
+        self.shared = self.segments if shared else None
+        """The segments, when an async save's writer process maps them too; else None."""
         self._buffers: dict[tuple[Any, ...], Tensor] = {}
         self._staged: set[tuple[Any, ...]] = set()
         self._taken: set[int] = set()  # ids of the buffers this save holds (a renamed entry is staged already)
@@ -73,10 +76,7 @@ class HostBuffers:
             if buffer is not None:
                 self.bytes -= buffer.nbytes
             start = time.perf_counter()
-            if self.shared is not None:
-                buffer = self.shared.tensor(shape, dtype, pinned)
-            else:
-                buffer = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+            buffer = self.segments.tensor(shape, dtype, pinned)
             self.timings["allocate_s"] += time.perf_counter() - start
             self._buffers[name] = buffer
             self.allocations += 1
@@ -91,19 +91,14 @@ class HostBuffers:
             torch.cuda.current_stream().synchronize()
             self.timings["copy_wait_s"] += time.perf_counter() - start
 
-    def release(self, to_system: bool = False) -> None:
-        """Free every buffer (the next save allocates them again): shared segments go back to the system; torch's
-        pinned memory goes into torch's cache, which later pinned allocations of the process reuse, or with
-        ``to_system`` back to the system (torch has no public call for this: ``torch._C._host_emptyCache``, which
-        also frees the cache's other unused pinned blocks)."""
+    def release(self) -> None:
+        """Free every buffer (the next save allocates them again): the segments go back to the system once no tensor
+        and no writer process maps them."""
         self._buffers.clear()
         self._staged.clear()
         self._taken.clear()
         self.bytes = 0
-        if self.shared is not None:
-            self.shared.release()
-        if to_system and torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()
+        self.segments.release()
 
 
 def stage_state(state: dict[str, Any], buffers: HostBuffers) -> None:

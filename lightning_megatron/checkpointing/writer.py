@@ -171,7 +171,7 @@ class CheckpointWriter:
 
     def _release_unless_kept(self) -> None:
         if not self.keep_host_buffers and not self.pending:  # a pending save's writer still reads them
-            self.buffers.release(to_system=True)
+            self.buffers.release()
             if self._queue is not None:
                 self._queue.forget_released_buffers()
 
