@@ -230,7 +230,6 @@ def serve(parent: int, descriptor: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(parent)  # a rank killed mid-save: its writer must not go on writing into a directory reused later
     torch.serialization.set_crc32_options(False)  # our block checksums cover the shards (saving._without_zip_crc32)
-    _import_what_saves_use()
     channel = socket.socket(fileno=descriptor)
     connection = Connection(os.dup(descriptor))
     views: dict[int, Any] = {}
@@ -252,16 +251,6 @@ def serve(parent: int, descriptor: int) -> None:
                 trouble = f"an unreadable message ({message[1]})"
         except Exception as error:
             trouble = f"its {message[0]!r} message failed: {type(error).__name__}: {error}"
-
-
-def _import_what_saves_use() -> None:
-    """Import now, while no save waits, what unpickling the first save would import (Megatron's writer: seconds)."""
-    from lightning_megatron import quiet
-
-    with quiet.importing():  # megatron-core's notices about Transformer Engine/apex
-        import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
-
-        import lightning_megatron.checkpointing.saving  # noqa: F401
 
 
 def _next_message(connection: Connection, parent: int) -> tuple | None:
