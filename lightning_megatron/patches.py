@@ -338,6 +338,8 @@ class ThreadedShardReads(ModuleFunctions):
         self._make_reader = make_reader
         self.readers: list[Any] = []
         """The readers ``make_reader`` made while installed (the load's timeline counts their parts)."""
+        self.kept = 0
+        """Loads that kept Megatron's own reader (another than the plain one)."""
 
     def module(self) -> Any:
         from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
@@ -354,6 +356,8 @@ class ThreadedShardReads(ModuleFunctions):
         if type(reader) is FileSystemReader:
             reader = self._make_reader(checkpoint_dir)
             self.readers.append(reader)
+        else:
+            self.kept += 1
         return reader
 
 

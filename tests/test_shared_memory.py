@@ -65,8 +65,8 @@ def test_the_writer_process_reads_what_the_training_process_writes_later() -> No
 
 def test_the_writer_process_starts_light_and_ready_to_write() -> None:
     """The writer imports what writing needs -- Megatron's writer, before any save arrives -- and not the package's
-    API (Lightning, the models), whose import made a save in a fit's first steps wait seconds for the writer. Each
-    answer says when the write began and ended."""
+    API (Lightning, the models), whose import would make a save in a fit's first steps wait seconds for the writer.
+    Each answer says when the write began and ended."""
     from lightning_megatron.checkpointing.write_process import WriterProcess
 
     writer = WriterProcess()

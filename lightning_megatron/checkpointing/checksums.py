@@ -161,16 +161,21 @@ def check_complete(directory: Path) -> None:
         )
 
 
+_UNREAD = object()  # verify's default: the checksums table is read by the call
+
+
 def verify(
-    path: Path, metadata: Any, items: Iterable[Any] | None = None, recorded: dict[str, dict[str, Any]] | None = None
-) -> None:
+    path: Path, metadata: Any, items: Iterable[Any] | None = None, recorded: Any = _UNREAD,
+    pool: ThreadPoolExecutor | None = None,
+) -> None:  # fmt: skip
     """Raise ``ValueError`` naming the file, byte range and tensors of every block whose checksum differs.
 
     ``items``: only the blocks holding these entries of ``metadata.storage_data`` (what a load reads; default: all).
-    ``recorded``: the checksums table :func:`read` returned for ``path`` (default: read here). A damaged checksum
-    table raises ``ValueError`` too; a checkpoint written without checksums passes (there is nothing to compare).
+    ``recorded``: what :func:`read` returned for ``path`` (default: read here); ``pool``: the threads that compute
+    the checksums (default: a pool for this call). A damaged checksum table raises ``ValueError`` too; a checkpoint
+    written without checksums passes (there is nothing to compare).
     """
-    recorded = read(path) if recorded is None else recorded
+    recorded = read(path) if recorded is _UNREAD else recorded
     if recorded is None:
         return
     wanted = _ranges(metadata, items)
@@ -178,7 +183,7 @@ def verify(
     for name in names:
         if name not in recorded:
             raise ValueError(f"{path / name} has no recorded checksums: checkpoint {path} is damaged (its table lost)")
-    problems = _differing(path, {name: recorded[name] for name in names}, wanted)
+    problems = _differing(path, {name: recorded[name] for name in names}, wanted, pool)
     if problems:
         raise ValueError(
             f"checkpoint {path} is damaged: " + "; ".join(problems) + ". Resume from another checkpoint (or restore "
@@ -224,7 +229,9 @@ def _ranges(metadata: Any, items: Iterable[Any] | None) -> dict[str, list[tuple[
     return ranges
 
 
-def _differing(path: Path, recorded: dict[str, Any], ranges: dict[str, list[tuple[int, int, str]]]) -> list[str]:
+def _differing(
+    path: Path, recorded: dict[str, Any], ranges: dict[str, list[tuple[int, int, str]]], pool: ThreadPoolExecutor | None
+) -> list[str]:  # fmt: skip
     """What differs in each file of ``recorded`` (within its ``ranges``) from what was recorded."""
     problems, tasks = [], []
     for name, table in recorded.items():
@@ -236,7 +243,7 @@ def _differing(path: Path, recorded: dict[str, Any], ranges: dict[str, list[tupl
         else:
             blocks = sorted({b for start, end, _ in ranges[name] for b in range(start // BLOCK_BYTES, _ceil(end))})
             tasks.append((file, blocks))
-    for (file, blocks), crcs in zip(tasks, _crcs(tasks), strict=True):
+    for (file, blocks), crcs in zip(tasks, _crcs(tasks, pool), strict=True):
         bad = [block for block, crc in zip(blocks, crcs, strict=True) if crc != recorded[file.name]["blocks"][block]]
         if bad:
             problems.append(_describe(file, bad, ranges[file.name]))

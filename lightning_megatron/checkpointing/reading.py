@@ -87,26 +87,29 @@ class ThreadedReader(FileSystemReader):
         """The stored bytes of the entries the last :meth:`read_data` read (with data parallelism, this rank's
         share of the checkpoint)."""
         self.bytes_verified = 0
-        """The stored bytes of the entries :meth:`read_data` verified before reading them."""
+        """The stored bytes of the entries the last :meth:`read_data` verified before reading them."""
         self._damage: list[ValueError] = []
         self._lock = threading.Lock()
-        self._table: dict[str, dict[str, Any]] | None = None
+        self._table: Any = None  # the checksums table, once read (None: not yet)
+        self._pool: ThreadPoolExecutor | None = None  # the checksum threads the parts share
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         parts = split(plan.items, self.storage_data, self.threads)
         self.parts_read = len(parts)
         self.bytes_read = sum(self.storage_data[item.storage_index].length for item in plan.items)
-        self.bytes_verified = sum(self.storage_data[i.storage_index].length for i in plan.items if i.storage_index in
-                                  self._verify)  # fmt: skip
-        if len(parts) <= 1:
-            return self._read_part(plan, planner)
-        # CUDA targets are copied to from the pool's threads: on the caller's device (each thread has its own).
-        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        start = None if device is None else lambda: torch.cuda.set_device(device)
-        with ThreadPoolExecutor(len(parts), thread_name_prefix="checkpoint-read", initializer=start) as pool:
-            futures = [pool.submit(self._read_part, dataclasses.replace(plan, items=part), planner) for part in parts]
-            for future in futures:  # the first error, once every part has stopped
-                future.result().wait()
+        verified = {item.storage_index for item in plan.items} & set(self._verify)
+        self.bytes_verified = sum(self.storage_data[index].length for index in verified)
+        self._damage, self._table = [], None
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="checksums") as self._pool:
+            if len(parts) <= 1:
+                return self._read_part(plan, planner)
+            # CUDA targets are copied to from the pool's threads: on the caller's device (each has its own).
+            device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+            start = None if device is None else lambda: torch.cuda.set_device(device)
+            with ThreadPoolExecutor(len(parts), thread_name_prefix="checkpoint-read", initializer=start) as pool:
+                futures = [pool.submit(self._read_part, dataclasses.replace(plan, items=p), planner) for p in parts]
+                for future in futures:  # the first error, once every part has stopped
+                    future.result().wait()
         return _done()
 
     def _read_part(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -114,17 +117,18 @@ class ThreadedReader(FileSystemReader):
         verify = [item.storage_index for item in plan.items if item.storage_index in self._verify]
         if verify:
             try:
-                checksums.verify(Path(self.path), self._metadata, verify, self._recorded())
+                checksums.verify(Path(self.path), self._metadata, verify, self._recorded(), self._pool)
             except ValueError as damage:
                 self._damage.append(damage)
                 return _done()
         return super().read_data(plan, planner)
 
-    def _recorded(self) -> dict[str, dict[str, Any]] | None:
-        with self._lock:  # read once, by the first part that verifies
+    def _recorded(self) -> Any:
+        """The checksums table (None for a checkpoint without checksums), read once by the first part."""
+        with self._lock:
             if self._table is None:
-                self._table = checksums.read(Path(self.path))
-            return self._table
+                self._table = [checksums.read(Path(self.path))]
+            return self._table[0]
 
     def raise_damage(self) -> None:
         """Raise the damage the last :meth:`read_data` found (the first part's), if any."""

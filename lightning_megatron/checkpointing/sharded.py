@@ -182,9 +182,7 @@ def load(
     )
     state = plan["state"]
     clock.lap("verify_s")
-    verification = checksums.Verification(path, plan["metadata"], plan["verify_while_reading"])
-    threads, in_reader, metadata = reading.threads, plan["verify_in_reader"], plan["metadata"]
-    loaded = _read(path, state, verification, lambda d: ThreadedReader(d, threads, in_reader, metadata), clock, reading)
+    loaded = _read(path, state, plan, clock, reading)
     loaded.pop(MODEL_CONFIG_KEY, None)
     optimizer_state = loaded.pop(_OPTIMIZER_KEY, None)
     if optimizer is not None and plan["split"] is not None:  # saved at another expert-parallel size
@@ -222,21 +220,19 @@ class _Clock:
         self.last = now
 
 
-def _read(
-    path: Path, state: dict[str, Any], verification: checksums.Verification,
-    make_reader: Callable[[Any], ThreadedReader], clock: _Clock, reading: Reading,
-) -> dict[str, Any]:  # fmt: skip
-    """Collective: Megatron's load of ``state`` (in ``reading.threads`` threads by ``make_reader``'s readers,
-    :mod:`.reading`, which verify the entries they were given before reading them) while ``verification`` runs.
-    Once every rank has read, a damaged entry it found -- or else a failed read -- raises on every rank, before
-    anything read is used; the damage first, as it may be why the read failed. (A rank whose read fails inside
-    Megatron's collective part of the load -- its exchange between data-parallel ranks -- still leaves the others
-    there until the collective timeout.)"""
+def _read(path: Path, state: dict[str, Any], plan: dict[str, Any], clock: _Clock, reading: Reading) -> dict[str, Any]:
+    """Collective: Megatron's load of ``state`` (in ``reading.threads`` threads, :mod:`.reading`, which verify the
+    entries ``plan["verify_in_reader"]`` before reading them) while ``plan["verify_while_reading"]`` are verified in
+    a thread of their own. Once every rank has read, a damaged entry it found -- or else a failed read -- raises on
+    every rank, before anything read is used; the damage first, as it may be why the read failed. (A rank whose
+    read fails inside Megatron's collective part of the load -- its exchange between data-parallel ranks -- still
+    leaves the others there until the collective timeout.)"""
     from megatron.core import dist_checkpointing
 
     failure: BaseException | None = None
-    threads = reading.threads
-    reads = patches.ThreadedShardReads(make_reader)
+    threads, metadata, in_reader = reading.threads, plan["metadata"], plan["verify_in_reader"]
+    verification = checksums.Verification(path, metadata, plan["verify_while_reading"])
+    reads = patches.ThreadedShardReads(lambda directory: ThreadedReader(directory, threads, in_reader, metadata))
     try:
         with checks.weights_only(), reads if threads > 1 else contextlib.nullcontext():
             loaded = dist_checkpointing.load(state, str(path), sharded_strategy=_parallel_load(path))
@@ -249,6 +245,8 @@ def _read(
 
     def check() -> None:
         verification.wait()
+        if in_reader and reads.kept:  # Megatron kept its own reader (it verifies nothing): verified now instead
+            checksums.verify(path, metadata, in_reader)
         for reader in reads.readers:
             reader.raise_damage()
         if failure is not None:
@@ -282,7 +280,8 @@ def _parallel_load(path: Path) -> Any:
     """Megatron's fully-parallel load over the data-parallel (x context-parallel) group: a tensor that several of
     its ranks load (a replicated weight, the optimizer state every rank loads whole) is read by one of them and
     broadcast to the others. (Each rank verifies the checksums of the weights it loads before the read, and those of
-    the optimizer state it reads itself as it reads them: :mod:`.reading`.)"""
+    the optimizer state it reads itself as it reads them, :mod:`.reading`; with ``read_threads=1``, Megatron's reader,
+    everything it loads before the read.)"""
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 

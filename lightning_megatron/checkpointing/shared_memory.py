@@ -43,8 +43,11 @@ class Segment:
 
 @dataclass(eq=False)
 class SharedSegments:
-    """The segments of one strategy's host buffers; :meth:`tensor` cuts a new buffer from them."""
+    """The segments of one strategy's host buffers; :meth:`tensor` cuts a new buffer from them. ``shared``: keep each
+    segment's descriptor open, to hand to a writer process; else it is closed once mapped (the mapping keeps the
+    memory), so buffers for this process alone hold no descriptor."""
 
+    shared: bool = True
     segments: dict[int, Segment] = field(default_factory=dict)
     _next: int = 0
 
@@ -74,7 +77,11 @@ class SharedSegments:
         return None
 
     def release(self) -> None:
-        """Drop every segment (unpinned first); the memory goes back once no tensor and no writer maps it."""
+        """Drop every segment (unpinned first); the memory goes back once no tensor and no writer maps it. (The
+        mappings are never closed here: a tensor cut from one would then point at unmapped memory.)"""
+        if any(segment.pinned for segment in self.segments.values()):
+            with contextlib.suppress(RuntimeError):  # (a broken CUDA context: nothing is copying any more)
+                torch.cuda.synchronize()  # no copy from the GPU may still write into memory about to be unpinned
         for segment in self.segments.values():
             if segment.pinned:
                 torch.cuda.cudart().cudaHostUnregister(segment.address)
@@ -98,6 +105,9 @@ class SharedSegments:
             if int(code) != 0:
                 os.close(fd)
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of checkpoint host memory failed ({code})")
+        if not self.shared:
+            os.close(fd)
+            segment.fd = -1
         self.segments[segment.index] = segment
         self._next += 1
         return segment

@@ -18,6 +18,7 @@ A staged tensor is a whole buffer, never a view, so Megatron's writer does not c
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -31,8 +32,9 @@ class HostBuffers:
     """The host buffers of one strategy's saves, keyed by what each holds (a sharded tensor's key and offset)."""
 
     def __init__(self, shared: bool = False) -> None:
-        self.segments = SharedSegments()
-        """The memory segments the buffers are cut from."""
+        self.segments = SharedSegments(shared=shared) if shared or hasattr(os, "memfd_create") else None
+        """The memory segments the buffers are cut from (None where the system has no ``memfd_create``: torch's
+        memory then; async saves need them, :meth:`.writer.CheckpointWriter.prepare`)."""
         self.shared = self.segments if shared else None
         """The segments, when an async save's writer process maps them too; else None."""
         self._buffers: dict[tuple[Any, ...], Tensor] = {}
@@ -76,7 +78,10 @@ class HostBuffers:
             if buffer is not None:
                 self.bytes -= buffer.nbytes
             start = time.perf_counter()
-            buffer = self.segments.tensor(shape, dtype, pinned)
+            if self.segments is not None:
+                buffer = self.segments.tensor(shape, dtype, pinned)
+            else:
+                buffer = torch.empty(shape, dtype=dtype, pin_memory=pinned)
             self.timings["allocate_s"] += time.perf_counter() - start
             self._buffers[name] = buffer
             self.allocations += 1
@@ -98,7 +103,8 @@ class HostBuffers:
         self._staged.clear()
         self._taken.clear()
         self.bytes = 0
-        self.segments.release()
+        if self.segments is not None:
+            self.segments.release()
 
 
 def stage_state(state: dict[str, Any], buffers: HostBuffers) -> None:

@@ -40,7 +40,12 @@ import torch
 
 from lightning_megatron.checkpointing.shared_memory import SharedSegments, map_segment, tensor_at
 
-COMMAND = [sys.executable, str(Path(__file__).with_name("writer_main.py"))]
+_MAIN = Path(__file__).with_name("writer_main.py")
+COMMAND = (
+    [sys.executable, "-P", str(_MAIN)]  # -P: the script's directory is not put on sys.path
+    if _MAIN.is_file()
+    else [sys.executable, "-m", "lightning_megatron.checkpointing.writer_main"]  # a zipped install
+)
 """How the writer process is started (the training process's pid and the connection's descriptor are appended)."""
 _EXIT_WAIT_S = 60.0  # for an idle writer to exit when asked, before it is killed
 _PARENT_CHECK_S = 1.0  # how often an idle writer checks that the training process still runs

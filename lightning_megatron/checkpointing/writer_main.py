@@ -3,9 +3,10 @@
 The writer needs the checkpointing modules and Megatron's writer, not the package's public API: importing
 ``lightning_megatron`` runs its ``__init__``, which imports Lightning, torchmetrics, the models and the strategy --
 seconds of a process start that runs while the training process starts too, so that a save made in the first steps
-waited for it. Here ``lightning_megatron`` is entered in ``sys.modules`` as a package whose ``__init__`` does not
-run; its submodules import as usual. Megatron's writer is imported before the writer serves (unpickling the first
-save would import it, seconds into that save). The package itself never imports this module.
+would wait for it. Here ``lightning_megatron`` is entered in ``sys.modules`` as a package whose ``__init__`` does
+not run; its submodules import as usual. Megatron's writer is imported before the writer serves (unpickling the
+first save would import it, seconds into that save). The package itself never imports this module. (Run as ``-m``
+from a zipped install, the package is imported whole first.)
 """
 
 import importlib.util
@@ -23,9 +24,8 @@ def _package_without_init() -> None:
 
 
 if __name__ == "__main__":
-    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-        del sys.path[0]  # this directory: its modules are submodules, not top-level ones
-    _package_without_init()
+    if "lightning_megatron" not in sys.modules:
+        _package_without_init()
     from lightning_megatron import quiet
 
     with quiet.importing():  # now, not when the first save arrives: what unpickling a save imports (seconds)
