@@ -143,7 +143,8 @@ os.register_at_fork(after_in_child=_close_in_child)
 def map_segment(fd: int, nbytes: int) -> mmap.mmap:
     """The writer's mapping of a segment handed over as ``fd`` (closed here: the mapping keeps the memory)."""
     try:
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        # Every page mapped now, in one pass of the kernel's, not faulted in one by one as the first write reads it.
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
     finally:
         os.close(fd)
 

@@ -60,6 +60,7 @@ class WriterProcess:
         with children_ignore_sigterm():  # until it blocks SIGTERM itself
             command = [*COMMAND, str(os.getpid()), str(theirs.fileno())]
             self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=env)
+        self._spawned = time.monotonic()
         theirs.close()
         self._socket = ours
         self._connection = Connection(os.dup(ours.fileno()))
@@ -74,7 +75,8 @@ class WriterProcess:
         self._handed = 0.0  # when the save sent last was handed over (time.monotonic)
         self.last_write: dict[str, float] = {}
         """Of the save answered last: ``writer_wait_s``, from the handoff until the writer began writing it (a
-        writer still starting, the handoff's transfer), and ``write_s``, its write (shards and checksums)."""
+        writer still starting, the handoff's transfer), ``write_s``, its write (shards and checksums), and
+        ``writer_start_s``, how long the writer took from its start to serving (its imports)."""
 
     def write(self, function: Any, rank: int, buckets: list, shared: SharedSegments) -> None:
         """Hand over one save: Megatron's write function and its buckets, every tensor cut from ``shared`` named by
@@ -146,13 +148,14 @@ class WriterProcess:
             return RuntimeError(f"handing the save to the checkpoint writer process (pid {self.process.pid}, exit code "
                                 f"{code}) failed: {self._send_error!r}")  # fmt: skip
         try:
-            answer, started, written = pickle.loads(self._connection.recv_bytes())
+            answer, started, written, ready = pickle.loads(self._connection.recv_bytes())
         except (EOFError, OSError):
             code = self.process.wait()
             return RuntimeError(f"the checkpoint writer process (pid {self.process.pid}) exited with code {code}")
         except Exception as error:  # an answer that does not unpickle: still this save's failure on this rank
             return RuntimeError(f"the checkpoint writer process's answer could not be read: {error!r}")
-        self.last_write = {"writer_wait_s": started - self._handed, "write_s": written - started}
+        self.last_write = {"writer_wait_s": started - self._handed, "write_s": written - started,
+                           "writer_start_s": ready - self._spawned}  # fmt: skip
         return answer
 
     @property
@@ -238,6 +241,7 @@ def serve(parent: int, descriptor: int) -> None:
     channel = socket.socket(fileno=descriptor)
     connection = Connection(os.dup(descriptor))
     views: dict[int, Any] = {}
+    ready = time.monotonic()
     trouble: str | None = None  # a message the writer could not act on: the next save's answer names it
     while True:
         message = _next_message(connection, parent)
@@ -250,7 +254,7 @@ def serve(parent: int, descriptor: int) -> None:
                 for index in message[1]:
                     views.pop(index, None)
             elif message[0] == "write":
-                connection.send_bytes(_write_save(message, views, trouble))
+                connection.send_bytes(_write_save(message, views, trouble, ready))
                 trouble = None
             else:
                 trouble = f"an unreadable message ({message[1]})"
@@ -274,8 +278,9 @@ def _next_message(connection: Connection, parent: int) -> tuple | None:
         return ("unreadable", f"{type(error).__name__}: {error}")
 
 
-def _write_save(message: tuple, views: dict[int, Any], trouble: str | None) -> bytes:
-    """Write one save; the answer (Megatron's write results, or the error) pickled."""
+def _write_save(message: tuple, views: dict[int, Any], trouble: str | None, ready: float) -> bytes:
+    """Write one save; the answer (Megatron's write results, or the error) pickled, with when the write began and
+    ended and when the writer was ``ready`` to serve."""
     import queue
 
     _, function, rank, plan = message
@@ -293,9 +298,9 @@ def _write_save(message: tuple, views: dict[int, Any], trouble: str | None) -> b
         answer = RuntimeError(f"{type(error).__name__}: {error}")
     written = time.monotonic()
     try:
-        return pickle.dumps((answer, started, written), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps((answer, started, written, ready), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # an exception that does not pickle
-        return pickle.dumps((RuntimeError(repr(answer)), started, written))
+        return pickle.dumps((RuntimeError(repr(answer)), started, written, ready))
 
 
 def _die_with(parent: int) -> None:

@@ -59,8 +59,9 @@ class CheckpointWriter:
         save's first, and ``copy_wait_s`` waiting for the copies from the GPU), ``plan_s``, ``write_s`` (synchronous
         saves), ``blocked_s`` (all of it: what training waited), ``new_structure``. An async save's entry gains, in
         place, when it is published: ``writer_wait_s`` (from the handoff until this rank's writer process began the
-        write), ``write_s`` (its write: shards and checksums) and ``published_s`` (from the save's start until
-        published here, between two training steps)."""
+        write), ``write_s`` (its write: shards and checksums), ``writer_start_s`` (how long that process took to
+        start serving) and ``published_s`` (from the save's start until published here, between two training
+        steps)."""
         self.last_load: dict[str, float] = {}
         """Seconds the parts of the last load took on this rank: ``open_s`` (metadata and common state),
         ``state_s`` (the state to read into, with its host buffers), ``check_s`` (the model against the files),
