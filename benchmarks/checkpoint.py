@@ -57,6 +57,10 @@ def parse() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--commit", default=None, help="the code's git commit, copied into every row")
     p.add_argument(
+        "--modes", type=lambda text: text.split(","), default=["sync", "async", "resume", "checksums", "disk"],
+        help="what to measure (default: sync,async,resume,checksums,disk; resume and checksums need sync)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-model-weights", dest="model_weights", action="store_false",
         help="checkpoint_writer.save_model_weights=False: the trained weights stored only as fp32 main weights",
     )  # fmt: skip
@@ -245,7 +249,7 @@ def main() -> None:
     args.out.mkdir(parents=True)
     device = "cpu" if args.cpu else torch.cuda.get_device_name()
     common = {"shape": args.shape, "device": device, "commit": args.commit, "model_weights": args.model_weights}
-    for mode in ("sync", "async"):  # a first save (allocates, plans), then later ones (reuse)
+    for mode in [m for m in ("sync", "async") if m in args.modes]:  # a first save (allocates), then later ones
         saves = Saves(args.out, mode, args.save_at, args.saves, cuda=not args.cpu, time_megatron=mode == "sync")
         fit(args, saves, args.save_at + args.max_wait_steps, async_save=mode == "async")
         size = sum(f.stat().st_size for f in saves.path(0).iterdir())
@@ -253,9 +257,17 @@ def main() -> None:
             print(json.dumps({**common, "mode": mode, "checkpoint_bytes": size, **row}), flush=True)
         for index in range(1 if mode == "sync" else 0, args.saves):  # sync0.ckpt stays for the loads
             shutil.rmtree(saves.path(index), ignore_errors=True)
+    if "sync" in args.modes:
+        resumes_and_checksums(args, common, size)
+    if "disk" in args.modes:
+        print(json.dumps({**common, "mode": "disk", **disk_speed(args.out, args.disk_probe_gib)}), flush=True)
+
+
+def resumes_and_checksums(args: argparse.Namespace, common: dict[str, Any], size: int) -> None:
+    """Resumes from the first synchronous checkpoint (cold and warm page cache), then its checksums' cost."""
     checkpoint = args.out / "sync0.ckpt"
     shards = sorted(checkpoint.iterdir())
-    for threads in args.read_threads or [None]:
+    for threads in (args.read_threads or [None]) if "resume" in args.modes else []:
         for cache in ("cold", "warm"):  # from the disk (pages dropped), then from the page cache
             if cache == "cold":
                 drop_page_cache([f for f in shards if f.is_file()])
@@ -263,10 +275,10 @@ def main() -> None:
             fit(args, load, args.save_at + 1, async_save=False, ckpt_path=checkpoint, read_threads=threads)
             row = {**common, "mode": "resume", "cache": cache, "checkpoint_bytes": size, **load.result}
             print(json.dumps(row), flush=True)
-    costs = checksum_costs(checkpoint)
-    rates = {f"{k.removesuffix('_s')}_gb_s": size / v / 1e9 for k, v in costs.items()}
-    print(json.dumps({**common, "mode": "checksums", "checkpoint_bytes": size, **costs, **rates}), flush=True)
-    print(json.dumps({**common, "mode": "disk", **disk_speed(args.out, args.disk_probe_gib)}), flush=True)
+    if "checksums" in args.modes:
+        costs = checksum_costs(checkpoint)
+        rates = {f"{k.removesuffix('_s')}_gb_s": size / v / 1e9 for k, v in costs.items()}
+        print(json.dumps({**common, "mode": "checksums", "checkpoint_bytes": size, **costs, **rates}), flush=True)
 
 
 if __name__ == "__main__":
