@@ -20,7 +20,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from lightning_megatron import patches, schedule
 from lightning_megatron.callbacks import count_whole_model
-from lightning_megatron.checkpointing import sharded
+from lightning_megatron.checkpointing import prestage, sharded
 from lightning_megatron.checkpointing.resume import ResumableLoader
 from lightning_megatron.checkpointing.writer import CheckpointWriter
 from lightning_megatron.contract import ChunkSpec, MegatronRuntime, StepStats
@@ -268,6 +268,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             self._ddp_chunks = ddp.wrap(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
             self._run_chunks = self._ddp_chunks
             self.setup_optimizers(trainer)
+            prestage.prestage(self.checkpoint_writer, trainer, self.module, self._megatron_optimizer, self._scheduler)
         self.setup_precision_plugin()
 
     @override
@@ -401,8 +402,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"MegatronStrategy.save_checkpoint takes no storage_options, got {storage_options!r}")
-        # After a run (set up from setup to teardown) what the run kept comes back for the save.
-        after_run = self._run_chunks is None and self._retained is not None
+        after_run = self._run_chunks is None and self._retained is not None  # what the run kept comes back
         with self._retained.restored(self.module.chunks, self._megatron_optimizer) if after_run else nullcontext():
             self.sync_params()  # with overlapped param gather the last step's update may be pending
             build = partial(sharded.module_state, checkpoint, self.module, self._megatron_optimizer, self._scheduler)

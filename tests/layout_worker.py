@@ -116,7 +116,7 @@ class SaveProbe(L.Callback):
             self.saves.append({"allocations": writer.buffers.allocations, "plans": writer.plans.made,
                                "host_bytes": writer.buffers.bytes, "host_bytes_bound": bound,
                                "shared": writer.buffers.shared is not None,
-                               "timeline": writer.last_save})  # fmt: skip
+                               "timeline": writer.last_save, "prestaged": writer.prestaged})  # fmt: skip
             background = writer.background
             if background is not None and background.writer is not None:  # async: the writer process
                 self.saves[-1] |= {"writers_started": background.writers_started, "pid": background.writer.process.pid,

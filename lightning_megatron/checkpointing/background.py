@@ -67,8 +67,9 @@ class BackgroundSaves:
             finalize()
         return True
 
-    def forget_released_buffers(self) -> None:
-        """After the host buffers were given back: the writer unmaps them too, so the memory really goes back."""
+    def map_buffers(self) -> None:
+        """The writer maps exactly the host buffers' segments: new ones (allocated ahead of the first save) are
+        mapped now, given-back ones unmapped, so that their memory really goes back."""
         if self.writer is not None and not self.writer.busy and self.writer.alive:
             with contextlib.suppress(Exception):  # a broken writer is replaced at the next save
                 self.writer.segments(self.buffers.shared)

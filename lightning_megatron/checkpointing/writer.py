@@ -80,6 +80,8 @@ class CheckpointWriter:
         self._saves: list[saving.PendingSave] = []  # oldest first, as they are finalised
         self._removals: list[Path] = []
         self._save_started = 0.0  # time.monotonic() when the last save started
+        self.prestaged: dict[str, float] = {}
+        """Seconds :meth:`prestage` took (``prestage_s``; of it ``allocate_s`` and ``copy_wait_s``), if it ran."""
 
     def prepare(self, distributed_optimizer: bool, processes_per_node: int = 1) -> None:
         """When a run starts (before any process group exists): raise ``ValueError`` for settings this run cannot
@@ -112,6 +114,19 @@ class CheckpointWriter:
         the first save's publish)."""
         if self.async_save and trainer_fn == "fit":
             self._background().start()
+
+    def prestage(self, build: Callable[[HostBuffers, bool], dict[str, Any]]) -> None:
+        """When a fit with async saves starts (its writer started, :meth:`start`): stage ``build`` -- what the fit's
+        saves will hold -- once, so that the host buffers are allocated and page-locked now and the writer process
+        maps them before the first save. That save's step then blocks as briefly as later ones, and the host memory
+        is committed when the fit starts (an out-of-memory shows there, not at the first save). Not with
+        :attr:`keep_host_buffers` off (each save allocates its own buffers). Collective, as a save."""
+        if not (self.async_save and self.keep_host_buffers):
+            return
+        start = time.perf_counter()
+        build(self.buffers, self.save_model_weights)
+        self._background().map_buffers()
+        self.prestaged = {"prestage_s": time.perf_counter() - start, **self.buffers.timings}
 
     def _background(self) -> BackgroundSaves:
         if self._queue is None:
@@ -174,7 +189,7 @@ class CheckpointWriter:
         if not self.keep_host_buffers and not self.pending:  # a pending save's writer still reads them
             self.buffers.release()
             if self._queue is not None:
-                self._queue.forget_released_buffers()
+                self._queue.map_buffers()
 
     def remove(self, path: str | Path) -> None:
         """Remove a checkpoint directory (rank 0), or queue the removal until pending saves are published."""

@@ -1,0 +1,21 @@
+"""Host buffers staged when a fit with async saves starts, from what its checkpoint callbacks will save."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from lightning_megatron.checkpointing import sharded
+from lightning_megatron.checkpointing.writer import CheckpointWriter
+
+
+def prestage(writer: CheckpointWriter, trainer: Any, module: Any, optimizer: Any, scheduler: Any) -> None:
+    """:meth:`.writer.CheckpointWriter.prestage` of what the Trainer's checkpoint callbacks will save: the optimizer
+    state too unless every one saves weights only (``ModelCheckpoint(save_weights_only=True)``); nothing without a
+    checkpoint callback (saves, if any, then allocate their buffers themselves). Collective."""
+    callbacks = trainer.checkpoint_callbacks
+    if not callbacks:
+        return
+    full = any(not getattr(callback, "save_weights_only", False) for callback in callbacks)
+    template: dict[str, Any] = {"optimizer_states": []} if full else {}  # as Lightning's checkpoint dict says
+    writer.prestage(partial(sharded.module_state, template, module, optimizer, scheduler))
