@@ -140,11 +140,14 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-def map_segment(fd: int, nbytes: int) -> mmap.mmap:
-    """The writer's mapping of a segment handed over as ``fd`` (closed here: the mapping keeps the memory)."""
+def map_segment(fd: int, nbytes: int, populate: bool) -> mmap.mmap:
+    """The writer's mapping of a segment handed over as ``fd`` (closed here: the mapping keeps the memory). With
+    ``populate`` (a page-locked segment: every page of it exists) every page is mapped now, in one pass of the
+    kernel's, not faulted in one by one as the first write reads it; not otherwise, as reading a page of a segment
+    that no buffer uses yet would allocate it."""
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     try:
-        # Every page mapped now, in one pass of the kernel's, not faulted in one by one as the first write reads it.
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
+        return mmap.mmap(fd, nbytes, flags, mmap.PROT_READ)
     finally:
         os.close(fd)
 

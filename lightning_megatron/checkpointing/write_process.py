@@ -106,7 +106,7 @@ class WriterProcess:
         live = {} if shared is None else shared.segments
         messages: list[tuple[tuple, int | None]] = []
         for index in sorted(live.keys() - self._mapped):
-            messages.append((("segment", index, live[index].nbytes), live[index].fd))
+            messages.append((("segment", index, live[index].nbytes, live[index].pinned), live[index].fd))
             self.segments_sent += 1
         if self._mapped - live.keys():
             messages.append((("forget", sorted(self._mapped - live.keys())), None))
@@ -249,7 +249,7 @@ def serve(parent: int, descriptor: int) -> None:
             return
         try:
             if message[0] == "segment":
-                views[message[1]] = map_segment(recvfds(channel, 1)[0], message[2])
+                views[message[1]] = map_segment(recvfds(channel, 1)[0], message[2], message[3])
             elif message[0] == "forget":
                 for index in message[1]:
                     views.pop(index, None)
