@@ -35,8 +35,6 @@ class HostBuffers:
         self.segments = SharedSegments(shared=shared) if shared or hasattr(os, "memfd_create") else None
         """The memory segments the buffers are cut from (None where the system has no ``memfd_create``: torch's
         memory then; async saves need them, :meth:`.writer.CheckpointWriter.prepare`)."""
-        self.shared = self.segments if shared else None
-        """The segments, when an async save's writer process maps them too; else None."""
         self._buffers: dict[tuple[Any, ...], Tensor] = {}
         self._staged: set[tuple[Any, ...]] = set()
         self._taken: set[int] = set()  # ids of the buffers this save holds (a renamed entry is staged already)
@@ -48,6 +46,11 @@ class HostBuffers:
         self.timings = {"allocate_s": 0.0, "copy_wait_s": 0.0}
         """Seconds of the current (or last) save spent allocating buffers (and page-locking them) and waiting for
         the copies from the GPU in :meth:`finish`."""
+
+    @property
+    def shared(self) -> SharedSegments | None:
+        """The segments, when an async save's writer process maps them too; else None."""
+        return self.segments if self.segments is not None and self.segments.shared else None
 
     def begin(self) -> None:
         """Start a save: each buffer may be staged into once until :meth:`finish`."""
