@@ -31,6 +31,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Checkpoint
 
 SHAPES = {
     "tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128),
@@ -67,9 +68,11 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-class Saves(L.Callback):
+class Saves(Checkpoint):
     """Saves ``count`` checkpoints from step ``at`` on, each once the previous one is published (the older one then
-    removed), timing the steps before, each save's blocked time and timeline, and (async) when each appears."""
+    removed), timing the steps before, each save's blocked time and timeline, and (async) when each appears. A
+    ``Checkpoint`` callback, as ``ModelCheckpoint`` is: the strategy stages its saves' host buffers when the fit
+    starts (``prestaged`` in the first row)."""
 
     def __init__(self, directory: Path, name: str, at: int, count: int, cuda: bool, time_megatron: bool) -> None:
         super().__init__()
@@ -116,6 +119,8 @@ class Saves(L.Callback):
         writer = trainer.strategy.checkpoint_writer
         self.saves.append({"save": index, "save_blocked_s": blocked, "timeline": writer.last_save,
                            "host_buffer_bytes": writer.buffers.bytes, **megatron})  # fmt: skip
+        if index == 0:
+            self.saves[0]["prestaged"] = writer.prestaged
         self.pending = (self.path(index), start, trainer.global_step)
         if self.path(index).exists():  # a synchronous save: published before it returned
             self.saves[-1] |= {"published_after_s": blocked, "published_after_steps": 0}
@@ -187,7 +192,8 @@ def fit(
     trainer = L.Trainer(
         accelerator="cpu" if args.cpu else "gpu", devices=1, precision="32-true" if args.cpu else "bf16-mixed",
         strategy=strategy, max_steps=steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=isinstance(callback, Checkpoint), enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[callback], num_sanity_val_steps=0,
     )  # fmt: skip
     data = synthetic_tokens(batch * steps, args.seq_length, 32000)

@@ -1,4 +1,4 @@
-"""Host buffers staged when a fit with async saves starts, from what its checkpoint callbacks will save."""
+"""Host buffers staged when a fit starts, from what its checkpoint callbacks will save."""
 
 from __future__ import annotations
 

@@ -116,16 +116,17 @@ class CheckpointWriter:
             self._background().start()
 
     def prestage(self, build: Callable[[HostBuffers, bool], dict[str, Any]]) -> None:
-        """When a fit with async saves starts (its writer started, :meth:`start`): stage ``build`` -- what the fit's
-        saves will hold -- once, so that the host buffers are allocated and page-locked now and the writer process
-        maps them before the first save. That save's step then blocks as briefly as later ones, and the host memory
-        is committed when the fit starts (an out-of-memory shows there, not at the first save). Not with
+        """When a fit starts (with async saves, after :meth:`start`): stage ``build`` -- what the fit's saves will
+        hold -- once, so that the host buffers are allocated and page-locked now (and, with async saves, the writer
+        process maps them) before the first save. That save's step then blocks no longer than later ones, and the
+        host memory is committed when the fit starts (an out-of-memory shows there, not at the first save). Not with
         :attr:`keep_host_buffers` off (each save allocates its own buffers). Collective, as a save."""
-        if not (self.async_save and self.keep_host_buffers):
+        if not self.keep_host_buffers:
             return
         start = time.perf_counter()
         build(self.buffers, self.save_model_weights)
-        self._background().map_buffers()
+        if self.async_save:
+            self._background().map_buffers()
         self.prestaged = {"prestage_s": time.perf_counter() - start, **self.buffers.timings}
 
     def _background(self) -> BackgroundSaves:
