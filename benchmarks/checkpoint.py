@@ -15,8 +15,9 @@ timeline (``CheckpointWriter.last_load``), for each ``--read-threads`` value. Th
 checkpoint: recording its checksums again and verifying them, and the disk's own write (fsynced) and read speed
 (``--disk-probe-gib`` in the same directory). ``--no-model-weights``: checkpoints without the model's copy of the
 trained weights (``checkpoint_writer.save_model_weights=False``). Each measurement prints one JSON line;
-``normal_step_s`` is the mean step time before the first save. The first save of a structure allocates the host
-buffers and plans; the second reuses the buffers and verifies the plan; the third reuses both.
+``normal_step_s`` is the mean step time before the first save. The host buffers are staged when each fit starts
+(``prestaged`` in its first row); the first save of a structure plans, the second verifies the plan, the third on
+reuse it.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class Saves(Checkpoint):
 
     def _save(self, trainer: Any) -> None:
         index = len(self.saves)
-        # After the first save (a cold one: its host buffers are the process's first pinned memory), beside them.
+        # After the first save (a cold one: its plan is new), beside the strategy's host buffers.
         megatron = self._megatron_optimizer_state(trainer) if self.time_megatron and index == 1 else {}
         if index >= 2:  # keep the first (the resume benchmark loads it) and the last
             shutil.rmtree(self.path(index - 1), ignore_errors=True)
@@ -255,7 +256,7 @@ def main() -> None:
     args.out.mkdir(parents=True)
     device = "cpu" if args.cpu else torch.cuda.get_device_name()
     common = {"shape": args.shape, "device": device, "commit": args.commit, "model_weights": args.model_weights}
-    for mode in [m for m in ("sync", "async") if m in args.modes]:  # a first save (allocates), then later ones
+    for mode in [m for m in ("sync", "async") if m in args.modes]:  # a first save (plans), then later ones
         saves = Saves(args.out, mode, args.save_at, args.saves, cuda=not args.cpu, time_megatron=mode == "sync")
         fit(args, saves, args.save_at + args.max_wait_steps, async_save=mode == "async")
         size = sum(f.stat().st_size for f in saves.path(0).iterdir())

@@ -374,8 +374,7 @@ def optimizer_build(found: list[Row]) -> list[str]:
     return [
         f"Building the distributed optimizer's state for a save: Megatron's `sharded_state_dict` (fully_reshardable) "
         f"{number(row['megatron_optimizer_state_s'])} s, this package's {number(row['optimizer_state_s'], 2)} s "
-        f"({number(row['optimizer_state_first_s'])} s at the first save of a process, which allocates and pins the "
-        "host buffers).",
+        f"({number(row['optimizer_state_first_s'])} s into new host buffers, which it allocates and pins).",
         "",
     ]
 

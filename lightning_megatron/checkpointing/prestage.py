@@ -5,6 +5,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
 from lightning_megatron.checkpointing import sharded
 from lightning_megatron.checkpointing.writer import CheckpointWriter
 
@@ -12,9 +14,14 @@ from lightning_megatron.checkpointing.writer import CheckpointWriter
 def prestage(writer: CheckpointWriter, trainer: Any, module: Any, optimizer: Any, scheduler: Any) -> None:
     """:meth:`.writer.CheckpointWriter.prestage` of what the Trainer's checkpoint callbacks will save: the optimizer
     state too unless every one saves weights only (``ModelCheckpoint(save_weights_only=True)``); nothing without a
-    checkpoint callback (saves, if any, then allocate their buffers themselves). Collective."""
-    callbacks = trainer.checkpoint_callbacks
-    if not callbacks:
+    checkpoint callback but ``OnExceptionCheckpoint``, nor with ``fast_dev_run`` (saves, if any, then allocate their
+    buffers themselves). Collective."""
+    # An OnExceptionCheckpoint saves only after a failure, and fast_dev_run saves nothing: neither is worth host
+    # memory held for the whole fit.
+    callbacks = [
+        callback for callback in trainer.checkpoint_callbacks if not isinstance(callback, OnExceptionCheckpoint)
+    ]
+    if not callbacks or trainer.fast_dev_run:
         return
     full = any(not getattr(callback, "save_weights_only", False) for callback in callbacks)
     template: dict[str, Any] = {"optimizer_states": []} if full else {}  # as Lightning's checkpoint dict says

@@ -1,4 +1,4 @@
-"""Host copies of what a save writes: buffers allocated at the first save and reused by every later one.
+"""Host copies of what a save writes: buffers allocated once (when a fit starts, else at the first save) and reused.
 
 A save copies every tensor it writes to host memory before training goes on (an async save's writer then writes
 those copies while training changes the originals). From the GPU, copies into page-locked (pinned) memory run at

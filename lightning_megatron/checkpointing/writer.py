@@ -55,8 +55,8 @@ class CheckpointWriter:
         (checked when the run starts)."""
         self.last_save: dict[str, Any] = {}
         """Seconds the last save took on this rank: ``wait_s`` (for the previous async save to be published),
-        ``stage_s`` (state dict and host copies; of it, ``allocate_s`` allocating and page-locking host buffers, a
-        save's first, and ``copy_wait_s`` waiting for the copies from the GPU), ``plan_s``, ``write_s`` (synchronous
+        ``stage_s`` (state dict and host copies; of it, ``allocate_s`` allocating and page-locking host buffers, where
+        the save had to, and ``copy_wait_s`` waiting for the copies from the GPU), ``plan_s``, ``write_s`` (synchronous
         saves), ``blocked_s`` (all of it: what training waited), ``new_structure``. An async save's entry gains, in
         place, when it is published: ``writer_wait_s`` (from the handoff until this rank's writer process began the
         write), ``write_s`` (its write: shards and checksums), ``writer_start_s`` (how long that process took to
@@ -118,9 +118,10 @@ class CheckpointWriter:
     def prestage(self, build: Callable[[HostBuffers, bool], dict[str, Any]]) -> None:
         """When a fit starts (with async saves, after :meth:`start`): stage ``build`` -- what the fit's saves will
         hold -- once, so that the host buffers are allocated and page-locked now (and, with async saves, the writer
-        process maps them) before the first save. That save's step then blocks no longer than later ones, and the
+        process maps them) before the first save. That save's staging then takes no longer than later saves', and the
         host memory is committed when the fit starts (an out-of-memory shows there, not at the first save). Not with
         :attr:`keep_host_buffers` off (each save allocates its own buffers). Collective, as a save."""
+        self.prestaged = {}
         if not self.keep_host_buffers:
             return
         start = time.perf_counter()
