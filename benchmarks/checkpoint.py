@@ -11,7 +11,9 @@ buffers, planning, writing); before the second, Megatron's own build of the opti
 into place by the strategy between steps); (3) ``trainer.fit(ckpt_path=...)`` from the first checkpoint of (1),
 from the disk (its pages dropped from the page cache) and again from the page cache: the time from
 ``on_fit_start`` to ``on_train_start``, which holds the load (and its checksum verification), with the load's
-timeline (``CheckpointWriter.last_load``), for each ``--read-threads`` value. Then, on that
+timeline (``CheckpointWriter.last_load``), for each ``--read-threads`` value (these fits have no checkpoint
+callback, so the load allocates the host buffers it reads into; a resume with ``ModelCheckpoint`` allocates them
+in ``setup``, before ``on_fit_start``, and its load reuses them). Then, on that
 checkpoint: recording its checksums again and verifying them, and the disk's own write (fsynced) and read speed
 (``--disk-probe-gib`` in the same directory). ``--no-model-weights``: checkpoints without the model's copy of the
 trained weights (``checkpoint_writer.save_model_weights=False``). Each measurement prints one JSON line;
