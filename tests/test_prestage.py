@@ -21,6 +21,7 @@ class HeldAtStart(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         writer = trainer.strategy.checkpoint_writer
         self.bytes, self.prestaged = writer.buffers.bytes, dict(writer.prestaged)
+        self.allocations = writer.buffers.allocations
 
 
 def _fit(strategy: MegatronStrategy, *callbacks: L.Callback, steps: int = 2, **kwargs: object) -> HeldAtStart:
@@ -41,6 +42,18 @@ def test_a_fit_with_a_saving_callback_stages_at_its_start(tmp_path: Path, async_
     assert held.bytes > 0
     assert held.prestaged["allocate_s"] > 0
     assert strategy.checkpoint_writer.last_save["allocate_s"] == 0  # the saves allocated nothing
+
+
+def test_weights_only_saves_beside_full_ones_without_model_weights_allocate_nothing(tmp_path: Path) -> None:
+    # Full saves without the bf16 weights (save_model_weights=False) and weights-only saves (the bf16 weights alone)
+    # hold different tensors: both are staged at the start.
+    strategy = MegatronStrategy(micro_batch_size=2, use_distributed_optimizer=True)
+    strategy.checkpoint_writer.save_model_weights = False
+    full = ModelCheckpoint(dirpath=tmp_path / "full", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    weights = ModelCheckpoint(dirpath=tmp_path / "weights", every_n_train_steps=2, save_weights_only=True)
+    held = _fit(strategy, full, weights)
+    assert held.prestaged["allocate_s"] > 0
+    assert strategy.checkpoint_writer.buffers.allocations == held.allocations  # no save allocated
 
 
 def test_an_on_exception_checkpoint_alone_stages_nothing(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ from lightning_megatron.checkpointing.writer import CheckpointWriter
 
 def prestage(writer: CheckpointWriter, trainer: Any, module: Any, optimizer: Any, scheduler: Any) -> None:
     """:meth:`.writer.CheckpointWriter.prestage` of what the Trainer's checkpoint callbacks will save: the optimizer
-    state too unless every one saves weights only (``ModelCheckpoint(save_weights_only=True)``); nothing without a
+    state too unless every one saves weights only (``ModelCheckpoint(save_weights_only=True)``), and the weights of
+    weights-only saves where full saves leave them out (``save_model_weights=False``); nothing without a
     checkpoint callback but ``OnExceptionCheckpoint``, nor with ``fast_dev_run`` (saves, if any, then allocate their
     buffers themselves). Collective."""
     # An OnExceptionCheckpoint saves only after a failure, and fast_dev_run saves nothing: neither is worth host
@@ -23,6 +24,10 @@ def prestage(writer: CheckpointWriter, trainer: Any, module: Any, optimizer: Any
     ]
     if not callbacks or trainer.fast_dev_run:
         return
-    full = any(not getattr(callback, "save_weights_only", False) for callback in callbacks)
-    template: dict[str, Any] = {"optimizer_states": []} if full else {}  # as Lightning's checkpoint dict says
-    writer.prestage(partial(sharded.module_state, template, module, optimizer, scheduler))
+    weights_only = [getattr(callback, "save_weights_only", False) for callback in callbacks]
+    # Lightning's checkpoint dict holds "optimizer_states" unless the save is weights-only.
+    templates: list[dict[str, Any]] = [{"optimizer_states": []}] if not all(weights_only) else []
+    # A weights-only save holds the bf16 weights, which a full save leaves out with save_model_weights=False.
+    if any(weights_only) and not (templates and writer.save_model_weights):
+        templates.append({})
+    writer.prestage(*(partial(sharded.module_state, template, module, optimizer, scheduler) for template in templates))

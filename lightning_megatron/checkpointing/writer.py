@@ -115,20 +115,23 @@ class CheckpointWriter:
         if self.async_save and trainer_fn == "fit":
             self._background().start()
 
-    def prestage(self, build: Callable[[HostBuffers, bool], dict[str, Any]]) -> None:
-        """When a fit starts (with async saves, after :meth:`start`): stage ``build`` -- what the fit's saves will
-        hold -- once, so that the host buffers are allocated and page-locked now (and, with async saves, the writer
-        process maps them) before the first save. That save's staging then takes no longer than later saves', and the
-        host memory is committed when the fit starts (an out-of-memory shows there, not at the first save). Not with
-        :attr:`keep_host_buffers` off (each save allocates its own buffers). Collective, as a save."""
+    def prestage(self, *builds: Callable[[HostBuffers, bool], dict[str, Any]]) -> None:
+        """When a fit starts (with async saves, after :meth:`start`): stage each of ``builds`` -- the structures the
+        fit's saves will hold -- once, so that the host buffers are allocated and page-locked now (and, with async
+        saves, the writer process maps them) before the first save. That save's staging then takes no longer than
+        later saves', and the host memory is committed when the fit starts (an out-of-memory shows there, not at the
+        first save). Not with :attr:`keep_host_buffers` off (each save allocates its own buffers). Collective, as a
+        save."""
         self.prestaged = {}
         if not self.keep_host_buffers:
             return
-        start = time.perf_counter()
-        build(self.buffers, self.save_model_weights)
+        start, timings = time.perf_counter(), dict.fromkeys(self.buffers.timings, 0.0)
+        for build in builds:
+            build(self.buffers, self.save_model_weights)
+            timings = {key: seconds + self.buffers.timings[key] for key, seconds in timings.items()}  # reset per build
         if self.async_save:
             self._background().map_buffers()
-        self.prestaged = {"prestage_s": time.perf_counter() - start, **self.buffers.timings}
+        self.prestaged = {"prestage_s": time.perf_counter() - start, **timings}
 
     def _background(self) -> BackgroundSaves:
         if self._queue is None:
