@@ -333,6 +333,9 @@ def checkpoint_file(found: list[Row], lean: bool) -> list[str]:
         if data.get("mode") not in ("sync", "async", "resume"):
             continue
         which = data.get("save", data.get("cache", "-"))
+        if data["mode"] == "resume" and "read_threads" in data:
+            threads = data["read_threads"] or "default"
+            which = f"{which}, {threads} thread{'s' if threads != 1 else ''}"
         out.append(
             f"| {data.get('shape')} | {data['mode']} | {which} | {number(data.get('save_blocked_s'))} | "
             f"{number(timeline.get('stage_s'))} | {number(timeline.get('plan_s'))} | {number(timeline.get('write_s'))} "
