@@ -205,3 +205,27 @@ class _Recorded(torch.utils.data.Dataset):
         with open(self.record, "a") as file:
             file.write(f"{os.getpid()}\n")
         return self.data[index]
+
+
+def test_the_writer_process_imports_what_writing_needs_only() -> None:
+    """The writer's start (its imports) delays a save made in a fit's first seconds: it imports Megatron's writer and
+    this package's checkpointing, not Lightning, the package's API or Megatron-Core's models and fusions."""
+    import subprocess
+    import sys
+
+    from lightning_megatron.checkpointing.write_process import COMMAND
+
+    heavy = ["lightning", "torchmetrics", "transformers", "megatron.core.models", "megatron.core.transformer"]
+    needed = ["megatron.core.dist_checkpointing.strategies.filesystem_async", "lightning_megatron.checkpointing.saving"]
+    # The writer's entry run up to serving: it stops at the descriptor -1 of the connection it would serve.
+    probe = (
+        "import os, runpy, sys\n"
+        f"sys.argv = [{COMMAND[-1]!r}, str(os.getppid()), '-1']\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except ValueError as error:\n    assert 'negative file descriptor' in str(error), error\n"
+        f"print(sorted(name for name in {heavy + needed!r} if name in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(sorted(needed))

@@ -4,9 +4,10 @@ The writer needs the checkpointing modules and Megatron's writer, not the packag
 ``lightning_megatron`` runs its ``__init__``, which imports Lightning, torchmetrics, the models and the strategy --
 seconds of a process start that runs while the training process starts too, so that a save made in the first steps
 would wait for it. Here ``lightning_megatron`` is entered in ``sys.modules`` as a package whose ``__init__`` does
-not run; its submodules import as usual. Megatron's writer is imported before the writer serves (unpickling the
-first save would import it, seconds into that save). The package itself never imports this module. (Run as ``-m``
-from a zipped install, the package is imported whole first.)
+not run; its submodules import as usual. ``megatron.core`` likewise: its ``__init__`` imports the models, the
+transformer and the fusions (with ``torch._inductor``), half of what the writer would import. Megatron's writer is
+imported before the writer serves (unpickling the first save would import it, seconds into that save). The package
+itself never imports this module. (Run as ``-m`` from a zipped install, the package is imported whole first.)
 """
 
 import importlib.util
@@ -14,18 +15,29 @@ import sys
 from pathlib import Path
 
 
-def _package_without_init() -> None:
-    package = Path(__file__).resolve().parents[1]
+def _package_without_init(name: str, package: Path) -> None:
     spec = importlib.util.spec_from_file_location(
-        "lightning_megatron", package / "__init__.py", submodule_search_locations=[str(package)]
+        name, package / "__init__.py", submodule_search_locations=[str(package)]
     )
     assert spec is not None
-    sys.modules["lightning_megatron"] = importlib.util.module_from_spec(spec)
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+
+
+def _megatron_core_without_init() -> None:
+    spec = importlib.util.find_spec("megatron.core")
+    assert spec is not None
+    assert spec.origin is not None
+    _package_without_init("megatron.core", Path(spec.origin).parent)
+    # megatron.core.utils and parallel_state import each other; parallel_state must start (as the package's
+    # __init__ has it), or utils stops at a name parallel_state has not defined yet.
+    import megatron.core.parallel_state  # noqa: F401
 
 
 if __name__ == "__main__":
     if "lightning_megatron" not in sys.modules:
-        _package_without_init()
+        _package_without_init("lightning_megatron", Path(__file__).resolve().parents[1])
+    if "megatron.core" not in sys.modules:
+        _megatron_core_without_init()
     from lightning_megatron import quiet
 
     with quiet.importing():  # now, not when the first save arrives: what unpickling a save imports (seconds)
