@@ -296,42 +296,50 @@ def throughput_tables(table: Throughput) -> list[str]:
 
 
 def checkpoint_table(all_rows: list[Row]) -> list[str]:
-    """The newest checkpoint benchmark file's rows, of full checkpoints and of checkpoints without the model weights
-    (``model_weights: false``): each save (its timeline), the loads (theirs) and the disk's own speed. Files whose
-    rows are all discarded (their ``code`` note) are left out."""
+    """Checkpoint benchmark rows, of full checkpoints and of checkpoints without the model weights (``model_weights:
+    false``): for each of sync saves, async saves and resumes, the rows of the newest file that measured it, each
+    against the disk speed measured in its own file. Files whose rows are all discarded (their ``code`` note) are
+    left out."""
     found = [r for r in all_rows if "-checkpoint-" in r.file]
     kept = {r.file for r in found if not any(word in str(r.data.get("code", "")) for word in NOT_COMPARABLE)}
     out: list[str] = []
     for lean in (False, True):
-        files = {r.file for r in found if r.file in kept and (r.data.get("model_weights") is False) == lean}
-        if files:
-            newest = max(files)
-            out += checkpoint_file([r for r in found if r.file == newest], lean)
+        mine = [r for r in found if r.file in kept and (r.data.get("model_weights") is False) == lean]
+        chosen: list[Row] = []
+        for mode in ("sync", "async", "resume"):
+            files = {r.file for r in mine if r.data.get("mode") == mode}
+            if files:
+                chosen += [r for r in mine if r.file == max(files) and r.data.get("mode") == mode]
+        if chosen:
+            out += checkpoint_file(chosen, {r.file: r.data for r in mine if r.data.get("mode") == "disk"}, lean)
     return out
 
 
-def checkpoint_file(found: list[Row], lean: bool) -> list[str]:
-    disk = next((r.data for r in found if r.data.get("mode") == "disk"), {})
-    size = next((r.data["checkpoint_bytes"] for r in found if "checkpoint_bytes" in r.data), 0)
+def checkpoint_file(chosen: list[Row], disks: dict[str, dict[str, Any]], lean: bool) -> list[str]:
+    size = next((r.data["checkpoint_bytes"] for r in chosen if "checkpoint_bytes" in r.data), 0)
     title = "without the model weights (`save_model_weights=False`)" if lean else "full"
+    speeds = [
+        f"{number(disks[file].get('disk_write_gb_s'), 2)} GB/s write and {number(disks[file].get('disk_read_gb_s'), 2)}"
+        f" GB/s read in {file}"
+        for file in sorted({r.file for r in chosen})
+        if file in disks
+    ]
     out = [
         f"#### Checkpoints, {title} (benchmarks/checkpoint.py)",
         "",
-        f"Checkpoint {number(size / 1e9)} GB; the disk writes {number(disk.get('disk_write_gb_s'), 2)} GB/s "
-        f"(fsynced) and reads {number(disk.get('disk_read_gb_s'), 2)} GB/s. Each save's step blocked for `blocked`; "
-        "`stage` builds the state and copies it to host buffers, `plan` plans (and for async saves hands the shards "
-        "to the writer), `write` writes, checksums and publishes (sync). Loads from the disk (cold) and the page "
-        "cache (warm).",
+        f"Checkpoint {number(size / 1e9)} GB. The disk (fsynced writes), measured in each run: {'; '.join(speeds)}. "
+        "Each save's step blocked for `blocked`; `stage` builds the state and copies it to host buffers, `plan` plans "
+        "(and for async saves hands the shards to the writer), `write` writes, checksums and publishes (sync). "
+        "`x disk`: the save until published (the load) against the checkpoint's bytes at that run's disk speed. Loads "
+        "from the disk (cold) and the page cache (warm).",
         "",
-        *optimizer_build(found),
-        "| shape | mode | save | blocked s | stage s | plan s | write s | published after s | load s | date | code "
-        "| machine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *optimizer_build(chosen),
+        "| shape | mode | save | blocked s | stage s | plan s | write s | published after s | load s | x disk | date "
+        "| code | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in found:
+    for row in chosen:
         data, timeline = row.data, row.data.get("timeline", {})
-        if data.get("mode") not in ("sync", "async", "resume"):
-            continue
         which = data.get("save", data.get("cache", "-"))
         if data["mode"] == "resume" and "read_threads" in data:
             threads = data["read_threads"] or "default"
@@ -339,15 +347,25 @@ def checkpoint_file(found: list[Row], lean: bool) -> list[str]:
         out.append(
             f"| {data.get('shape')} | {data['mode']} | {which} | {number(data.get('save_blocked_s'))} | "
             f"{number(timeline.get('stage_s'))} | {number(timeline.get('plan_s'))} | {number(timeline.get('write_s'))} "
-            f"| {number(data.get('published_after_s'))} | {number(data.get('resume_load_s'))} | {row.date} | "
-            f"{row.code or '-'} | {row.machine} |"
+            f"| {number(data.get('published_after_s'))} | {number(data.get('resume_load_s'))} | "
+            f"{number(against_disk(data, disks.get(row.file, {})), 2)} | {row.date} | {row.code or '-'} | "
+            f"{row.machine} |"
         )
-    return [*out, "", *load_timeline(found)]
+    return [*out, "", *load_timeline([r for r in chosen if r.data.get("mode") == "resume"])]
+
+
+def against_disk(data: dict[str, Any], disk: dict[str, Any]) -> float | None:
+    """A save until published, or a load, against the checkpoint's bytes at the disk's speed of the same run."""
+    seconds = data.get("resume_load_s") if data.get("mode") == "resume" else data.get("published_after_s")
+    speed = disk.get("disk_read_gb_s" if data.get("mode") == "resume" else "disk_write_gb_s")
+    if not (isinstance(seconds, int | float) and speed and data.get("checkpoint_bytes")):
+        return None
+    return seconds / (data["checkpoint_bytes"] / 1e9 / speed)
 
 
 def load_timeline(found: list[Row]) -> list[str]:
     """Where each load's time went (``CheckpointWriter.last_load``), for rows that recorded it."""
-    loads = [r.data for r in found if r.data.get("mode") == "resume" and r.data.get("timeline")]
+    loads = [r.data for r in found if r.data.get("timeline")]
     if not loads:
         return []
     parts = ("open_s", "state_s", "check_s", "verify_s", "read_s", "verify_after_read_s", "apply_s")

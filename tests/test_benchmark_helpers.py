@@ -91,3 +91,23 @@ def test_tables_count_as_the_package() -> None:
     row = {"shape": "1b", "seq": 2048, "tokens_per_s": 85_072, "params": total}
     assert tables.standard_mfu(row) == pytest.approx(0.4928, abs=1e-4)  # N = params - V x H
     assert tables.standard_mfu({**row, "flops_params": n, "flops_frozen_params": 0}) == tables.standard_mfu(row)
+
+
+def test_checkpoint_tables_take_each_mode_from_its_newest_run_against_that_runs_disk() -> None:
+    from benchmarks import tables
+
+    def row(file: str, **data: object) -> tables.Row:
+        return tables.Row({"shape": "1b", "checkpoint_bytes": 10e9, **data}, file, 1)
+
+    old, new = "2026-01-01-h100-checkpoint-1b-a.jsonl", "2026-01-02-h100-checkpoint-1b-a.jsonl"
+    found = [
+        row(old, mode="sync", save=0, save_blocked_s=20.0, published_after_s=20.0),
+        row(old, mode="async", save=0, save_blocked_s=0.3, published_after_s=30.0),
+        row(old, mode="disk", disk_write_gb_s=1.0, disk_read_gb_s=2.0),
+        row(new, mode="async", save=0, save_blocked_s=0.3, published_after_s=6.0),
+        row(new, mode="disk", disk_write_gb_s=0.5, disk_read_gb_s=1.0),
+    ]
+    lines = [line for line in tables.checkpoint_table(found) if line.startswith("| 1b |")]
+    assert [line.split(" | ")[1] for line in lines] == ["sync", "async"]
+    assert "| 2.00 | 2026-01-01 |" in lines[0]  # 20 s against 10 GB at 1 GB/s
+    assert "| 0.30 | 2026-01-02 |" in lines[1]  # 6 s against 10 GB at 0.5 GB/s: the newer run's own disk
