@@ -297,19 +297,20 @@ def throughput_tables(table: Throughput) -> list[str]:
 
 def checkpoint_table(all_rows: list[Row]) -> list[str]:
     """Checkpoint benchmark rows, of full checkpoints and of checkpoints without the model weights (``model_weights:
-    false``): for each of sync saves, async saves and resumes, the rows of the newest file that measured it, each
-    against the disk speed measured in its own file. Files whose rows are all discarded (their ``code`` note) are
-    left out."""
+    false``): for each of sync saves, async saves and resumes, the rows of the newest day that measured it (each of
+    that day's files: they may be different machines), each against the disk speed measured in its own file. Rows
+    discarded by their ``code`` note are left out."""
     found = [r for r in all_rows if "-checkpoint-" in r.file]
-    kept = {r.file for r in found if not any(word in str(r.data.get("code", "")) for word in NOT_COMPARABLE)}
+    found = [r for r in found if not any(word in str(r.data.get("code", "")) for word in NOT_COMPARABLE)]
     out: list[str] = []
     for lean in (False, True):
-        mine = [r for r in found if r.file in kept and (r.data.get("model_weights") is False) == lean]
+        mine = [r for r in found if (r.data.get("model_weights") is False) == lean]
         chosen: list[Row] = []
         for mode in ("sync", "async", "resume"):
-            files = {r.file for r in mine if r.data.get("mode") == mode}
-            if files:
-                chosen += [r for r in mine if r.file == max(files) and r.data.get("mode") == mode]
+            rows_of_mode = sorted((r for r in mine if r.data.get("mode") == mode), key=lambda r: (r.file, r.line))
+            if rows_of_mode:
+                newest = max(r.date for r in rows_of_mode)
+                chosen += [r for r in rows_of_mode if r.date == newest]
         if chosen:
             out += checkpoint_file(chosen, {r.file: r.data for r in mine if r.data.get("mode") == "disk"}, lean)
     return out
@@ -330,8 +331,8 @@ def checkpoint_file(chosen: list[Row], disks: dict[str, dict[str, Any]], lean: b
         f"Checkpoint {number(size / 1e9)} GB. The disk (fsynced writes), measured in each run: {'; '.join(speeds)}. "
         "Each save's step blocked for `blocked`; `stage` builds the state and copies it to host buffers, `plan` plans "
         "(and for async saves hands the shards to the writer), `write` writes, checksums and publishes (sync). "
-        "`x disk`: the save until published (the load) against the checkpoint's bytes at that run's disk speed. Loads "
-        "from the disk (cold) and the page cache (warm).",
+        "`x disk`: the save until published (a load from the disk) against the checkpoint's bytes at that run's disk "
+        "speed. Loads from the disk (cold) and the page cache (warm).",
         "",
         *optimizer_build(chosen),
         "| shape | mode | save | blocked s | stage s | plan s | write s | published after s | load s | x disk | date "
@@ -356,6 +357,8 @@ def checkpoint_file(chosen: list[Row], disks: dict[str, dict[str, Any]], lean: b
 
 def against_disk(data: dict[str, Any], disk: dict[str, Any]) -> float | None:
     """A save until published, or a load, against the checkpoint's bytes at the disk's speed of the same run."""
+    if data.get("cache") == "warm":  # read from the page cache, not the disk
+        return None
     seconds = data.get("resume_load_s") if data.get("mode") == "resume" else data.get("published_after_s")
     speed = disk.get("disk_read_gb_s" if data.get("mode") == "resume" else "disk_write_gb_s")
     if not (isinstance(seconds, int | float) and speed and data.get("checkpoint_bytes")):

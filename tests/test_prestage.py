@@ -44,16 +44,20 @@ def test_a_fit_with_a_saving_callback_stages_at_its_start(tmp_path: Path, async_
     assert strategy.checkpoint_writer.last_save["allocate_s"] == 0  # the saves allocated nothing
 
 
-def test_weights_only_saves_beside_full_ones_without_model_weights_allocate_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_weights_only_saves_beside_full_ones_without_model_weights_allocate_nothing(
+    tmp_path: Path, async_save: bool
+) -> None:
     # Full saves without the bf16 weights (save_model_weights=False) and weights-only saves (the bf16 weights alone)
     # hold different tensors: both are staged at the start.
-    strategy = MegatronStrategy(micro_batch_size=2, use_distributed_optimizer=True)
+    strategy = MegatronStrategy(micro_batch_size=2, use_distributed_optimizer=True, async_save=async_save)
     strategy.checkpoint_writer.save_model_weights = False
     full = ModelCheckpoint(dirpath=tmp_path / "full", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     weights = ModelCheckpoint(dirpath=tmp_path / "weights", every_n_train_steps=2, save_weights_only=True)
     held = _fit(strategy, full, weights)
     assert held.prestaged["allocate_s"] > 0
     assert strategy.checkpoint_writer.buffers.allocations == held.allocations  # no save allocated
+    assert [path.name for path in (tmp_path / "weights").iterdir()] == ["epoch=0-step=2.ckpt"]  # it saved
 
 
 def test_an_on_exception_checkpoint_alone_stages_nothing(tmp_path: Path) -> None:

@@ -65,14 +65,19 @@ def test_the_writer_process_reads_what_the_training_process_writes_later() -> No
 
 def test_the_writer_process_starts_light_and_ready_to_write() -> None:
     """The writer imports what writing needs -- Megatron's writer, before any save arrives -- and not the package's
-    API (Lightning, the models), whose import would make a save in a fit's first steps wait seconds for the writer.
-    Each answer says when the write began and ended."""
+    API (Lightning, the models) nor Megatron-Core's models, whose import would make a save in a fit's first steps
+    wait seconds for the writer; nor does a tensor sent by value (not in the shared buffers) import them. Each answer
+    says when the write began and ended."""
     from lightning_megatron.checkpointing.write_process import WriterProcess
 
     writer = WriterProcess()
+    by_value = torch.arange(6.0).view(2, 3)[:, 1:]  # a view: not a whole buffer, so sent by value
     try:
-        writer.write(_modules, 0, [], SharedSegments())
-        assert writer.answer() == {"megatron.core.dist_checkpointing.strategies.filesystem_async"}
+        writer.write(_modules, 0, [("f", "k", ([], [("item", by_value), ("empty", torch.zeros(0))]))], SharedSegments())
+        assert writer.answer() == (
+            {"megatron.core.dist_checkpointing.strategies.filesystem_async"},
+            [by_value.tolist(), []],
+        )
         assert set(writer.last_write) == {"writer_wait_s", "write_s", "writer_start_s"}
         assert writer.last_write["writer_wait_s"] >= 0
         assert writer.last_write["write_s"] >= 0
@@ -114,12 +119,14 @@ def test_a_writer_still_starting_does_not_hold_up_the_handoff(tmp_path: Path, mo
 
 
 def _modules(rank: int, buckets: list, results: object) -> None:
-    """Which of these modules the writer process has imported (this test module's own imports are all light)."""
+    """Which of these modules the writer process has imported (this test module's own imports are all light), and
+    the tensors it was handed."""
     import sys
 
-    names = ("lightning", "torchmetrics", "transformers", "lightning_megatron.strategy",
-             "megatron.core.dist_checkpointing.strategies.filesystem_async")  # fmt: skip
-    results.put({name for name in names if name in sys.modules})
+    names = ("lightning", "torchmetrics", "transformers", "lightning_megatron.strategy", "megatron.core.models",
+             "megatron.core.transformer", "megatron.core.dist_checkpointing.strategies.filesystem_async")  # fmt: skip
+    tensors = [t.tolist() for _, _, (_, items) in buckets for _, t in items]
+    results.put(({name for name in names if name in sys.modules}, tensors))
 
 
 def _sum_of_buckets(rank: int, buckets: list, results: object) -> None:
@@ -205,27 +212,3 @@ class _Recorded(torch.utils.data.Dataset):
         with open(self.record, "a") as file:
             file.write(f"{os.getpid()}\n")
         return self.data[index]
-
-
-def test_the_writer_process_imports_what_writing_needs_only() -> None:
-    """The writer's start (its imports) delays a save made in a fit's first seconds: it imports Megatron's writer and
-    this package's checkpointing, not Lightning, the package's API or Megatron-Core's models and fusions."""
-    import subprocess
-    import sys
-
-    from lightning_megatron.checkpointing.write_process import COMMAND
-
-    heavy = ["lightning", "torchmetrics", "transformers", "megatron.core.models", "megatron.core.transformer"]
-    needed = ["megatron.core.dist_checkpointing.strategies.filesystem_async", "lightning_megatron.checkpointing.saving"]
-    # The writer's entry run up to serving: it stops at the descriptor -1 of the connection it would serve.
-    probe = (
-        "import os, runpy, sys\n"
-        f"sys.argv = [{COMMAND[-1]!r}, str(os.getppid()), '-1']\n"
-        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-        "except ValueError as error:\n    assert 'negative file descriptor' in str(error), error\n"
-        f"print(sorted(name for name in {heavy + needed!r} if name in sys.modules))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": ""}
-    done = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, env=env, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == str(sorted(needed))

@@ -80,8 +80,8 @@ class WriterProcess:
 
     def write(self, function: Any, rank: int, buckets: list, shared: SharedSegments) -> None:
         """Hand over one save: Megatron's write function and its buckets, every tensor cut from ``shared`` named by
-        its segment and offset (others, if any, sent by value). Sent by a thread: a writer still starting (importing)
-        does not hold up the training step."""
+        its segment and offset (others, if any, sent as their bytes). Sent by a thread: a writer still starting
+        (importing) does not hold up the training step."""
         assert not self.busy, "one save at a time"
         plan = [(path, key, (data, [(item, _describe(t, shared)) for item, t in tensors]))
                 for path, key, (data, tensors) in buckets]  # fmt: skip
@@ -220,13 +220,20 @@ os.register_at_fork(after_in_child=_close_in_child)
 def _describe(tensor: torch.Tensor, shared: SharedSegments) -> Any:
     where = shared.locate(tensor)
     if where is None:
-        return ("value", tensor)
+        # Its bytes, not the tensor: torch pickles a tensor's storage through torch.storage._load_from_bytes, which
+        # megatron.core's __init__ replaces with a function of megatron.core.safe_globals -- whose import (Megatron's
+        # models) the writer leaves out, and would pay in the middle of a save.
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        return ("bytes", flat.view(torch.uint8).numpy().tobytes(), tuple(tensor.shape), tensor.dtype)
     return ("shared", *where, tuple(tensor.shape), tensor.dtype)
 
 
 def _rebuild(description: Any, views: dict[int, Any]) -> torch.Tensor:
-    if description[0] == "value":
-        return description[1]
+    if description[0] == "bytes":
+        _, data, shape, dtype = description
+        if not data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
     _, segment, offset, shape, dtype = description
     return tensor_at(views[segment], offset, shape, dtype)
 

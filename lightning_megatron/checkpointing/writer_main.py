@@ -13,21 +13,25 @@ itself never imports this module. (Run as ``-m`` from a zipped install, the pack
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 
-def _package_without_init(name: str, package: Path) -> None:
+def _package_without_init(name: str, package: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(
         name, package / "__init__.py", submodule_search_locations=[str(package)]
     )
-    assert spec is not None
-    sys.modules[name] = importlib.util.module_from_spec(spec)
+    assert spec is not None  # a file location always gives a spec
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    return module
 
 
 def _megatron_core_without_init() -> None:
+    import megatron
+
     spec = importlib.util.find_spec("megatron.core")
-    assert spec is not None
-    assert spec.origin is not None
-    _package_without_init("megatron.core", Path(spec.origin).parent)
+    if spec is None or not spec.submodule_search_locations:  # an unusual install: imported whole where needed
+        return
+    megatron.core = _package_without_init("megatron.core", Path(next(iter(spec.submodule_search_locations))))
     # megatron.core.utils and parallel_state import each other; parallel_state must start (as the package's
     # __init__ has it), or utils stops at a name parallel_state has not defined yet.
     import megatron.core.parallel_state  # noqa: F401
