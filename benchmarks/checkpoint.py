@@ -15,7 +15,8 @@ timeline (``CheckpointWriter.last_load``), for each ``--read-threads`` value (th
 callback, so the load allocates the host buffers it reads into; a resume with ``ModelCheckpoint`` allocates them
 in ``setup``, before ``on_fit_start``, and its load reuses them). Then, on that
 checkpoint: recording its checksums again and verifying them, and the disk's own write (fsynced) and read speed
-(``--disk-probe-gib`` in the same directory). ``--no-model-weights``: checkpoints without the model's copy of the
+(on as many bytes as the checkpoint holds, or ``--disk-probe-gib``, in the same directory: a disk may write a
+short burst faster than it sustains). ``--no-model-weights``: checkpoints without the model's copy of the
 trained weights (``checkpoint_writer.save_model_weights=False``). Each measurement prints one JSON line;
 ``normal_step_s`` is the mean step time before the first save. The host buffers are staged when each fit starts
 (``prestaged`` in its first row); the first save of a structure plans, the second verifies the plan, the third on
@@ -53,7 +54,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-at", type=int, default=5, help="the step after which the checkpoint is saved")
     p.add_argument("--saves", type=int, default=3, help="saves per mode (the plan is reused from the third on)")
     p.add_argument("--max-wait-steps", type=int, default=400, help="steps to wait for the saves at most")
-    p.add_argument("--disk-probe-gib", type=float, default=2.0)
+    p.add_argument(
+        "--disk-probe-gib", type=float, default=None,
+        help="GiB the disk speed is measured on (default: the checkpoint's size; 2 without a save)",
+    )  # fmt: skip
     p.add_argument(
         "--read-threads", type=lambda text: [int(n) for n in text.split(",")], default=None,
         help="checkpoint_writer.read_threads of the resumes, e.g. 1,8: each value's cold and warm resume (default: "
@@ -256,7 +260,7 @@ def main() -> None:
     args = parse()
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
-    device = "cpu" if args.cpu else torch.cuda.get_device_name()
+    device, size = "cpu" if args.cpu else torch.cuda.get_device_name(), 0
     common = {"shape": args.shape, "device": device, "commit": args.commit, "model_weights": args.model_weights}
     for mode in [m for m in ("sync", "async") if m in args.modes]:  # a first save (plans), then later ones
         saves = Saves(args.out, mode, args.save_at, args.saves, cuda=not args.cpu, time_megatron=mode == "sync")
@@ -269,7 +273,8 @@ def main() -> None:
     if "sync" in args.modes:
         resumes_and_checksums(args, common, size)
     if "disk" in args.modes:
-        print(json.dumps({**common, "mode": "disk", **disk_speed(args.out, args.disk_probe_gib)}), flush=True)
+        gib = args.disk_probe_gib or (size / 2**30 if size else 2.0)
+        print(json.dumps({**common, "mode": "disk", **disk_speed(args.out, gib)}), flush=True)
 
 
 def resumes_and_checksums(args: argparse.Namespace, common: dict[str, Any], size: int) -> None:
