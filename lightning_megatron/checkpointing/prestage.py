@@ -25,11 +25,12 @@ def prestage(writer: CheckpointWriter, trainer: Any, module: Any, optimizer: Any
     if not callbacks or trainer.fast_dev_run:
         return
     weights_only = [getattr(callback, "save_weights_only", False) for callback in callbacks]
-    # Lightning's checkpoint dict holds "optimizer_states" unless the save is weights-only.
-    templates: list[dict[str, Any]] = [{"optimizer_states": []}] if not all(weights_only) else []
-    # A weights-only save holds the bf16 weights, which a full save leaves out with save_model_weights=False (but for
-    # a LoRA run's trainable weights, which every save holds as weights).
+    full, weights = not all(weights_only), any(weights_only)
+    # The templates are Lightning's checkpoint dicts: "optimizer_states" is there unless the save is weights-only.
+    templates: list[dict[str, Any]] = [{"optimizer_states": []}] if full else []
+    # A weights-only save holds the bf16 weights: a full save's tensors already, unless save_model_weights=False left
+    # them out (not a LoRA run's trainable weights, which every save holds as weights).
     full_saves_hold_weights = writer.save_model_weights or bool(module.frozen_base())
-    if any(weights_only) and not (templates and full_saves_hold_weights):
+    if weights and not (full and full_saves_hold_weights):
         templates.append({})
     writer.prestage(*(partial(sharded.module_state, template, module, optimizer, scheduler) for template in templates))
