@@ -16,11 +16,12 @@ callback, so the load allocates the host buffers it reads into; a resume with ``
 in ``setup``, before ``on_fit_start``, and its load reuses them). Then, on that
 checkpoint: recording its checksums again and verifying them, and the disk's own write (fsynced) and read speed
 (on as many bytes as the checkpoint holds, or ``--disk-probe-gib``, in the same directory: a disk may write a
-short burst faster than it sustains). ``--no-model-weights``: checkpoints without the model's copy of the
-trained weights (``checkpoint_writer.save_model_weights=False``). Each measurement prints one JSON line;
-``normal_step_s`` is the mean step time before the first save. The host buffers are staged when each fit starts
-(``prestaged`` in its first row); the first save of a structure plans, the second verifies the plan, the third on
-reuse it.
+short burst faster than it sustains), measured before the saves too (``probe``: ``before`` and ``after``: a cloud
+disk's speed drifts within a run, and the two bracket it). ``--no-model-weights``: checkpoints without the
+model's copy of the trained weights (``checkpoint_writer.save_model_weights=False``). Each measurement prints one
+JSON line; ``normal_step_s`` is the mean step time before the first save. The host buffers are staged when each fit
+starts (``prestaged`` in its first row); the first save of a structure plans, the second verifies the plan, the
+third on reuse it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Checkpoint
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: benchmarks.*
+from benchmarks.tables import VOCAB, llama_parameters  # noqa: E402
 
 SHAPES = {
     "tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128),
@@ -190,7 +195,7 @@ def fit(
     from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig
     from lightning_megatron.data.corpus import synthetic_tokens
 
-    config = ModelConfig(**SHAPES[args.shape], vocab_size=32000, seq_length=args.seq_length)
+    config = ModelConfig(**SHAPES[args.shape], vocab_size=VOCAB, seq_length=args.seq_length)
     batch = args.micro_batch_size * args.micro_batches
     strategy = MegatronStrategy(micro_batch_size=args.micro_batch_size, async_save=async_save)
     strategy.checkpoint_writer.save_model_weights = args.model_weights
@@ -203,7 +208,7 @@ def fit(
         enable_model_summary=False,
         callbacks=[callback], num_sanity_val_steps=0,
     )  # fmt: skip
-    data = synthetic_tokens(batch * steps, args.seq_length, 32000)
+    data = synthetic_tokens(batch * steps, args.seq_length, VOCAB)
     trainer.fit(MegatronLMModule(config, lr=1e-4, decay_steps=1000), DataLoader(data, batch_size=batch),
                 ckpt_path=ckpt_path)  # fmt: skip
     del trainer
@@ -262,7 +267,11 @@ def main() -> None:
     args.out.mkdir(parents=True)
     device, size = "cpu" if args.cpu else torch.cuda.get_device_name(), 0
     common = {"shape": args.shape, "device": device, "commit": args.commit, "model_weights": args.model_weights}
-    for mode in [m for m in ("sync", "async") if m in args.modes]:  # a first save (plans), then later ones
+    saving = [m for m in ("sync", "async") if m in args.modes]
+    if "disk" in args.modes and saving:
+        gib = args.disk_probe_gib or expected_bytes(args) / 2**30
+        print(json.dumps({**common, "mode": "disk", "probe": "before", **disk_speed(args.out, gib)}), flush=True)
+    for mode in saving:  # a first save (plans), then later ones
         saves = Saves(args.out, mode, args.save_at, args.saves, cuda=not args.cpu, time_megatron=mode == "sync")
         fit(args, saves, args.save_at + args.max_wait_steps, async_save=mode == "async")
         size = sum(f.stat().st_size for f in saves.path(0).iterdir())
@@ -274,7 +283,15 @@ def main() -> None:
         resumes_and_checksums(args, common, size)
     if "disk" in args.modes:
         gib = args.disk_probe_gib or (size / 2**30 if size else 2.0)
-        print(json.dumps({**common, "mode": "disk", **disk_speed(args.out, gib)}), flush=True)
+        print(json.dumps({**common, "mode": "disk", "probe": "after", **disk_speed(args.out, gib)}), flush=True)
+
+
+def expected_bytes(args: argparse.Namespace) -> int:
+    """The checkpoint's size to expect before any save: per parameter, the fp32 main weight and two fp32 Adam moments,
+    and the bf16 weight unless ``--no-model-weights`` (fp32 on the CPU)."""
+    parameters, _ = llama_parameters(**SHAPES[args.shape], vocab_size=VOCAB)
+    weight = 0 if not args.model_weights else 4 if args.cpu else 2
+    return parameters * (12 + weight)
 
 
 def resumes_and_checksums(args: argparse.Namespace, common: dict[str, Any], size: int) -> None:

@@ -298,8 +298,9 @@ def throughput_tables(table: Throughput) -> list[str]:
 def checkpoint_table(all_rows: list[Row]) -> list[str]:
     """Checkpoint benchmark rows, of full checkpoints and of checkpoints without the model weights (``model_weights:
     false``): for each of sync saves, async saves and resumes, the rows of the newest day that measured it (each of
-    that day's files: they may be different machines), each against the disk speed measured in its own file. Rows
-    discarded by their ``code`` note are left out."""
+    that day's files: they may be different machines), each against the disk speed measured in its own file (the
+    mean of its probes: before and after the saves, where both ran). Rows discarded by their ``code`` note are left
+    out."""
     found = [r for r in all_rows if "-checkpoint-" in r.file]
     found = [r for r in found if not any(word in str(r.data.get("code", "")) for word in NOT_COMPARABLE)]
     out: list[str] = []
@@ -312,16 +313,24 @@ def checkpoint_table(all_rows: list[Row]) -> list[str]:
                 newest = max(r.date for r in rows_of_mode)
                 chosen += [r for r in rows_of_mode if r.date == newest]
         if chosen:
-            out += checkpoint_file(chosen, {r.file: r.data for r in mine if r.data.get("mode") == "disk"}, lean)
+            disks: dict[str, list[dict[str, Any]]] = {}
+            for r in mine:
+                if r.data.get("mode") == "disk":
+                    disks.setdefault(r.file, []).append(r.data)
+            out += checkpoint_file(chosen, disks, lean)
     return out
 
 
-def checkpoint_file(chosen: list[Row], disks: dict[str, dict[str, Any]], lean: bool) -> list[str]:
+def checkpoint_file(chosen: list[Row], disks: dict[str, list[dict[str, Any]]], lean: bool) -> list[str]:
     size = next((r.data["checkpoint_bytes"] for r in chosen if "checkpoint_bytes" in r.data), 0)
     title = "without the model weights (`save_model_weights=False`)" if lean else "full"
+
+    def probes(file: str, key: str) -> str:
+        return " then ".join(number(probe.get(key), 2) for probe in disks[file])
+
     speeds = [
-        f"{number(disks[file].get('disk_write_gb_s'), 2)} GB/s write and {number(disks[file].get('disk_read_gb_s'), 2)}"
-        f" GB/s read in {file}"
+        f"{probes(file, 'disk_write_gb_s')} GB/s write and {probes(file, 'disk_read_gb_s')} GB/s read in run "
+        f"{run_label(file)} of {file[:10]}"
         for file in sorted({r.file for r in chosen})
         if file in disks
     ]
@@ -332,12 +341,13 @@ def checkpoint_file(chosen: list[Row], disks: dict[str, dict[str, Any]], lean: b
         "Each save's step blocked for `blocked`; `stage` builds the state and copies it to host buffers, `plan` plans "
         "(and for async saves hands the shards to the writer), `write` writes, checksums and publishes (sync). "
         "`x disk`: the save until published (a load from the disk) against the checkpoint's bytes at that run's disk "
-        "speed. Loads from the disk (cold) and the page cache (warm).",
+        "speed (the mean of its probes, where it measured the disk before and after the saves). Loads from the disk "
+        "(cold) and the page cache (warm).",
         "",
         *optimizer_build(chosen),
         "| shape | mode | save | blocked s | stage s | plan s | write s | published after s | load s | x disk | date "
-        "| code | machine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | code | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in chosen:
         data, timeline = row.data, row.data.get("timeline", {})
@@ -349,18 +359,27 @@ def checkpoint_file(chosen: list[Row], disks: dict[str, dict[str, Any]], lean: b
             f"| {data.get('shape')} | {data['mode']} | {which} | {number(data.get('save_blocked_s'))} | "
             f"{number(timeline.get('stage_s'))} | {number(timeline.get('plan_s'))} | {number(timeline.get('write_s'))} "
             f"| {number(data.get('published_after_s'))} | {number(data.get('resume_load_s'))} | "
-            f"{number(against_disk(data, disks.get(row.file, {})), 2)} | {row.date} | {row.code or '-'} | "
+            f"{number(against_disk(data, disks.get(row.file, [])), 2)} | {row.date} | {run_label(row.file)} | "
+            f"{row.code or '-'} | "
             f"{row.machine} |"
         )
     return [*out, "", *load_timeline([r for r in chosen if r.data.get("mode") == "resume"])]
 
 
-def against_disk(data: dict[str, Any], disk: dict[str, Any]) -> float | None:
-    """A save until published, or a load, against the checkpoint's bytes at the disk's speed of the same run."""
+def run_label(file: str) -> str:
+    """A checkpoint result file's run, as the end of its name says (``...-checkpoint-1b-c2.jsonl``: ``1b-c2``)."""
+    return file.removesuffix(".jsonl").partition("-checkpoint-")[2] or file
+
+
+def against_disk(data: dict[str, Any], probes: list[dict[str, Any]]) -> float | None:
+    """A save until published, or a load, against the checkpoint's bytes at the disk's speed of the same run (the
+    mean of its probes)."""
     if data.get("cache") == "warm":  # read from the page cache, not the disk
         return None
     seconds = data.get("resume_load_s") if data.get("mode") == "resume" else data.get("published_after_s")
-    speed = disk.get("disk_read_gb_s" if data.get("mode") == "resume" else "disk_write_gb_s")
+    key = "disk_read_gb_s" if data.get("mode") == "resume" else "disk_write_gb_s"
+    speeds = [probe[key] for probe in probes if probe.get(key)]
+    speed = sum(speeds) / len(speeds) if speeds else None
     if not (isinstance(seconds, int | float) and speed and data.get("checkpoint_bytes")):
         return None
     return seconds / (data["checkpoint_bytes"] / 1e9 / speed)

@@ -111,3 +111,18 @@ def test_checkpoint_tables_take_each_mode_from_its_newest_run_against_that_runs_
     assert [line.split(" | ")[1] for line in lines] == ["sync", "async"]
     assert "| 2.00 | 2026-01-01 |" in lines[0]  # 20 s against 10 GB at 1 GB/s
     assert "| 0.30 | 2026-01-02 |" in lines[1]  # 6 s against 10 GB at 0.5 GB/s: the newer run's own disk
+
+
+def test_checkpoint_tables_measure_a_save_against_the_mean_of_its_runs_disk_probes() -> None:
+    from benchmarks import tables
+
+    file = "2026-01-02-h100-checkpoint-1b-a.jsonl"
+    found = [
+        tables.Row({"shape": "1b", "mode": "disk", "probe": "before", "disk_write_gb_s": 2.0}, file, 1),
+        tables.Row({"shape": "1b", "checkpoint_bytes": 10e9, "mode": "sync", "published_after_s": 7.5}, file, 2),
+        tables.Row({"shape": "1b", "mode": "disk", "probe": "after", "disk_write_gb_s": 1.0}, file, 3),
+    ]
+    table = tables.checkpoint_table(found)
+    [line] = [line for line in table if line.startswith("| 1b |")]
+    assert "| 1.12 | 2026-01-02 |" in line  # 7.5 s against 10 GB at 1.5 GB/s (6.67 s), not at 2.0 or 1.0 GB/s
+    assert any("2.00 then 1.00 GB/s write" in line for line in table)
