@@ -283,12 +283,14 @@ def main() -> None:
         resumes_and_checksums(args, common, size)
     if "disk" in args.modes:
         gib = args.disk_probe_gib or (size / 2**30 if size else 2.0)
-        print(json.dumps({**common, "mode": "disk", "probe": "after", **disk_speed(args.out, gib)}), flush=True)
+        after = {"probe": "after"} if saving else {}
+        print(json.dumps({**common, "mode": "disk", **after, **disk_speed(args.out, gib)}), flush=True)
 
 
 def expected_bytes(args: argparse.Namespace) -> int:
     """The checkpoint's size to expect before any save: per parameter, the fp32 main weight and two fp32 Adam moments,
-    and the bf16 weight unless ``--no-model-weights`` (fp32 on the CPU)."""
+    and the bf16 weight unless ``--no-model-weights`` (fp32 on the CPU, which keeps no separate main weight: the
+    distributed optimizer's state holds a copy of it all the same)."""
     parameters, _ = llama_parameters(**SHAPES[args.shape], vocab_size=VOCAB)
     weight = 0 if not args.model_weights else 4 if args.cpu else 2
     return parameters * (12 + weight)

@@ -325,8 +325,10 @@ def checkpoint_file(chosen: list[Row], disks: dict[str, list[dict[str, Any]]], l
     size = next((r.data["checkpoint_bytes"] for r in chosen if "checkpoint_bytes" in r.data), 0)
     title = "without the model weights (`save_model_weights=False`)" if lean else "full"
 
-    def probes(file: str, key: str) -> str:
-        return " then ".join(number(probe.get(key), 2) for probe in disks[file])
+    def probes(file: str, key: str) -> str:  # "1.75 (before), 1.61 (after)" where the probes say when they ran
+        if not any(probe.get("probe") for probe in disks[file]):
+            return " then ".join(number(probe.get(key), 2) for probe in disks[file])
+        return ", ".join(f"{number(probe.get(key), 2)} ({probe.get('probe', '?')})" for probe in disks[file])
 
     speeds = [
         f"{probes(file, 'disk_write_gb_s')} GB/s write and {probes(file, 'disk_read_gb_s')} GB/s read in run "
