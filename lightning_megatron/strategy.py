@@ -121,7 +121,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self._log_names = schedule.LogNames()
         self._retained: Retained | None = None  # what a finished run keeps for trainer.save_checkpoint
         self._patches = patches.PatchStack()  # every third-party patch of a run, removed at teardown (patches.py)
-        self._sigterm = SigtermStop()  # SIGTERM stops every rank at the same step (training/preemption.py)
+        self._sigterm = SigtermStop(lambda: self._accumulation.open)  # all ranks stop at one step on SIGTERM
         self._batches = consistency.BatchCheck(check_batches)
         self._accumulation = GradientAccumulation()  # Trainer(accumulate_grad_batches) (training/accumulation.py)
 
@@ -433,8 +433,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     # ------------------------------------------------------------------ SIGTERM: every rank stops at one step
     @override
     def barrier(self, name: str | None = None) -> None:
-        # Lightning registers its SIGTERM handler just before its "run-stage" barrier (Trainer._run): ours takes over.
-        self._sigterm.at_barrier(takeover=name == "run-stage")
+        self._sigterm.at_barrier(takeover=name == "run-stage")  # Lightning's handler is registered just before it
         super().barrier(name)
 
     @override
@@ -448,6 +447,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._accumulation.follow_schedule(self.module.trainer)  # also in an epoch resumed mid-way
         self._stop_if_signalled()
         self.checkpoint_writer.poll()
 

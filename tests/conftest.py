@@ -324,3 +324,26 @@ def checkpoint_metadata(path: Path) -> Any:
     from lightning_megatron.checkpointing.checks import read_metadata
 
     return read_metadata(path)
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One process's checkpoints of the tiny GPT (``tests/test_faults.py``'s model and data), shared by the tests that
+    damage or tamper with copies of them: a full checkpoint (step 2), a weights-only one, and an adapter-only one
+    (LoRA on the full one's weights)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronLMModule
+    from tests.test_faults import DATA, _fit, _trainer
+
+    root = tmp_path_factory.mktemp("saved")
+    _fit(2, ModelCheckpoint(dirpath=root, filename="full", every_n_train_steps=2))
+    trainer = _trainer(1)
+    module = MegatronLMModule.load_from_checkpoint(root / "full.ckpt")
+    trainer.validate(module, DataLoader(DATA[:8], batch_size=8), verbose=False)
+    trainer.save_checkpoint(root / "weights.ckpt", weights_only=True)
+    lora = MegatronLMModule.load_from_checkpoint(root / "full.ckpt", lora={"rank": 2, "alpha": 4.0})
+    saver = ModelCheckpoint(dirpath=root, filename="adapters", every_n_train_steps=1)
+    _trainer(1, callbacks=[saver], enable_checkpointing=True).fit(lora, DataLoader(DATA, batch_size=8))
+    return {name: root / f"{name}.ckpt" for name in ("full", "weights", "adapters")}

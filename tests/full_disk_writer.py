@@ -1,21 +1,29 @@
 """A checkpoint writer process whose disk is full for the checkpoint ``step=4.ckpt`` (tests/test_faults.py): every
 write of that checkpoint's shards fails with ENOSPC, in this process or, run as the writer process, in that one;
-with ``--die`` the writer process instead kills itself (SIGKILL) when it starts writing that checkpoint."""
+with ``--die`` the writer process instead kills itself (SIGKILL) when it starts writing that checkpoint.
+
+``--errno=EFBIG`` (any errno's name; ``fill_the_disk(error=...)`` here) fails that checkpoint's shard files the way
+the kernel does instead: a write partway through them -- inside ``torch.save``, whose zip writer then reports only
+"unexpected pos" -- raises ``OSError`` with that errno (tests/test_save_failures.py). ``--fsize=N`` is the real thing
+for EFBIG: the writer process may write no file past ``N`` bytes (``RLIMIT_FSIZE``, SIGXFSZ ignored), any checkpoint."""
 
 from __future__ import annotations
 
 import errno
 import functools
 import os
+import resource
 import signal
 import sys
 from typing import Any
 
 FULL = "step=4.ckpt"
+REFUSED_PAST = 4096  # bytes of a shard file written before its writes fail: a few of torch.save's zip records
 
 
-def fill_the_disk(die: bool = False) -> Any:
-    """Make Megatron's shard writes into ``step=4.ckpt`` fail as on a full disk; returns the real write function."""
+def fill_the_disk(die: bool = False, error: int = errno.ENOSPC) -> Any:
+    """Make Megatron's shard writes into ``step=4.ckpt`` fail as on a full disk (or with ``error``, from the shard
+    file's writes); returns the real write function."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     real = filesystem_async._write_item
@@ -26,15 +34,40 @@ def fill_the_disk(die: bool = False) -> Any:
         if FULL in str(getattr(stream, "name", "")):
             if die:
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if error == errno.ENOSPC:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            args = tuple(Refusing(a, error) if a is stream else a for a in args)
         return real(*args, **kwargs)
 
     filesystem_async._write_item = write
     return real
 
 
+class Refusing:
+    """A shard file whose writes fail with ``error`` once it would hold more than ``REFUSED_PAST`` bytes."""
+
+    def __init__(self, stream: Any, error: int) -> None:
+        self._stream, self._error = stream, error
+
+    def write(self, data: Any) -> int:
+        if self._stream.tell() + memoryview(data).nbytes > REFUSED_PAST:
+            raise OSError(self._error, os.strerror(self._error))
+        return self._stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _option(name: str) -> str | None:
+    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), None)
+
+
 if __name__ == "__main__":
     from lightning_megatron.checkpointing.write_process import serve
 
-    fill_the_disk(die="--die" in sys.argv)
+    if (size := _option("fsize")) is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, not the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(size), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    else:
+        fill_the_disk(die="--die" in sys.argv, error=getattr(errno, _option("errno") or "ENOSPC"))
     serve(int(sys.argv[-2]), int(sys.argv[-1]))

@@ -50,6 +50,9 @@ class CountingSafeOpen:
             def get_shape(self) -> list[int]:
                 return inner.get_shape()
 
+            def get_dtype(self) -> str:
+                return inner.get_dtype()
+
             def __getitem__(self, index: Any) -> torch.Tensor:
                 tensor = inner[index]
                 CountingSafeOpen.elements += tensor.numel()

@@ -25,13 +25,14 @@ from lightning_megatron.data.corpus import synthetic_tokens
 
 
 class Failures(L.Callback):
-    """Records losses on rank 0; makes rank 1 die (``kill_at``) or go silent (``hang_at``) before that step, or send
-    SIGTERM (``term_at``; ``term_after``: at the end of that step, before its checkpoint is saved) to the whole job
-    (``term`` = ``"group"``: every rank and its checkpoint writers, as a scheduler does) or to rank 1 alone
-    (``"self"``)."""
+    """Records each optimizer step's loss on rank 0; makes rank 1 die (``kill_at``) or go silent (``hang_at``) before
+    that step, or send SIGTERM (``term_at``, at the ``term_at_batch``-th batch of that step's accumulation window;
+    ``term_after``: at the end of that step, before its checkpoint is saved) to the whole job (``term`` =
+    ``"group"``: every rank and its checkpoint writers, as a scheduler does) or to rank 1 alone (``"self"``)."""
 
     def __init__(self, args: dict) -> None:
         self.args = args
+        self.starts_at_term = 0  # batch starts seen at global step term_at (several inside an accumulation window)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
         if trainer.global_rank != 1:
@@ -40,7 +41,9 @@ class Failures(L.Callback):
             _stamp(self.args["stamp"])
             os.kill(os.getpid(), signal.SIGKILL)
         if trainer.global_step == self.args.get("term_at"):
-            self._terminate()
+            self.starts_at_term += 1
+            if self.starts_at_term == self.args.get("term_at_batch", 1):  # e.g. 2: the window's second batch
+                self._terminate()
         if trainer.global_step == self.args.get("hang_at"):
             _stamp(self.args["stamp"])
             time.sleep(self.args["hang_for"])  # alive but silent (the test ends it once rank 0 has exited)
@@ -57,9 +60,10 @@ class Failures(L.Callback):
         # Before ModelCheckpoint's save of this step (Lightning runs checkpoint callbacks last).
         if trainer.global_rank == 1 and trainer.global_step == self.args.get("term_after"):
             self._terminate()
-        if trainer.global_rank == 0:
+        if trainer.global_rank == 0 and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:  # a step's end
+            loss = float(trainer.callback_metrics["train_loss"])  # of the step's batches, token-weighted
             with open(self.args["losses"], "a") as f:
-                f.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
+                f.write(json.dumps({"step": trainer.global_step, "loss": loss}) + "\n")
 
 
 def _stamp(path: str) -> None:
@@ -87,6 +91,7 @@ def main(args: dict) -> None:
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=args["max_steps"], logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(args.get("ckpt_dir")),
         callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0,
+        accumulate_grad_batches=args.get("accumulate", 1),
     )  # fmt: skip
     try:
         trainer.fit(model, DataLoader(data, batch_size=8, drop_last=True), ckpt_path=args.get("resume"))

@@ -129,14 +129,16 @@ def test_silent_rank_makes_the_other_fail_within_the_strategy_timeout(tmp_path: 
 def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_a_final_checkpoint(tmp_path: Path) -> None:
     from tests.reliability_worker import main as run_in_this_process
 
-    # Async checkpoints at step 3 (+ last.ckpt), an OnExceptionCheckpoint; before step 5 rank 1 sends SIGTERM to the
-    # whole job's process group -- both ranks and their checkpoint writer processes -- as a scheduler does.
+    # Two batches an optimizer step (accumulate_grad_batches=2); async checkpoints at step 3 (+ last.ckpt), an
+    # OnExceptionCheckpoint. Inside the window of step 5 -- its first batch trained, its gradients waiting in the
+    # buffers -- rank 1 sends SIGTERM to the whole job's process group (both ranks and their checkpoint writer
+    # processes), as a scheduler does: the window's step completes first, then every rank stops.
     ckpt, exits, final = tmp_path / "ckpt", tmp_path / "exits", tmp_path / "final"
     exits.mkdir()
     job = {
         "max_steps": 9, "ckpt_dir": str(ckpt), "ckpt_every": 3, "losses": str(tmp_path / "job.jsonl"), "term_at": 4,
-        "term": "group", "stamp": str(tmp_path / "term_at"), "async_save": True, "timeout": 600,
-        "on_exception_dir": str(final), "exits": str(exits),
+        "term_at_batch": 2, "accumulate": 2, "term": "group", "stamp": str(tmp_path / "term_at"), "async_save": True,
+        "timeout": 600, "on_exception_dir": str(final), "exits": str(exits),
     }  # fmt: skip
     proc = _launch(job, tmp_path, tmp_path / "job.log")
     try:
@@ -154,29 +156,32 @@ def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_a_final_checkpoint
     assert term_to_exit < 60, term_to_exit
     assert {p.name: p.read_text() for p in exits.iterdir()} == {"rank0": "143", "rank1": "143"}, log[-3000:]
     # Rank 0 may have entered the step's agreement before the signal reached it: 1 or 2 ranks counted it.
-    assert re.search(r"SIGTERM received by [12] of 2 rank\(s\): every rank stopped at global step 4", log), log[-3000:]
-    assert sorted(_losses(tmp_path / "job.jsonl")) == [1, 2, 3, 4]
+    assert re.search(r"SIGTERM received by [12] of 2 rank\(s\): every rank stopped at global step 5", log), log[-3000:]
+    assert sorted(_losses(tmp_path / "job.jsonl")) == [1, 2, 3, 4, 5]
     # The periodic checkpoints are published (the step-3 save was finished, not abandoned), and so is the final one.
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=3.ckpt", "last.ckpt"]
     assert sorted(p.name for p in final.iterdir()) == ["on_exception.ckpt"]
 
-    # Both resume (here, at TP=1) and agree: the final checkpoint holds step 4's state, the batch position after it.
-    common = {"max_steps": 6, "timeout": 600, "devices": 1}
+    # Both resume (here, at TP=1) and agree: the final checkpoint holds step 5's state, the batch position after its
+    # window. (Stopped at the window's first batch, the run would resume at its second, the first one's gradients
+    # lost: step 6 would differ.)
+    common = {"max_steps": 7, "timeout": 600, "devices": 1, "accumulate": 2}
     from_last = {**common, "resume": str(ckpt / "last.ckpt"), "losses": str(tmp_path / "from_last.jsonl")}
     from_final = {**common, "resume": str(final / "on_exception.ckpt"), "losses": str(tmp_path / "from_final.jsonl")}
     run_in_this_process(from_last)
     run_in_this_process(from_final)
-    curve, after_final = _losses(tmp_path / "from_last.jsonl"), _losses(tmp_path / "from_final.jsonl")
-    assert sorted(curve) == [4, 5, 6]
-    assert sorted(after_final) == [5, 6]
-    assert curve[4] == pytest.approx(_losses(tmp_path / "job.jsonl")[4], rel=2e-4)  # TP=2 vs TP=1: float tolerance
-    for step in (5, 6):
+    job_curve, curve, after_final = (_losses(tmp_path / f"{n}.jsonl") for n in ("job", "from_last", "from_final"))
+    assert sorted(curve) == [4, 5, 6, 7]
+    assert sorted(after_final) == [6, 7]
+    for step in (4, 5):  # TP=2 vs TP=1: float tolerance
+        assert curve[step] == pytest.approx(job_curve[step], rel=2e-4)
+    for step in (6, 7):
         assert after_final[step] == pytest.approx(curve[step], rel=2e-4)
 
 
 @pytest.mark.multiprocess
 def test_sigterm_to_one_rank_just_before_an_async_save_stops_the_other_too(tmp_path: Path) -> None:
-    from lightning_megatron.checkpointing import sharded
+    from lightning_megatron.checkpointing import opening
 
     # Only rank 1 gets the signal (rank 0, which started it, does not), right before the async save of step 2 starts:
     # the save goes on, both ranks stop at the next step boundary, non-zero, and the checkpoint is published.
@@ -202,7 +207,7 @@ def test_sigterm_to_one_rank_just_before_an_async_save_stops_the_other_too(tmp_p
     assert sorted(_losses(tmp_path / "job.jsonl")) == [1, 2]
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     for name in ("epoch=0-step=2.ckpt", "last.ckpt"):  # published whole: metadata, shards, checksums
-        common = sharded.read_common_state(ckpt / name)
+        common = opening.read_common_state(ckpt / name)
         assert common["global_step"] == 2
 
 

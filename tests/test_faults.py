@@ -91,6 +91,44 @@ def test_sigterm_ends_the_fit_with_status_143_and_its_final_checkpoint_resumes_e
     assert resumed == {step: full[step] for step in (3, 4)}
 
 
+class WindowLosses(L.Callback):
+    """``train_loss`` of each optimizer step (over its accumulated batches), and SIGTERM at the ``term_at``-th batch."""
+
+    def __init__(self, term_at: int | None = None) -> None:
+        self.losses: dict[int, float] = {}
+        self.term_at, self.batches = term_at, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.batches += 1
+        if self.batches == self.term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+
+
+def test_sigterm_inside_an_accumulation_window_finishes_it_and_resumes_exactly(tmp_path: Path) -> None:
+    """GradientAccumulationScheduler: one batch a step in epoch 0 (6 steps), two in epoch 1. SIGTERM at epoch 1's
+    second batch, inside step 7's window: the window's step completes, then the run stops, and its final checkpoint
+    resumes the uninterrupted curve. (Stopped at the window's first batch, the resumed run would start at its second
+    with the first one's gradients lost; resumed mid-epoch in epoch 1, the loader must skip batches of that epoch's
+    shuffle, not epoch 0's.)"""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def fit(losses: WindowLosses, *callbacks: L.Callback, ckpt_path: str | None = None) -> dict[int, float]:
+        schedule = GradientAccumulationScheduler({0: 1, 1: 2})
+        trainer = _trainer(9, callbacks=[losses, schedule, *callbacks], enable_checkpointing=bool(callbacks))
+        trainer.fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=ckpt_path)
+        return losses.losses
+
+    with pytest.raises(Preempted, match="stopped at global step 7"):
+        fit(WindowLosses(term_at=8), OnExceptionCheckpoint(tmp_path))
+    full = fit(WindowLosses())
+    assert sorted(full) == list(range(1, 10))
+    assert fit(WindowLosses(), ckpt_path=str(tmp_path / "on_exception.ckpt")) == {8: full[8], 9: full[9]}
+
+
 class SigtermWhileSaving(L.Callback):
     """Sends SIGTERM while Lightning builds the step-2 checkpoint (its callbacks' state), before the shards are
     written: the save completes, the run stops at the next boundary."""
@@ -187,21 +225,6 @@ def test_sigterm_during_validate_stops_it() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- code in a checkpoint
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A full checkpoint (step 2), a weights-only one, and an adapter-only one (LoRA on the full one's weights)."""
-    root = tmp_path_factory.mktemp("saved")
-    _fit(2, ModelCheckpoint(dirpath=root, filename="full", every_n_train_steps=2))
-    trainer = _trainer(1)
-    module = MegatronLMModule.load_from_checkpoint(root / "full.ckpt")
-    trainer.validate(module, DataLoader(DATA[:8], batch_size=8), verbose=False)
-    trainer.save_checkpoint(root / "weights.ckpt", weights_only=True)
-    lora = MegatronLMModule.load_from_checkpoint(root / "full.ckpt", lora={"rank": 2, "alpha": 4.0})
-    saver = ModelCheckpoint(dirpath=root, filename="adapters", every_n_train_steps=1)
-    _trainer(1, callbacks=[saver], enable_checkpointing=True).fit(lora, DataLoader(DATA, batch_size=8))
-    return {name: root / f"{name}.ckpt" for name in ("full", "weights", "adapters")}
-
-
 def _tamper_metadata(path: Path, marker: Path) -> None:
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     checksums.record_metadata(path)  # forged too: checksums catch damage, not forgery
@@ -278,9 +301,9 @@ def test_the_optimizer_state_is_verified_while_it_is_read(
     verified: list[tuple[str, set[str]]] = []
     verify = checksums.verify
 
-    def recording(path: Path, metadata: object, items: object = None) -> None:
+    def recording(path: Path, metadata: object, items: object = None, **kwargs: object) -> None:
         verified.append((threading.current_thread().name, {i.fqn.split(".")[0] for i in items}))  # type: ignore[attr-defined]
-        verify(path, metadata, items)  # type: ignore[arg-type]
+        verify(path, metadata, items, **kwargs)  # type: ignore[arg-type]
 
     applied: list[str] = []
     fill, load_state_dict = sharded.main_weights.fill_from_optimizer, torch.nn.Module.load_state_dict
@@ -327,7 +350,8 @@ def test_damaged_metadata_and_foreign_files_are_named(saved: dict, tmp_path: Pat
     (path / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_')  # cut short
     with pytest.raises(ValueError, match=r"metadata\.json differs from what was written"):
         MegatronLMModule.load_from_checkpoint(path)
-    (path / "metadata_checksums.json").unlink()  # as in a checkpoint written without checksums
+    for table in [path / "metadata_checksums.json", *path.glob("checksums_*.json")]:
+        table.unlink()  # as in a checkpoint written without checksums
     with pytest.raises(ValueError, match=r"metadata\.json is damaged \(not valid JSON"):
         MegatronLMModule.load_from_checkpoint(path)
     plain = tmp_path / "plain.ckpt"

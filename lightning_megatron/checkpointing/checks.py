@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.checkpointing.contained import inside
+
 # DCP metadata classes and what they hold; nothing else may be built from a .metadata file.
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _SAFE_NAMES = {
@@ -71,13 +73,16 @@ def read_metadata(path: Path) -> Any:
 
 
 def check_files(path: Path, metadata: Any) -> None:
-    """Every shard file the metadata refers to exists and holds the bytes the metadata says it does."""
+    """Every shard file the metadata refers to lies inside ``path`` (:mod:`.contained`), exists and holds the bytes
+    the metadata says it does."""
     needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
+    first: dict[str, str] = {}  # a tensor stored in each file, to name its entry
+    for index, info in metadata.storage_data.items():
         end = int(info.offset) + int(info.length)
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+        first.setdefault(info.relative_path, index.fqn)
     for name, size in sorted(needed.items()):
-        file = path / name
+        file = inside(path, name, f"{path / '.metadata'} (the storage entry of {first[name]})")
         if not file.is_file():
             raise FileNotFoundError(f"{file} is missing: checkpoint {path} is incomplete; resume from another one")
         actual = file.stat().st_size
@@ -112,20 +117,32 @@ def optimizer_split_error(path: Path, saved: int, wanted: int, optimizer: str) -
     )
 
 
-def check_shapes(path: Path, metadata: Any, state: Mapping[str, Any], config_diff: list[str]) -> None:
-    """Raise ``ValueError`` naming the fields/tensors when the checkpoint holds a model of another shape."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
+def check_shapes(
+    path: Path,
+    metadata: Any,
+    state: Mapping[str, Any],
+    config_diff: list[str],
+    optional: Mapping[str, Any] | None = None,
+) -> None:
+    """Raise ``ValueError`` naming the fields/tensors when the checkpoint holds a model of another shape: a tensor of
+    ``state`` it lacks, or one of ``state`` or ``optional`` (e.g. the optimizer state, whose keys may be another
+    expert-parallel split's: :mod:`.optimizer_split`) it holds with another shape."""
     saved = metadata.state_dict_metadata
-    wrong, missing = [], []
-    for item in nested_values(dict(state)):
-        if not isinstance(item, ShardedTensor):
+    wrong, missing, seen = [], [], set()
+    model = list(sharded_tensors(state))
+    needed = {id(item) for item in model}
+    for item in [*model, *sharded_tensors(optional or {})]:
+        if item.key in seen:  # one tensor's several shards (SwiGLU's halves, a layer stack)
             continue
+        seen.add(item.key)
         if item.key not in saved:
-            missing.append(item.key)
-        elif tuple(saved[item.key].size) != tuple(item.global_shape):
-            wrong.append(f"{item.key}: saved {tuple(saved[item.key].size)}, model {tuple(item.global_shape)}")
+            if id(item) in needed:
+                missing.append(item.key)
+            continue
+        size = getattr(saved[item.key], "size", None)  # None: stored as bytes, not as a tensor
+        if size is None or tuple(size) != tuple(item.global_shape):
+            shape = "bytes" if size is None else tuple(size)
+            wrong.append(f"{item.key}: saved {shape}, expected {tuple(item.global_shape)}")
     if not (config_diff or wrong or missing):
         return
     parts = []
@@ -139,6 +156,19 @@ def check_shapes(path: Path, metadata: Any, state: Mapping[str, Any], config_dif
         f"checkpoint {path} holds a model of another shape: {'. '.join(parts)}. Resume with the ModelConfig it was "
         "saved with (parallel sizes may differ), or start a new run"
     )
+
+
+def sharded_tensors(state: Mapping[str, Any]) -> Iterator[Any]:
+    """Every ``ShardedTensor`` a load of ``state`` reads: also those a ``ShardedTensorFactory`` builds (SwiGLU's
+    ``linear_fc1`` is stored as two halves), whose shapes a plain walk over ``state`` would miss."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for item in nested_values(dict(state)):
+        if isinstance(item, ShardedTensorFactory):
+            yield from sharded_tensors({"built": item.build()})
+        elif isinstance(item, ShardedTensor):
+            yield item
 
 
 def check_nothing_left_out(path: Path, metadata: Any, state: Mapping[str, Any]) -> None:

@@ -23,12 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+SCHEME = "crc32 of 64 KiB blocks"
+"""What the checksums are (a checkpoint's common state names it: :mod:`.opening`)."""
 BLOCK_BYTES = 1 << 16  # 64 KiB: a damaged block names few tensors; 13 GB of shards make ~2 MB of checksums
 _READ_BLOCKS = 256  # blocks read at once (16 MiB)
 _FOLLOW_SECONDS = 0.05  # how often the files being written are looked at
 _PATTERN = "checksums_{rank}.json"
 _SHARD_SUFFIX = ".distcp"
-_METADATA_TABLE = "metadata_checksums.json"
+METADATA_TABLE = "metadata_checksums.json"
 _METADATA_FILES = (".metadata", "metadata.json")  # torch DCP's index of the shards, Megatron's format marker
 
 
@@ -106,14 +108,21 @@ class Recorder:
         return sizes
 
 
+def tables(directory: Path) -> list[Path]:
+    """The ``checksums_<rank>.json`` files of ``directory``."""
+    return sorted(directory.glob(_PATTERN.format(rank="*")))
+
+
 def read(directory: Path) -> dict[str, dict[str, Any]] | None:
     """Every shard file's recorded ``{"size", "blocks"}`` from all ``checksums_*.json`` of ``directory``; ``None``
-    when it has none (a checkpoint written before checksums existed). Raises ``ValueError`` for a damaged table."""
-    tables = sorted(directory.glob(_PATTERN.format(rank="*")))
-    if not tables:
-        return None
+    when the checkpoint has no checksums at all (neither those tables nor ``metadata_checksums.json``: written before
+    checksums existed, or by another tool). Raises ``ValueError`` for a damaged table."""
+    tables_found = tables(directory)
+    if not tables_found:
+        # Proof of checksums without the shard tables: each shard is then "without recorded checksums" (verify).
+        return {} if (directory / METADATA_TABLE).is_file() else None
     files: dict[str, dict[str, Any]] = {}
-    for table in tables:
+    for table in tables_found:
         try:
             content = json.loads(table.read_text())
             if content["algorithm"] != "crc32" or content["block_bytes"] != BLOCK_BYTES:
@@ -129,14 +138,19 @@ def record_metadata(directory: Path) -> None:
     table = {
         name: zlib.crc32((directory / name).read_bytes()) for name in _METADATA_FILES if (directory / name).is_file()
     }
-    (directory / _METADATA_TABLE).write_text(json.dumps(table))
+    (directory / METADATA_TABLE).write_text(json.dumps(table))
 
 
 def verify_metadata(directory: Path) -> None:
     """Raise ``ValueError`` naming a metadata file that differs from what was written (read before it is parsed)."""
-    table_file = directory / _METADATA_TABLE
+    table_file = directory / METADATA_TABLE
     if not table_file.is_file():
-        return  # a checkpoint written before checksums existed
+        if tables(directory):  # the shards have checksums: the metadata's were removed
+            raise ValueError(
+                f"{table_file} is missing while the shards of checkpoint {directory} have checksums: the checkpoint is "
+                "damaged (its metadata cannot be verified); restore it from a copy, or resume from another one"
+            )
+        return  # no checksums at all (read() says so; the load warns)
     try:
         table = json.loads(table_file.read_text())
     except ValueError as error:

@@ -51,12 +51,18 @@ class ResumableLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        iterator = iter(self.loader)
         skip, self._skip = self._skip, 0
+        return self._batches(skip)
+
+    def _batches(self, skip: int) -> Iterator[Any]:
+        # A generator: nothing is read until the loop asks for the first batch. Lightning creates the iterator before
+        # it sets the sampler's epoch (FitLoop.setup_data, then on_advance_start): skipping there would skip the batches
+        # of epoch 0's shuffle, and a run resumed mid-epoch in a later epoch would train on the wrong samples.
+        iterator = iter(self.loader)
         for _ in range(skip):  # map-style or not, skipping by reading is always correct
             if next(iterator, _END) is _END:
-                break
-        return iterator
+                return
+        yield from iterator
 
     # Lightning calls set_epoch on these for shuffling DistributedSamplers.
     @property

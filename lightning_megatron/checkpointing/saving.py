@@ -8,8 +8,9 @@ it), and the small metadata files have theirs. A run killed mid-save leaves the 
 While rank 0 writes a checkpoint it holds an exclusive lock on ``<name>.lock`` beside it, so a second run saving the
 same checkpoint at the same time fails at once, naming the first, instead of both deleting each other's files.
 
-A failed save raises ``OSError`` naming the checkpoint and the cause (e.g. no space left on the device), keeps
-every older checkpoint, and removes the incomplete ``.partial`` directory (freeing its space).
+A failed save raises ``OSError`` naming the checkpoint and the cause on every rank (a write the system refused, by
+its errno: no space left, a quota, a file-size limit, a read-only filesystem, an I/O error), keeps every older
+checkpoint, and removes the incomplete ``.partial`` directory (freeing its space).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import logging
 import os
 import queue
+import re
 import shutil
 import socket
 import time
@@ -145,27 +147,92 @@ def _write(write: Any, directory: Path, rank: int, *args: Any, **kwargs: Any) ->
     """Megatron's writer function, with the checksums of what it writes (in the writer process for async saves).
 
     Megatron's writer threads report a failure only by logging it (the exception it passes on names the exception
-    type alone), so the log records are kept: in ``writer_errors_<rank>.txt``, which :func:`_failure` reads."""
+    type alone), so the log records are kept: in ``writer_errors_<rank>.txt``, which :func:`_failure` reads. A write
+    the operating system refused (a full disk, a quota, a file-size limit, ...) is reported with its ``OSError``
+    instead: inside ``torch.save`` it surfaces as torch's "unexpected pos ..." alone, its errno lost."""
     errors = _Records()
+    refused: list[OSError] = []
     logger = logging.getLogger(_WRITER_LOGGER)
     logger.addHandler(errors)
     try:
         with checksums.Recorder(directory, rank) as recorder:  # checksums computed while the files are written
-            write(*args, **kwargs)
-            if errors.messages:
+            try:
+                _keeping_refusals(write, refused)(*args, **kwargs)
+            except Exception:  # (Megatron's own error, e.g. an assertion on a failed worker: the refusal says more)
+                if not refused:
+                    raise
+            if errors.messages or refused:
                 recorder.discard()
+        if refused:  # a refused write lost data, whatever Megatron made of it
+            raise refused[0]
         if errors.messages:
             (directory / _WRITER_ERRORS.format(rank=rank)).write_text("\n".join(errors.messages))
-    except OSError as error:  # e.g. this rank's checksums file on a full disk
+    except OSError as error:  # e.g. a refused write, or this rank's checksums file on a full disk
         # This rank's write failed: report it as Megatron's writer reports one, in the results queue (the last
         # argument), so that every rank raises it at Megatron's finaliser -- raised here, on this rank alone, the
-        # others would wait in the finaliser's gather until the timeout.
+        # others would wait in the finaliser's gather until the timeout. Its message, "[Errno N] ...", travels to
+        # rank 0 with the other ranks' failures (exceptions pickle without their __cause__).
         results = args[-1]
         with contextlib.suppress(queue.Empty):
             results.get_nowait()
         results.put(error)
     finally:
         logger.removeHandler(errors)
+
+
+def _keeping_refusals(write: Any, refused: list[OSError]) -> Any:
+    """Megatron's write function (``partial(write_preloaded_data_multithread, transform_list, ...)``), each shard
+    stream it writes through appending the ``OSError`` of a write that fails to ``refused``; unchanged if it does not
+    have that form (the cause is then named as Megatron logs it)."""
+    if not (isinstance(write, functools.partial) and write.args and isinstance(write.args[0], list)):
+        return write
+    transforms = [_RefusalTransforms(transform, refused) for transform in write.args[0]]
+    return functools.partial(write.func, transforms, *write.args[1:], **write.keywords)
+
+
+class _RefusalTransforms:
+    """torch DCP's stream transforms (the stream each item is written through), the stream watched for refusals.
+    (A save calls ``transform_save_stream`` alone; the stream it returns is written, flushed and closed.)"""
+
+    def __init__(self, transforms: Any, refused: list[OSError]) -> None:
+        self._transforms, self._refused = transforms, refused
+
+    def transform_save_stream(self, write_item: Any, raw_stream: Any) -> tuple[Any, list[str]]:
+        stream, descriptors = self._transforms.transform_save_stream(write_item, raw_stream)
+        return _RefusalStream(stream, getattr(raw_stream, "name", None), self._refused), descriptors
+
+
+class _RefusalStream:
+    def __init__(self, stream: Any, file: str | None, refused: list[OSError]) -> None:
+        self._stream, self._file, self._refused = stream, file, refused
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as error:
+            del data  # (see _note)
+            raise self._note(error) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as error:
+            raise self._note(error) from None
+
+    def close(self) -> None:
+        try:
+            self._stream.close()
+        except OSError as error:
+            raise self._note(error) from None
+
+    def _note(self, error: OSError) -> OSError:
+        """Record ``error`` (naming the shard file); return it without its traceback. Its frames hold the item
+        written (Megatron writes a byte item as ``BytesIO.getbuffer()``), and Megatron keeps the exception in a
+        reference cycle: Python 3.12.1's garbage collector crashes (SIGSEGV) on a memoryview of a BytesIO in a
+        cycle (CPython gh-111211, fixed in 3.12.2)."""
+        named = error if error.errno is None or error.filename else OSError(error.errno, error.strerror, self._file)
+        self._refused.append(named)
+        return error.with_traceback(None)
 
 
 class _Records(logging.Handler):
@@ -241,7 +308,9 @@ def _libc() -> Any:
 
 
 def _failure(error: BaseException, partial: Path, path: Path, lock: WriterLock) -> OSError:
-    """``OSError`` naming the failed save's cause; rank 0 removes its ``.partial`` directory and lock."""
+    """``OSError`` naming the failed save's cause (its ``errno`` that of the refused write, if one was: a full disk,
+    a quota, a file-size limit, a read-only filesystem, an I/O error); rank 0 removes its ``.partial`` directory and
+    lock."""
     written = _writer_errors(partial)
     causes = [*_causes(error), *written]
     if isinstance(error, CheckpointException) and _distributed():
@@ -250,23 +319,59 @@ def _failure(error: BaseException, partial: Path, path: Path, lock: WriterLock) 
         shared = [causes]
         torch.distributed.broadcast_object_list(shared, src=0)
         causes = list(dict.fromkeys([*shared[0], *written]))
-    no_space = any("No space left" in cause or f"Errno {errno.ENOSPC}]" in cause for cause in causes)
+    code = _refused_errno(causes)
     free = "unknown"
     with contextlib.suppress(OSError):
         free_bytes = shutil.disk_usage(partial.parent).free
-        no_space, free = no_space or free_bytes < (1 << 20), f"{free_bytes / 2**30:.2f} GiB"
-    if no_space:
+        code, free = code or (errno.ENOSPC if free_bytes < (1 << 20) else None), f"{free_bytes / 2**30:.2f} GiB"
+    if code == errno.ENOSPC:
         reason = f"no space left on the device of {partial.parent} ({free} free after the attempt)"
+    elif code is not None:
+        reason = _refusal(code, causes)
     else:
         reason = "; ".join(dict.fromkeys(causes)) or f"{type(error).__name__}: {error}"
     if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         lock.release()
     return OSError(
-        errno.ENOSPC if no_space else errno.EIO,
+        code or errno.EIO,
         f"writing checkpoint {path} failed: {reason}. Older checkpoints are intact; the incomplete {partial.name} "
         "was removed",
     )
+
+
+_REFUSALS = {  # errno: what it means, what to do (ENOSPC has a message of its own, with the space left)
+    errno.ENOSPC: ("no space left on the device", "free space or save elsewhere"),
+    errno.EDQUOT: ("disk quota exceeded", "free space within your quota, have it raised, or save elsewhere "
+                   "(ModelCheckpoint(dirpath=...))"),
+    errno.EFBIG: ("file too large", "a shard file outgrew the largest file this filesystem or the process's "
+                  "file-size limit (ulimit -f) allows: raise the limit or save to another filesystem"),
+    errno.EROFS: ("read-only file system", "save to a writable directory (ModelCheckpoint(dirpath=...))"),
+    errno.EIO: ("input/output error", "the storage failed: check its device or server (the kernel log) before "
+                "saving there again"),
+}  # fmt: skip
+
+
+def _refused_errno(causes: list[str]) -> int | None:
+    """The errno of :data:`_REFUSALS` that ``causes`` (lines of messages, e.g. ``"rank 1: OSError: [Errno 122] Disk
+    quota exceeded: ..."``) name, the first in that order; None if none does."""
+    for code in _REFUSALS:
+        if any(f"[Errno {code}]" in cause or os.strerror(code) in cause for cause in causes):
+            return code
+    return None
+
+
+def _refusal(code: int, causes: list[str]) -> str:
+    """E.g. "file too large (EFBIG: [Errno 27] File too large: '.../__0_0.distcp') on rank 0: <what to do>"."""
+    named = [cause for cause in causes if f"[Errno {code}]" in cause or os.strerror(code) in cause]
+    ranks = sorted({int(m.group(1)) for m in map(_RANK.match, named) if m is not None})
+    details = [cause[cause.find("[Errno") :] if "[Errno" in cause else _RANK.sub("", cause, count=1) for cause in named]
+    where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
+    meaning, advice = _REFUSALS[code]
+    return f"{meaning} ({errno.errorcode[code]}: {'; '.join(dict.fromkeys(details))}){where}: {advice}"
+
+
+_RANK = re.compile(r"rank (\d+): ")
 
 
 def _distributed() -> bool:
@@ -304,6 +409,7 @@ class WriterLock:
     Held from the start of a save until it is published (or fails): a second process saving the same checkpoint
     raises ``RuntimeError`` naming the holder (host, pid, since when). The operating system releases it when the
     process dies, so a crashed run never blocks the next one. On a filesystem without ``flock`` there is no lock.
+    A symlink or hard link found in its place is replaced, never written through.
     """
 
     def __init__(self, partial: Path) -> None:
@@ -311,8 +417,11 @@ class WriterLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        replaced = False  # a planted hard link, once (a filesystem may count links oddly: no endless replacing)
         while True:
-            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
+            if fd is None:
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -327,12 +436,32 @@ class WriterLock:
                 os.close(fd)
                 return
             with contextlib.suppress(FileNotFoundError):
-                if os.fstat(fd).st_ino == os.stat(self.file).st_ino:
-                    break
-            os.close(fd)  # the holder removed the file after we opened it: lock the new one
+                if os.fstat(fd).st_ino == os.stat(self.file, follow_symlinks=False).st_ino:
+                    if os.fstat(fd).st_nlink <= 1 or replaced:
+                        break
+                    # A hard link planted as the lock: the holder written below would overwrite another file.
+                    self.file.unlink()
+                    replaced = True
+            os.close(fd)  # the holder removed the file after we opened it (or we did): lock the new one
         os.ftruncate(fd, 0)
         os.write(fd, f"host {socket.gethostname()} pid {os.getpid()} (since {time.strftime('%H:%M:%S')})".encode())
         self._fd = fd
+
+    def _open(self) -> int | None:
+        """The lock file, opened without following a symlink: one planted there (the holder written into it would
+        overwrite its target, anywhere) is removed -- the link, never its target -- and a new file created. None
+        if another process created one first (open it again)."""
+        try:
+            return os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as error:
+            if error.errno not in (errno.ELOOP, errno.EMLINK):  # a symlink (EMLINK: FreeBSD's word for it)
+                raise
+        with contextlib.suppress(FileNotFoundError):
+            self.file.unlink()
+        try:
+            return os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            return None
 
     def release(self) -> None:
         if self._fd is None:

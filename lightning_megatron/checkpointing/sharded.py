@@ -4,7 +4,8 @@ A checkpoint is a directory. Model chunks, the (distributed) optimizer state and
 its checkpoint dict (loops, callbacks, LR schedule, hyper-parameters) are saved together: tensors as sharded
 tensors keyed by their *global* names (layer numbers include the pipeline/VPP offset), the rest as Megatron's
 common state. Loading at another TP/PP/VPP/DP layout reads the same global tensors with other shards. Writing
-(crash-safe publish, checksums, the writer lock) is :mod:`.saving`'s; every read starts with :func:`open_checkpoint`.
+(crash-safe publish, checksums, the writer lock) is :mod:`.saving`'s; every read starts with
+:func:`.opening.open_checkpoint`.
 
 The megatron-core 0.19 workarounds that loading needs on the torch-native Adam path (no Transformer Engine / apex)
 live in :mod:`lightning_megatron.checkpointing.mcore_fixes` and :class:`lightning_megatron.patches.KeepAdamStepOnLoad`.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,10 +25,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from lightning_megatron import patches
-from lightning_megatron.checkpointing import checks, checksums, main_weights, mcore_fixes, optimizer_split
+from lightning_megatron.checkpointing import checks, checksums, main_weights, mcore_fixes, opening, optimizer_split
 from lightning_megatron.checkpointing.optimizer_state import builds, optimizer_state
 from lightning_megatron.checkpointing.reading import Reading, ThreadedReader
-from lightning_megatron.checkpointing.saving import PARTIAL_SUFFIX
 from lightning_megatron.checkpointing.staging import HostBuffers, stage_state
 from lightning_megatron.parallel.state import data_parallel_group
 
@@ -108,6 +107,7 @@ def checkpoint_state(
     state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     state[MODEL_CONFIG_KEY] = model_config
     state[CONTENTS_KEY] = ["trainable" if frozen_base else "model"] + (["optimizer"] if with_optimizer else [])
+    state[opening.CHECKSUMS_KEY] = checksums.SCHEME  # a load then refuses it without its checksum files
     if frozen_base:
         state[FROZEN_BASE_KEY] = frozen_base
     if with_optimizer and scheduler is not None:
@@ -184,6 +184,7 @@ def load(
     clock.lap("verify_s")
     loaded = _read(path, state, plan, clock, reading)
     loaded.pop(MODEL_CONFIG_KEY, None)
+    loaded.pop(opening.CHECKSUMS_KEY, None)
     optimizer_state = loaded.pop(_OPTIMIZER_KEY, None)
     if optimizer is not None and plan["split"] is not None:  # saved at another expert-parallel size
         optimizer_state = optimizer_split.regroup(optimizer_state, *plan["split"])
@@ -322,8 +323,8 @@ def _plan(
 ) -> dict[str, Any]:  # fmt: skip
     """Check the files and the model against them; the state dict to load into and which weights it holds."""
     buffers = reading.buffers
-    metadata = open_checkpoint(path)
-    common = _read_common(path, metadata)
+    metadata = opening.open_checkpoint(path)
+    common = opening.read_common(path, metadata)
     if optimizer is not None and "optimizer" not in common.get(CONTENTS_KEY, ["model", "optimizer"]):
         raise KeyError(
             f"Trying to restore optimizer state but checkpoint {path} contains only the model (it was saved with "
@@ -340,7 +341,8 @@ def _plan(
     from_optimizer = main_weights.read_from_main_weights(metadata, model_states, optimizer, optimizer_reads=reads)
     diff = checks.config_mismatch(common.get(MODEL_CONFIG_KEY), model_config)
     model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
-    checks.check_shapes(path, metadata, model_state, diff)  # a model of another shape first: the clearer error
+    optimizer_request = state.get(_OPTIMIZER_KEY, {})  # a model of another shape first: the clearer error
+    checks.check_shapes(path, metadata, model_state, diff, optional=optimizer_request)
     if selected == "trainable":  # adapters this module has no place for would be dropped silently
         checks.check_nothing_left_out(path, metadata, model_state)
     split = None if optimizer is None else _optimizer_split(path, metadata, optimizer, state[_OPTIMIZER_KEY], buffers)
@@ -396,57 +398,6 @@ def _stored_items(metadata: Any, state: dict[str, Any]) -> list[Any]:
     keys = {item.key for item in nested_values(state) if isinstance(item, ShardedBase)}
     # A sharded object is stored as "<key>/shard_<offset>_<shape>".
     return [index for index in metadata.storage_data if index.fqn.split("/shard_")[0] in keys]
-
-
-def open_checkpoint(path: Path) -> Any:
-    """Check that ``path`` is a complete checkpoint MegatronStrategy wrote, with intact metadata that runs no code
-    and every shard file it names; return its torch DCP metadata (nothing else is read)."""
-    if path.name.endswith(PARTIAL_SUFFIX):
-        final = path.with_name(path.name.removesuffix(PARTIAL_SUFFIX))
-        raise ValueError(f"{path} is an unfinished save (a run stopped while writing it); load {final} or an older one")
-    if path.is_file():
-        raise ValueError(
-            f"{path} is a file (a plain Lightning/torch.save checkpoint), not one MegatronStrategy wrote: those are "
-            "directories (ModelCheckpoint's epoch=...-step=....ckpt/ or last.ckpt/, written by every rank). Pass "
-            "such a directory; a plain LightningModule's file loads with that module's class and strategy"
-        )
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    marker = path / "metadata.json"
-    if not marker.is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete Megatron sharded checkpoint (no metadata.json); checkpoints written by "
-            "MegatronStrategy are directories holding metadata.json, .metadata and *.distcp shard files"
-        )
-    checksums.verify_metadata(path)
-    try:
-        json.loads(marker.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"{marker} is damaged (not valid JSON: {error}); checkpoint {path} cannot be read") from error
-    metadata = checks.read_metadata(path)
-    checks.check_files(path, metadata)
-    return metadata
-
-
-def read_common_state(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's non-tensor entries (Lightning's dict, the ModelConfig, ...), unpickled ``weights_only``,
-    after :func:`open_checkpoint`'s checks and the common state's checksums."""
-    path = Path(path)
-    return _read_common(path, open_checkpoint(path))
-
-
-def _read_common(path: Path, metadata: Any) -> dict[str, Any]:
-    from megatron.core import dist_checkpointing
-
-    checksums.verify(path, metadata, items=[i for i in metadata.storage_data if i.fqn.startswith("common_state")])
-    try:
-        with checks.weights_only():
-            return dist_checkpointing.load_common_state_dict(str(path))
-    except (Exception, CheckpointException) as error:
-        raise ValueError(
-            f"the common state of checkpoint {path} cannot be read safely ({type(error).__name__}: {error}); only "
-            "tensors, containers and numbers are unpickled; is the checkpoint damaged or from an untrusted source?"
-        ) from error
 
 
 def _raise_on_every_rank(check: Callable[[], None], group: Any | None = None) -> None:

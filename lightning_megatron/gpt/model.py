@@ -181,12 +181,12 @@ class GPTModule(MegatronLightningModule):
         adapters (its frozen base is read from where the checkpoint says: an HF directory or another checkpoint),
         and, with ``lora=`` given, from a checkpoint without adapters: its weights become the frozen base of new,
         seeded adapters."""
-        from lightning_megatron.checkpointing import sharded
+        from lightning_megatron.checkpointing import opening, sharded
 
         module = super().load_from_checkpoint(checkpoint_path, **kwargs)
         if module.lora is None or module.hf_checkpoint is not None:  # MegatronLMFromHF: the base is its hf_path
             return module
-        common = sharded.read_common_state(checkpoint_path)
+        common = opening.read_common_state(checkpoint_path)
         base = common.get(sharded.FROZEN_BASE_KEY)
         if base is not None and "hf" in base:
             from lightning_megatron.gpt.hf.load import HFCheckpoint

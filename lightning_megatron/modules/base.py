@@ -131,9 +131,9 @@ class MegatronLightningModule(L.LightningModule):
         override them), its chunks get the checkpoint's weights when the strategy builds them -- to fine-tune from
         a checkpoint (also one saved with ``weights_only=True``) or to validate/test/predict with it. Resuming an
         interrupted run is ``trainer.fit(model, ckpt_path=path)`` instead."""
-        from lightning_megatron.checkpointing import sharded
+        from lightning_megatron.checkpointing import opening
 
-        module = cls(**{**cls.init_args_from_checkpoint(sharded.read_common_state(checkpoint_path)), **kwargs})
+        module = cls(**{**cls.init_args_from_checkpoint(opening.read_common_state(checkpoint_path)), **kwargs})
         module.weights_checkpoint = str(checkpoint_path)
         return module
 

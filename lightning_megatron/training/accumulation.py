@@ -49,6 +49,17 @@ class GradientAccumulation:
             self._carried = None
         return starts
 
+    @staticmethod
+    def follow_schedule(trainer: Any) -> None:
+        """At each training batch's start: ``trainer.accumulate_grad_batches`` as a ``GradientAccumulationScheduler``
+        sets it for the current epoch. The scheduler sets it in ``on_train_epoch_start``, which Lightning does not call
+        for the epoch a run resumes in the middle of: that epoch would go on with 1 batch a step."""
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+        for callback in trainer.callbacks:
+            if isinstance(callback, GradientAccumulationScheduler):
+                trainer.accumulate_grad_batches = callback.get_accumulate_grad_batches(trainer.current_epoch)
+
     def close(self) -> None:
         """After the window's optimizer step (or when a run ends)."""
         self.open, self._carried = False, None

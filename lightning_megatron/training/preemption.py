@@ -7,9 +7,10 @@ at a different point on each rank, so the ranks then wait in different collectiv
 
 While a stage runs, :class:`SigtermStop` replaces that handler with one that only notes the signal (and calls the
 handler the user had installed before the run, if any). At every step boundary -- each training batch's start,
-each validation/test/predict batch and each stage's end -- all ranks agree on whether any rank got the signal (one
-all-reduce of a flag over a gloo group, so no accelerator synchronisation), and if one did, every rank raises
-:class:`Preempted` there, outside any collective. Lightning then runs the ``on_exception`` hooks on every rank:
+each validation/test/predict batch and each stage's end, but not inside a gradient-accumulation window, whose
+optimizer step comes first -- all ranks agree on whether any rank got the signal (one all-reduce of a flag over a
+gloo group, so no accelerator synchronisation), and if one did, every rank raises :class:`Preempted` there, outside
+any collective. Lightning then runs the ``on_exception`` hooks on every rank:
 an ``OnExceptionCheckpoint`` or ``ModelCheckpoint(save_on_exception=True)`` writes a final checkpoint (a collective
 save that works because every rank is at the same point), and the process exits with status 143 (128 + SIGTERM),
 as a process killed by the signal would. A signal after the last check (during teardown) is raised again at the
@@ -62,7 +63,11 @@ class SigtermStop:
     every step boundary and at each stage's end, :meth:`uninstall` at teardown.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, in_window: Callable[[], bool] = lambda: False) -> None:
+        """``in_window``: whether a gradient-accumulation window is open (gradients of its first batches wait in the
+        buffers): the stop then waits for the window's optimizer step, as a checkpoint taken inside it would resume
+        at the window's next batch with those gradients lost."""
+        self.in_window = in_window
         self.received = False
         self._chained: _Handler = None  # the handler in place before Lightning's: still called, and put back last
         self._replaced: _Handler = None  # Lightning's, which ours replaced: put back by uninstall()
@@ -119,7 +124,10 @@ class SigtermStop:
 
     def check(self, group: Any | None, step: int) -> None:
         """Collective over ``group`` (every rank, at the same step boundary): raise :class:`Preempted` on every rank
-        if any of them received SIGTERM. One all-reduce of a flag; ``group=None``: this process alone."""
+        if any of them received SIGTERM. One all-reduce of a flag; ``group=None``: this process alone. Inside an
+        accumulation window (``in_window``, alike on every rank) nothing is checked: its end is the boundary."""
+        if self.in_window():
+            return
         count = torch.tensor([int(self.received)], dtype=torch.int32)
         world_size = 1
         if group is not None:

@@ -8,7 +8,10 @@ PEFT's names); :func:`save_pretrained` writes them as an HF model directory with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
+import secrets
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,7 +24,7 @@ from torch import Tensor, nn
 from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf.config import check_exportable, hf_config_dict
-from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint
+from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, SIDE_FILES, HFCheckpoint
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, hf_weight_shapes
 from lightning_megatron.gpt.hf.params import (
     SPLIT_DIM,
@@ -37,12 +40,6 @@ _NOT_RUNNING = (
     "HF export needs the built model and Megatron's parallel state: call it from a hook while the Trainer runs "
     "(e.g. on_train_end, on_validation_end, or a callback's on_train_batch_end)"
 )
-
-# Files of an HF model directory that save_pretrained carries over from the directory the model was loaded from.
-_SIDE_FILES = (
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-)  # fmt: skip
 
 
 def check_running(module: nn.Module) -> None:
@@ -277,7 +274,7 @@ def save_pretrained(
             continue
         bucket[name] = tensor.detach().to("cpu", dtype).contiguous()
         if len(bucket) == len(shards[shard]):
-            save_file(bucket, path / names[shard], metadata={"format": "pt"})
+            write_replacing(path / names[shard], functools.partial(save_file, bucket, metadata={"format": "pt"}))
             shard, bucket = shard + 1, {}
     if is_writer:
         _write_metadata(module, path, shards, names, shapes, dtype)
@@ -301,12 +298,29 @@ def _write_metadata(
         # The files hold `dtype` tensors; say so, or from_pretrained(dtype="auto") would cast them.
         key = "torch_dtype" if "torch_dtype" in hf_config and "dtype" not in hf_config else "dtype"
         hf_config[key] = dtype_name
-        for side in _SIDE_FILES:
+        for side in SIDE_FILES:  # (HFCheckpoint.open checked that they lie inside source.path)
             if (source.path / side).is_file() and source.path.resolve() != path.resolve():
-                shutil.copyfile(source.path / side, path / side)
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+                write_replacing(path / side, functools.partial(shutil.copyfile, source.path / side))
+    text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
+    write_replacing(path / "config.json", lambda temporary: temporary.write_text(text))
     if len(shards) > 1:
         total = sum(dtype.itemsize * int(torch.Size(s).numel()) for s in shapes.values())
         weight_map = {name: names[i] for i, shard in enumerate(shards) for name in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        text = json.dumps(index, indent=2) + "\n"
+        write_replacing(path / SAFETENSORS_INDEX, lambda temporary: temporary.write_text(text))
+
+
+def write_replacing(target: Path, write: Callable[[Path], object]) -> None:
+    """``write(temporary)`` to a new file beside ``target``, then rename it onto ``target``: a symlink (or hard
+    link) planted at ``target`` in an output directory is replaced, never written through, and no half-written
+    file is left under the name."""
+    temporary = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL: a new file of ours (never a planted link), with the mode the umask gives any new file.
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        write(temporary)
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
+from lightning_megatron.checkpointing.contained import hf_roots, inside
 from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf import pickled
 from lightning_megatron.gpt.hf.fields import architecture
@@ -32,6 +33,14 @@ from lightning_megatron.gpt.lora.config import LoRAConfig, is_adapter_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
+# Files of an HF model directory that save_pretrained carries over from the directory the model was loaded from.
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+)  # fmt: skip
+# The dtypes a weight may have, in safetensors' names: an integer or quantized tensor (int8, fp8, ...) copied into a
+# floating-point parameter would be cast silently, into weights that are wrong but train.
+FLOATING = ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True)
@@ -45,34 +54,41 @@ class HFCheckpoint:
     files: dict[str, str]
     """Tensor name -> safetensors (or, opted in, PyTorch pickle) file name in ``path``."""
 
+    allow_pickle: bool = False
+    """Whether PyTorch pickle files among ``files`` may be read (opted in; ``torch.load(weights_only=True)``)."""
+
     @classmethod
     def open(cls, path: str | Path, allow_pickle: bool = False) -> HFCheckpoint:
         """Read config.json and the safetensors index (or the single file's header).
 
-        Pickled ``.bin`` weights are refused unless ``allow_pickle=True``; even then they are read with
+        Every file the directory names (config.json, an index's weight files, the side files ``save_hf`` copies)
+        must lie inside it -- or, for a hub-cache snapshot, in its repository's blobs -- and is checked here once,
+        so that later reads join names freely. Pickled weights (``.bin``, ``.pt``, ``.pth``, wherever they are
+        named) are refused unless ``allow_pickle=True``; even then they are read with
         ``torch.load(weights_only=True)``, which builds tensors and containers only, never arbitrary objects.
         """
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no config.json")
+        roots = hf_roots(path)
+        config = json.loads(inside(path, "config.json", "the model directory", roots).read_text())
+        for side in SIDE_FILES:
+            if (path / side).is_file():
+                inside(path, side, "the model directory", roots)
         if (path / SAFETENSORS_INDEX).is_file():
-            files = dict(json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"])
+            files = index_files(path, SAFETENSORS_INDEX, roots)
         elif (path / SAFETENSORS_FILE).is_file():
-            with open_safetensors(path / SAFETENSORS_FILE) as f:
+            with open_safetensors(inside(path, SAFETENSORS_FILE, "the model directory", roots)) as f:
                 files = dict.fromkeys(f.keys(), SAFETENSORS_FILE)
         else:
-            pickles = sorted(p.name for p in path.iterdir() if p.suffix in pickled.SUFFIXES)
-            if pickles and allow_pickle:
-                return cls(path=path, config=json.loads((path / "config.json").read_text()), files=pickled.files(path))
-            if pickles:
-                raise ValueError(
-                    f"{path} holds PyTorch pickle weights ({', '.join(pickles[:3])}); only safetensors are read by "
-                    "default (pickles are read whole on every rank and can run code when loaded). Convert once with "
-                    "transformers: AutoModelForCausalLM.from_pretrained(path).save_pretrained(new_path), or pass "
-                    "allow_pickle=True for a trusted directory (read with torch.load(weights_only=True))"
-                )
-            raise FileNotFoundError(f"{path} has no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX}")
-        return cls(path=path, config=json.loads((path / "config.json").read_text()), files=files)
+            files = _pickle_files(path, allow_pickle, roots)
+        if not allow_pickle and (named := sorted({f for f in files.values() if f.endswith(pickled.SUFFIXES)})):
+            raise ValueError(
+                f"{path / SAFETENSORS_INDEX} names PyTorch pickle files ({', '.join(named[:3])}); only safetensors "
+                "are read by default (pickles can run code when loaded). Pass allow_pickle=True for a trusted "
+                "directory (read with torch.load(weights_only=True)), or convert it once with transformers"
+            )
+        return cls(path=path, config=config, files=files, allow_pickle=allow_pickle)
 
     def check(self, config: ModelConfig) -> None:
         """Raise ValueError unless the files hold exactly the tensors ``config`` needs, with the right shapes."""
@@ -93,8 +109,9 @@ class HFCheckpoint:
             )
         with self.lazy_tensors() as lazy:
             for name, expected in want.items():  # in model order: the first wrong tensor is the one reported
-                if (shape := tuple(lazy(name).get_shape())) != expected:
-                    where = self.path / self.files[name]
+                tensor, where = lazy(name), self.path / self.files[name]
+                check_floating(name, tensor.get_dtype(), where)  # from the header: nothing read
+                if (shape := tuple(tensor.get_shape())) != expected:
                     raise ValueError(f"{name} in {where} has shape {shape}, but config.json implies {expected}")
 
     @functools.cached_property
@@ -112,19 +129,80 @@ class HFCheckpoint:
     def lazy_tensors(self) -> Iterator[Callable[[str], Any]]:
         """``lazy(name)``: a tensor's lazy safetensors slice (index it to read); each file is opened once."""
         with ExitStack() as stack:
-            handles: dict[str, Any] = {}
+            handles: dict[str, tuple[Any, set[str]]] = {}  # file -> its handle, the names it holds
 
             def lazy(name: str) -> Any:
                 file = self.files[name]
-                if file not in handles and file.endswith(pickled.SUFFIXES):
-                    handles[file] = pickled.load(self.path / file)
-                elif file not in handles:
-                    handles[file] = stack.enter_context(open_safetensors(self.path / file))
-                if isinstance(handles[file], dict):
-                    return pickled.Slice(handles[file][name])
-                return handles[file].get_slice(name)
+                if file not in handles:
+                    handles[file] = self._open_file(file, stack)
+                handle, held = handles[file]
+                if name not in held:
+                    named_by = next((i for i in (SAFETENSORS_INDEX, pickled.INDEX) if (self.path / i).is_file()), None)
+                    raise ValueError(
+                        f"{named_by or self.path} maps {name} to {file}, which does not hold it (it holds {len(held)} "
+                        f"tensors: {', '.join(sorted(held)[:4])}{' ...' if len(held) > 4 else ''}): the index and the "
+                        "weight files are probably from different saves; fetch them again together"
+                    )
+                return pickled.Slice(handle[name]) if isinstance(handle, dict) else handle.get_slice(name)
 
             yield lazy
+
+    def _open_file(self, file: str, stack: ExitStack) -> tuple[Any, set[str]]:
+        if not file.endswith(pickled.SUFFIXES):
+            handle = stack.enter_context(open_safetensors(self.path / file))
+            return handle, set(handle.keys())
+        if not self.allow_pickle:  # open() refuses these already; this guards an HFCheckpoint built otherwise
+            raise ValueError(f"{self.path / file} is a PyTorch pickle, read only with allow_pickle=True")
+        tensors = pickled.load(self.path / file)
+        return tensors, set(tensors)
+
+
+def index_files(path: Path, index: str, roots: Sequence[Path]) -> dict[str, str]:
+    """``index``'s ``weight_map`` (tensor name -> file name), every file it names checked: inside ``path`` (or
+    ``roots``, see :func:`~lightning_megatron.checkpointing.contained.inside`) and there."""
+    data = json.loads(inside(path, index, "the model directory", roots).read_text())
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{path / index} has no weight_map (tensor name -> file name): is it an index of weights?")
+    checked: set[str] = set()
+    for tensor, file in weight_map.items():
+        what = f"{index}'s weight_map entry for {tensor}"
+        if not isinstance(file, str):
+            raise ValueError(f"{what} is {file!r}, not a file name (e.g. 'model-00001-of-00002.safetensors')")
+        if file not in checked and not inside(path, file, what, roots).is_file():
+            raise ValueError(
+                f"{what} names {file}, which is not a file in {path}: the download or copy is probably incomplete; "
+                "fetch the missing file"
+            )
+        checked.add(file)
+    return dict(weight_map)
+
+
+def _pickle_files(path: Path, allow_pickle: bool, roots: Sequence[Path]) -> dict[str, str]:
+    """Tensor name -> file of a directory of pickled weights, if opted in (no safetensors there)."""
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in pickled.SUFFIXES)
+    if pickles and allow_pickle and (path / pickled.INDEX).is_file():
+        return index_files(path, pickled.INDEX, roots)
+    if pickles and allow_pickle:
+        return pickled.files(path, roots)
+    if pickles:
+        raise ValueError(
+            f"{path} holds PyTorch pickle weights ({', '.join(pickles[:3])}); only safetensors are read by "
+            "default (pickles are read whole on every rank and can run code when loaded). Convert once with "
+            "transformers: AutoModelForCausalLM.from_pretrained(path).save_pretrained(new_path), or pass "
+            "allow_pickle=True for a trusted directory (read with torch.load(weights_only=True))"
+        )
+    raise FileNotFoundError(f"{path} has no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX}")
+
+
+def check_floating(name: str, dtype: str, file: Path) -> None:
+    """Raise ValueError unless ``dtype`` (safetensors' name, e.g. "BF16") is one a weight may have."""
+    if dtype not in FLOATING:
+        raise ValueError(
+            f"{name} in {file} is {dtype}; only floating-point weights ({', '.join(FLOATING)} in safetensors' names) "
+            "are read: an integer or quantized tensor (GPTQ, AWQ, bitsandbytes, FP8, ...) would be cast into wrong "
+            "weights. Use the model's unquantized float32/float16/bfloat16 weights"
+        )
 
 
 def open_safetensors(file: Path) -> Any:

@@ -15,13 +15,15 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from lightning_megatron.checkpointing.contained import hf_roots, inside
 from lightning_megatron.gpt.config import ModelConfig
-from lightning_megatron.gpt.hf.load import HFCheckpoint, open_safetensors
+from lightning_megatron.gpt.hf.load import HFCheckpoint, check_floating, open_safetensors
 from lightning_megatron.gpt.hf.mapping import adapter_shapes
 from lightning_megatron.gpt.lora.config import HF_BLOCK, PROJECTIONS, TARGETS, LoRAConfig, adapter_parts
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapter_model.safetensors"
+PICKLED_ADAPTER_FILE = "adapter_model.bin"
 # What we write of PEFT's LoraConfig fields beyond rank, alpha, dropout and targets: plain LoRA.
 _PLAIN = {
     "use_rslora": False, "use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
@@ -123,8 +125,7 @@ def open_adapter(
     is built, and the :class:`~lightning_megatron.LoRAConfig` it implies. ``lora`` may add the dropout and seed;
     its rank, alpha and targets must match the adapter's (as a dict: those of them it names)."""
     path = Path(path)
-    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_FILE).is_file():
-        raise FileNotFoundError(f"{path} is not a PEFT adapter directory ({ADAPTER_CONFIG} + {ADAPTER_FILE})")
+    _check_files(path)
     peft_config = json.loads((path / ADAPTER_CONFIG).read_text())
     if peft_config.get("peft_type") != "LORA":
         raise ValueError(f"{path / ADAPTER_CONFIG}: peft_type={peft_config.get('peft_type')!r}; only 'LORA' loads")
@@ -145,8 +146,7 @@ def open_adapter(
                 f"{getattr(found, field)!r}); leave lora= out, or pass a dict of dropout/seed only (lora="
                 "{'dropout': 0.05}), to take the adapter's rank, alpha and targets"
             )
-    with open_safetensors(path / ADAPTER_FILE) as f:
-        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    shapes = _shapes(path / ADAPTER_FILE)
     want = adapter_shapes(config, found)
     if wrong := [n for n in set(want) | set(shapes) if want.get(n) != shapes.get(n)]:
         name = sorted(wrong)[0]
@@ -156,6 +156,31 @@ def open_adapter(
             "trained on another base?"
         )
     return HFCheckpoint(path=path, config=peft_config, files=dict.fromkeys(shapes, ADAPTER_FILE)), found
+
+
+def _check_files(path: Path) -> None:
+    """The adapter's two files are there, safetensors (no pickle is read) and inside ``path`` (or, for a hub-cache
+    snapshot, its repository's blobs)."""
+    has_config, has_weights = (path / ADAPTER_CONFIG).is_file(), (path / ADAPTER_FILE).is_file()
+    if has_config and not has_weights and (path / PICKLED_ADAPTER_FILE).is_file():
+        raise ValueError(
+            f"{path / PICKLED_ADAPTER_FILE} is a PyTorch pickle (which can run code when loaded); only {ADAPTER_FILE} "
+            "is read. Convert it once with peft: PeftModel.from_pretrained(base, path).save_pretrained(new_path)"
+        )
+    if not has_config or not has_weights:
+        raise FileNotFoundError(f"{path} is not a PEFT adapter directory ({ADAPTER_CONFIG} + {ADAPTER_FILE})")
+    roots = hf_roots(path)
+    for name in (ADAPTER_CONFIG, ADAPTER_FILE):
+        inside(path, name, "the adapter directory", roots)
+
+
+def _shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in the adapter file, its dtype checked (headers only)."""
+    with open_safetensors(file) as f:
+        slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118
+        for name, tensor in slices.items():
+            check_floating(name, tensor.get_dtype(), file)
+        return {name: tuple(tensor.get_shape()) for name, tensor in slices.items()}
 
 
 def with_adapter(
@@ -169,7 +194,7 @@ def with_adapter(
 
 def save_adapter(module: Any, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
     """Collective: write ``module``'s adapters as a PEFT adapter directory with rank 0."""
-    from lightning_megatron.gpt.hf.export import check_running, export_weights
+    from lightning_megatron.gpt.hf.export import check_running, export_weights, write_replacing
 
     check_running(module)
     lora, config = module.lora, module.config
@@ -196,8 +221,9 @@ def save_adapter(module: Any, path: str | Path, *, dtype: torch.dtype | None = N
     if is_writer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, path / ADAPTER_FILE, metadata={"format": "pt"})
+        write_replacing(path / ADAPTER_FILE, lambda temporary: save_file(tensors, temporary, metadata={"format": "pt"}))
         source = getattr(module, "hf_checkpoint", None)
         base = str(source.path) if source is not None else None
-        (path / ADAPTER_CONFIG).write_text(json.dumps(adapter_config_dict(lora, config, base), indent=2) + "\n")
+        text = json.dumps(adapter_config_dict(lora, config, base), indent=2) + "\n"
+        write_replacing(path / ADAPTER_CONFIG, lambda temporary: temporary.write_text(text))
     torch.distributed.barrier()

@@ -6,33 +6,39 @@ Pickles can run code when loaded; they are read only when the user passes ``allo
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_megatron.checkpointing.contained import inside
+
 SUFFIXES = (".bin", ".pt", ".pth")
 INDEX = "pytorch_model.bin.index.json"
+# safetensors' names of the floating-point dtypes (what a lazy slice's get_dtype() says).
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 def load(file: Path) -> dict[str, Tensor]:
     """A trusted-by-opt-in pickle: tensors and containers only (``weights_only``), memory-mapped."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         raise ValueError(f"{file} cannot be read with torch.load(weights_only=True): {error}") from error
+    if not isinstance(loaded, dict) or not all(isinstance(t, Tensor) for t in loaded.values()):
+        raise ValueError(f"{file} holds a {type(loaded).__name__}, not a state dict (tensor name -> tensor)")
+    return loaded
 
 
-def files(path: Path) -> dict[str, str]:
-    """Tensor name -> pickle file name in ``path`` (from the index, else by reading each file)."""
-    if (path / INDEX).is_file():
-        return dict(json.loads((path / INDEX).read_text())["weight_map"])
+def files(path: Path, roots: Sequence[Path]) -> dict[str, str]:
+    """Tensor name -> pickle file name in ``path`` (a directory without an index), by reading each file; each must
+    lie inside ``path`` or ``roots``."""
     names: dict[str, str] = {}
     # Weight files only: an HF Trainer directory also holds training_args.bin, optimizer.pt, rng_state.pth, ...
     for file in sorted(p for p in path.iterdir() if p.suffix in SUFFIXES and p.name.startswith("pytorch_model")):
-        names.update(dict.fromkeys(load(file), file.name))
+        names.update(dict.fromkeys(load(inside(path, file.name, "the model directory", roots)), file.name))
     return names
 
 
@@ -44,6 +50,9 @@ class Slice:
 
     def get_shape(self) -> list[int]:
         return list(self.tensor.shape)
+
+    def get_dtype(self) -> str:
+        return _DTYPE_NAMES.get(self.tensor.dtype, str(self.tensor.dtype).removeprefix("torch."))
 
     def __getitem__(self, index: Any) -> Tensor:
         return self.tensor[index]
