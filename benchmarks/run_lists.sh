@@ -19,6 +19,7 @@
 #             ours, resumes from the disk and from the page cache read by 1 and by 8 threads, the disk's own
 #             speed (checkpoints under ./ckbench, ~40 GB at most; ~7 min)
 #   checkpoint_lean  the same with checkpoint_writer.save_model_weights=False (no bf16 weights; ~6 min)
+#   ema       1B, variant a without and with MegatronEMA(decay=0.999) updated every step, in turn, twice (~6 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -52,6 +53,12 @@ versus_hf)
     tp --shape 3b --micro-batch-size 2 --micro-batches 4 --variants a,d
     tp --shape 3b --micro-batch-size 1 --micro-batches 4 --variants a,c
     tp --shape 125m --variants a,c,d --cuda-graphs
+    ;;
+ema)
+    for _ in 1 2; do
+        tp --variants a --steps 20
+        tp --variants a --steps 20 --ema 0.999
+    done
     ;;
 onegpu)
     timeout 200 python3 -m pytest -m gpu -v -s -p no:cacheprovider --durations=5 tests/test_fp8.py -k gradients \

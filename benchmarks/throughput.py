@@ -98,6 +98,7 @@ def parse() -> argparse.Namespace:
         help="variant a with --fp8: cast weights on every micro-batch (linear.quantize_weight -> fp8.quantize_pair)",
     )  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=0, help="variant a: LoRA of this rank on every linear, alpha 2r")
+    p.add_argument("--ema", type=float, default=None, help="variant a: an EMA of the weights with this decay")
     p.add_argument(
         "--wgrad-fusion", choices=["auto", "on", "off"], default="auto",
         help="variant a: ModelConfig.gradient_accumulation_fusion (auto: on with the torch kernels on GPU); "
@@ -277,7 +278,7 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
     trainer = L.Trainer(
         accelerator="gpu", devices=args.devices, precision="bf16-mixed", strategy=strategy, logger=False,
         max_steps=total_steps(args), enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[clock], profiler=profiler,
+        enable_model_summary=False, callbacks=[clock, *ema_callbacks(args)], profiler=profiler,
     )  # fmt: skip
     batch = args.micro_batch_size * args.micro_batches
     trainer.fit(module, DataLoader(data, batch_size=batch, pin_memory=args.pin_memory))
@@ -285,6 +286,15 @@ def run_lightning(args: argparse.Namespace, module: Any, strategy: Any, data: to
         "elapsed": clock.stamps[1] - clock.stamps[0], "steps": args.steps, "syncs": clock.syncs.counts,
         "timeline": clock.timeline_summary, "first_losses": clock.losses, "gc": clock.gc.report(), **clock.counts,
     }  # fmt: skip
+
+
+def ema_callbacks(args: argparse.Namespace) -> list[Any]:
+    """``--ema DECAY`` (variant a): an EMA of the weights updated after every step (MegatronEMA)."""
+    if not args.ema or args.variant != "a":
+        return []
+    from lightning_megatron import MegatronEMA
+
+    return [MegatronEMA(decay=args.ema)]
 
 
 def variant_a(args: argparse.Namespace) -> dict:
@@ -389,6 +399,7 @@ def child(args: argparse.Namespace) -> None:
             "recompute": args.recompute, "params": result["params"], "frozen_params": result["frozen"],
             "flops_params": result["flops_params"], "flops_frozen_params": result["flops_frozen"],
             "lora_rank": args.lora_rank if args.variant == "a" else 0, "tokens_per_s": round(tokens_per_s),
+            "ema": args.ema if args.variant == "a" else None,
             "step_time_s": round(result["elapsed"] / args.steps, 4),
             "mfu": round(tokens_per_s * flops_per_token / (PEAK_FLOPS * args.devices), 4),
             "peak_memory_gib": round(peak.item(), 2), "gpu": torch.cuda.get_device_name(), "commit": commit(),

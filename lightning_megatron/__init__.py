@@ -20,18 +20,21 @@ with quiet.importing():  # megatron-core's import-time notices about Transformer
     from lightning_megatron.rl.value import MegatronValueModule
     from lightning_megatron.strategy import MegatronStrategy
     from lightning_megatron.training.preemption import Preempted
+    from lightning_megatron.weight_averaging import MegatronEMA, MegatronWeightAveraging
 
 __all__ = [
     "ByteCorpusDataModule",
     "ChunkSpec",
     "DataParallelShard",
     "LoRAConfig",
+    "MegatronEMA",
     "MegatronLMFromHF",
     "MegatronLMModule",
     "MegatronLightningModule",
     "MegatronStrategy",
     "MegatronThroughput",
     "MegatronValueModule",
+    "MegatronWeightAveraging",
     "ModelConfig",
     "OptimizerSpec",
     "ParallelSizes",

@@ -25,6 +25,8 @@ from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.parallel.counts import flops_parameters, model_flops_per_token, whole_model_counts
 from lightning_megatron.schedule import as_batch, global_batch_size
+from lightning_megatron.training.guards import check_callbacks
+from lightning_megatron.weight_averaging import adopt as adopt_weight_averaging
 
 
 class MegatronThroughput(L.Callback):
@@ -214,12 +216,40 @@ _WHOLE_MODEL: dict[type, type[MegatronModelSummary]] = {
 }
 
 
+def adapt_callbacks(trainer: L.Trainer) -> None:
+    """When a run starts, before any process group exists (the module's ``configure_callbacks`` attached): refuse
+    the Lightning callbacks MegatronStrategy cannot serve (:func:`~lightning_megatron.training.guards.check_callbacks`),
+    put whole-model summaries (:func:`count_whole_model`) and sharded weight averaging
+    (:func:`~lightning_megatron.weight_averaging.adopt`) in place of Lightning's."""
+    check_callbacks(trainer.callbacks)
+    count_whole_model(trainer)
+    adopt_weight_averaging(trainer)
+
+
 def count_whole_model(trainer: L.Trainer) -> None:
-    """Replace the Trainer's ``ModelSummary``/``RichModelSummary`` callbacks (the default one included; a subclass is
-    the user's own and stays) by :class:`MegatronModelSummary`/:class:`MegatronRichModelSummary` with the same
-    settings. Called by MegatronStrategy at ``connect``."""
+    """Replace the Trainer's ``ModelSummary``/``RichModelSummary`` callbacks (the default one included) by
+    :class:`MegatronModelSummary`/:class:`MegatronRichModelSummary` with the same settings; a user's subclass stays,
+    made to count the whole model too (:func:`_counting_whole_model`). Called by MegatronStrategy at ``connect``."""
     for index, callback in enumerate(trainer.callbacks):
         whole = _WHOLE_MODEL.get(type(callback))
         if whole is not None:
-            # Lightning keeps a summary callback's settings in private attributes (README "Lightning features").
+            # Lightning keeps a summary callback's settings in private attributes (docs/lightning.md, "internals").
             trainer.callbacks[index] = whole(callback._max_depth, **callback._summarize_kwargs)
+        elif isinstance(callback, ModelSummary) and not isinstance(callback, (MegatronModelSummary, _WholeCount)):
+            callback.__class__ = _counting_whole_model(type(callback))
+
+
+class _WholeCount:
+    """Mixed into a user's ``ModelSummary`` subclass: the summary Lightning's ``on_fit_start`` builds through
+    ``_summary`` counts the whole model under MegatronStrategy (another strategy gets Lightning's)."""
+
+    def _summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Summary:
+        if isinstance(trainer.strategy, MegatronRuntime):
+            return WholeModelSummary(pl_module, max_depth=self._max_depth)  # type: ignore[attr-defined]
+        return super()._summary(trainer, pl_module)  # type: ignore[misc]
+
+
+def _counting_whole_model(cls: type[ModelSummary]) -> type[ModelSummary]:
+    """``cls`` (a user's ``ModelSummary`` subclass) with :class:`_WholeCount` first: the instance keeps every method
+    and setting of its own, and Lightning's ``on_fit_start`` (if it is not overridden) prints the whole model."""
+    return type(cls.__name__, (_WholeCount, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})

@@ -114,6 +114,12 @@ class MegatronRuntime(ABC):
 
     @property
     @abstractmethod
+    def params_deferred(self) -> bool:
+        """Whether an update's parameter all-gather waits for the next forward (``overlap_param_gather``): until
+        :meth:`sync_params`, each rank's chunks hold the last update in their own shard only."""
+
+    @property
+    @abstractmethod
     def last_step(self) -> StepStats:
         """What the last optimizer step reported."""
 

@@ -365,6 +365,17 @@ RUN_PATCHES: tuple[type[Patch], ...] = (QuietRun, CpuMode, UniformTokenPermutati
 """The patches a run of the strategy installs (in this order; CPU mode only on CPU, clipping only for fit)."""
 
 
+def run_patches(device_type: str, permute_kernels: Any) -> list[Patch]:
+    """The patches every run installs when it starts, in :data:`RUN_PATCHES` order: the quiet notices of the
+    torch-native path, CPU mode on ``"cpu"``, the MoE token permutation (``permute_kernels``:
+    :mod:`lightning_megatron.kernels.permute`, passed in as this module sits below the kernels)."""
+    return [
+        QuietRun(device_type),
+        *([CpuMode()] if device_type == "cpu" else []),
+        UniformTokenPermutation(permute_kernels),
+    ]
+
+
 class PatchStack:
     """The patches of one run: :meth:`install` as the run needs them, :meth:`remove` all at its teardown."""
 

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_megatron import patches, schedule
-from lightning_megatron.callbacks import count_whole_model
-from lightning_megatron.checkpointing import prestage, sharded
+from lightning_megatron.callbacks import adapt_callbacks
+from lightning_megatron.checkpointing import module_state, prestage, sharded
 from lightning_megatron.checkpointing.resume import ResumableLoader
 from lightning_megatron.checkpointing.writer import CheckpointWriter
 from lightning_megatron.contract import ChunkSpec, MegatronRuntime, StepStats
@@ -30,6 +30,7 @@ from lightning_megatron.micro_batches import micro_batching
 from lightning_megatron.modules.base import MegatronLightningModule, check_overrides, megatron_module
 from lightning_megatron.parallel import ddp, state
 from lightning_megatron.parallel import precision as mixed
+from lightning_megatron.parallel.metrics import bind_metrics, metric_process_group, unbind_metrics
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.training import graphs, guards, optim, retained
 from lightning_megatron.training.accumulation import GradientAccumulation
@@ -158,7 +159,6 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def chunk_specs(self) -> list[ChunkSpec]:
-        """One spec per model chunk this rank holds (one per VPP stage)."""
         # Micro-batches of different shapes between pipeline stages: Megatron's p2p then sends shapes first.
         variable = self._batching.max_tokens is not None and self._sizes.pp > 1
         return state.chunk_specs(self._sizes, self.compute_dtype, self.root_device.type, variable)
@@ -231,7 +231,6 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         guards.check_trainer(model.trainer)
         mixed.lightning_precision(self.precision_plugin)  # raises for precisions Megatron is not set up for here
         check_overrides(module, model.trainer.callbacks)
-        count_whole_model(model.trainer)  # the Trainer's ModelSummary counts every shard (callbacks.py)
         module.validate_parallel(self._sizes)
 
     @override
@@ -243,13 +242,12 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def setup_environment(self) -> None:
         self._sizes.data_parallel_size(self.num_nodes * self.num_processes)  # raises before any group exists
+        adapt_callbacks(self.lightning_module.trainer)  # the module's configure_callbacks are attached by now
         self.checkpoint_writer.prepare(self.use_distributed_optimizer, processes_per_node=self.num_processes)
         run_started(self, self._sigterm)  # tears down runs Lightning left unfinished first (training/retained.py)
         self.checkpoint_writer.start(self.lightning_module.trainer.state.fn)  # while the model is built
-        self._patches.install(patches.QuietRun(self.root_device.type))  # notices of the torch-native path
-        if self.root_device.type == "cpu":
-            self._patches.install(patches.CpuMode())
-        self._patches.install(patches.UniformTokenPermutation(permute))  # MoE token permutation without atomic adds
+        for patch in patches.run_patches(self.root_device.type, permute):  # CPU mode, quiet notices, MoE permutation
+            self._patches.install(patch)
         super().setup_environment()  # default process group
         if self._groups is None or not self._groups.alive():  # a later fit/validate/... of this strategy reuses them
             self._megatron_optimizer = self._scheduler = self._retained = None  # an earlier run's, for its groups
@@ -261,6 +259,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model_to_device()
+        bind_metrics(self.module)  # torchmetrics sync over the data-parallel group, not all ranks (parallel/metrics.py)
         guards.check_per_token_loss(self.module.chunks)
         self._run_chunks = mixed.wrap(list(self.module.chunks), self.compute_dtype)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -285,7 +284,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         )  # fmt: skip
         self.optimizers, self.lr_scheduler_configs = [adapter], []
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ steps, parameters (offload: GPU shared)
     @override
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]
         start = time.perf_counter()
@@ -352,9 +351,9 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """``self.log(..., sync_dist=True)`` and ``strategy.reduce`` reduce over the data-parallel (x context-parallel)
-        group by default: tensor- and pipeline-parallel peers hold copies of the same values, not more samples."""
-        return super().reduce(tensor, group=group or state.data_parallel_group(), reduce_op=reduce_op)
+        """``self.log(..., sync_dist=True)`` and ``strategy.reduce`` reduce over the data-parallel group by default,
+        as torchmetrics do: tensor-, pipeline- and context-parallel peers hold copies of values, not more samples."""
+        return super().reduce(tensor, group=group or metric_process_group(), reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -370,12 +369,15 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     @override
     def sync_params(self) -> None:
-        """Finish a parameter all-gather ``overlap_param_gather`` deferred (checkpoints, HF export, end of training);
-        first, under ``nonfinite="error"``, raise ``FloatingPointError`` if that update was non-finite (StepGuard)."""
+        """Finish a deferred parameter all-gather; first raise ``FloatingPointError`` for a non-finite update."""
         self._guard.check_pending()
         ddp.sync_params(self._ddp_chunks or [])
 
-    # ------------------------------------------------------------------ offload (GPU shared with inference)
+    @property
+    @override
+    def params_deferred(self) -> bool:
+        return ddp.param_gather_deferred(self._ddp_chunks or [])
+
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
         """Release (return the bytes) parameters and optimizer state to pinned host memory, gradients zeroed, fp8 casts
         (uncounted) dropped; after :meth:`reload` every tensor is valid again and training goes on exactly as before."""
@@ -391,8 +393,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
 
     # ------------------------------------------------------------------ checkpoints (sharded: save/load_checkpoint)
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}
+    def lightning_module_state_dict(self) -> dict[str, Any]:  # what the module holds beside its chunks
+        return module_state.capture(self.module, self._groups.replica if self._groups else None)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Tensor]:
@@ -414,13 +416,12 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         with self.checkpoint_writer.loading(self._groups.control if self._groups else None) as reading:
             optimizer = self._megatron_optimizer
             loaded = sharded.load_module(self.module, optimizer, checkpoint_path, self._scheduler, reading)
-        if self._megatron_optimizer is not None:  # the loaded param groups carry the writer's fused/foreach flags
-            optim.use_fused_adam(self._megatron_optimizer, fused=self.root_device.type == "cuda")
+        optim.use_fused_adam(optimizer, fused=self.root_device.type == "cuda")  # the loaded groups carry the writer's
         return loaded
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass
+        module_state.restore(self.module, checkpoint.get("state_dict"), strict)  # the chunks: load_checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -461,17 +462,16 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def on_exception(self, exception: BaseException) -> None:
         self._guard.warn_if_failed(exception)  # a non-finite step may be the root cause
         super().on_exception(exception)
-        # Peers may be dead: teardown must not wait for them -- unless every rank stopped together on SIGTERM.
-        self._failed = not isinstance(exception, Preempted)
+        self._failed = not isinstance(exception, Preempted)  # peers may be dead: teardown must not wait for them
 
     @override
     def teardown(self) -> None:
         run_finished(self)
         failed, self._failed = self._failed, False
-        # Every step runs even if one raises: no global patch (patches.py), RNG state or graph outlives the run.
-        run_all(
+        run_all(  # each step runs even if one raises: no patch (patches.py), RNG state or graph outlives the run
             lambda: self.checkpoint_writer.close(failed),  # publish (e.g. save_checkpoint after fit) or abort
             lambda: self._offload.reload(strict=False),  # never leave released storages behind
+            lambda: unbind_metrics(self.lightning_module),  # no metric keeps a finished run's group
             self._drop_step_state,
             super().teardown,
             lambda: self._keep_for_saving(failed),
@@ -492,8 +492,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         graphs.release(run_chunks or ())  # ModelConfig.cuda_graphs: Megatron's process-wide graph state
         fp8.forget_weight_casts(run_chunks or ())  # the graphs that wrote into them are gone: free their memory
 
-    def _keep_for_saving(self, failed: bool) -> None:
-        # After a run its groups and optimizer stay for trainer.save_checkpoint (training/retained.py); not a failure's.
+    def _keep_for_saving(self, failed: bool) -> None:  # kept for trainer.save_checkpoint (retained.py), unless failed
         groups, optimizer = None if failed else self._groups, self._megatron_optimizer
         self._retained = keep_after_run(self._retained, groups, self.root_device.type, self.module, optimizer)
         if self._retained is None:

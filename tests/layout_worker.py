@@ -15,10 +15,17 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
-from logged_module import Logged  # tests/ is this script's directory
+from logged_module import Logged, Metered  # tests/ is this script's directory
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, MegatronValueModule, pack_sequences, tiny_gpt
+from lightning_megatron import (
+    MegatronEMA,
+    MegatronLMModule,
+    MegatronStrategy,
+    MegatronValueModule,
+    pack_sequences,
+    tiny_gpt,
+)
 from lightning_megatron.data.corpus import synthetic_tokens
 
 GLOBAL_BATCH = 8
@@ -90,9 +97,49 @@ class Printed(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+class OwnState(L.Callback):
+    """Gives the module state beside its chunks -- a step counter buffer and a small head -- changed at every
+    training batch's start (before that step's checkpoint); records it when training starts (after a resume) and
+    ends. ``per_rank``: the counter starts at the rank, so that a model replica's ranks disagree."""
+
+    def __init__(self, per_rank: bool = False) -> None:
+        self.per_rank = per_rank
+        self.at_start: dict[str, list] = {}
+        self.at_end: dict[str, list] = {}
+
+    def setup(self, trainer, pl_module, stage) -> None:  # noqa: ANN001
+        start = trainer.global_rank if self.per_rank else 0
+        pl_module.register_buffer("steps_seen", torch.tensor(start, dtype=torch.long))
+        pl_module.head = torch.nn.Linear(2, 2)
+        with torch.no_grad():
+            pl_module.head.weight.copy_(torch.arange(4.0).reshape(2, 2))
+            pl_module.head.bias.zero_()
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.at_start = _own_state(pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        pl_module.steps_seen += 1
+        with torch.no_grad():
+            pl_module.head.weight.add_(0.5)
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.at_end = _own_state(pl_module)
+
+
+def _own_state(module: L.LightningModule) -> dict[str, list]:
+    return {name: value.tolist() for name, value in module.state_dict().items() if not name.startswith("chunks.")}
+
+
+class UserSummary(ModelSummary):
+    """A user's own summary callback (a subclass the strategy does not replace)."""
+
+
 def _summary(trainer: L.Trainer) -> dict:
     """What the Trainer's model summary counted in this fit: its class, totals and rows."""
     (callback,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+    if isinstance(callback, UserSummary):  # what it printed is what counts
+        return {"class": type(callback).__name__}
     summary = callback.summary
     rows = dict(zip(summary.layer_names, summary.param_nums, strict=True))
     return {"class": type(callback).__name__, "total": summary.total_parameters, "rows": rows,
@@ -202,9 +249,12 @@ def main(args: dict) -> None:
     if args.get("varlen"):  # samples of 4-32 tokens, right-padded to 32 (attention_mask)
         data, val = varlen_items(data, seed=5), varlen_items(val, seed=6)
     config = tiny_gpt(**args.get("model", {}))
-    module_cls = (
-        MegatronValueModule if args.get("module") == "value" else Logged if args.get("logs") else MegatronLMModule
-    )
+    if args.get("module") == "value":
+        module_cls: type = MegatronValueModule
+    elif args.get("metrics"):  # torchmetrics metrics of the validation batches (and Logged's logs)
+        module_cls = Metered
+    else:
+        module_cls = Logged if args.get("logs") else MegatronLMModule
     extra = {"prediction": args["prediction"]} if "prediction" in args else {}
     if "lora" in args:  # LoRAConfig fields
         extra["lora"] = args["lora"]
@@ -222,15 +272,17 @@ def main(args: dict) -> None:
 
         model.forward_step = recording  # type: ignore[method-assign]
     recorder = Recorder(logs=bool(args.get("logs")))
-    probe = SaveProbe()
+    probe, own_state = SaveProbe(), OwnState(per_rank=args.get("own_state") == "per_rank")
     callbacks: list = [recorder] + ([probe] if args.get("save_probe") else [])
+    callbacks += [own_state] if args.get("own_state") else []
+    callbacks += [MegatronEMA(decay=args["ema"])] if args.get("ema") else []  # validation runs on the average
     if args.get("ckpt_dir"):
         callbacks.append(
             ModelCheckpoint(dirpath=args["ckpt_dir"], every_n_train_steps=args.get("ckpt_every", 2), save_top_k=-1)
         )
     printed, summary_log = Printed(), logging.getLogger("lightning.pytorch.callbacks.model_summary")
     if args.get("summary"):  # the strategy puts a whole-model summary in its place (callbacks.MegatronModelSummary)
-        callbacks.append(ModelSummary(max_depth=2))
+        callbacks.append(UserSummary(max_depth=2) if args["summary"] == "subclass" else ModelSummary(max_depth=2))
         summary_log.addHandler(printed)  # its table (rank 0); removed after fit (run_here runs in the test process)
     ddp_config = None
     if args.get("overlap"):  # grad reduce and param gather overlapped with compute (distributed optimizer)
@@ -299,8 +351,8 @@ def main(args: dict) -> None:
             if "writer_dies_on_rank" not in args and "checksums_fail_on_rank" not in args:
                 raise
             result["error"] = str(error)
-        except ValueError as error:  # a refused load (a damaged checkpoint), expected by the test that asked for one
-            if not args.get("expect_load_error"):
+        except ValueError as error:  # a refused load or save, expected by the test that asked for one
+            if not (args.get("expect_load_error") or args.get("own_state") == "per_rank"):
                 raise
             result["error"] = str(error)
         finally:
@@ -312,6 +364,8 @@ def main(args: dict) -> None:
         result["saves"], result["optimizer_state_differs"] = probe.saves, probe.optimizer_state_differs
         result["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
         result["last_load"] = strategy.checkpoint_writer.last_load
+        result["row_sums"] = getattr(model, "row_sums", None)  # Metered: the CatMetric of the last validation
+        result["own_state"] = {"at_start": own_state.at_start, "at_end": own_state.at_end}
         if args.get("summary"):
             result["summary"] = {**_summary(trainer), "printed": "\n".join(printed.lines)}
     elif mode in ("validate", "validate+predict"):

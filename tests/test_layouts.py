@@ -8,6 +8,7 @@ Tier 1 runs over gloo on CPU; the ``gpu`` variants run the same over NCCL when C
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,20 @@ REL = 2e-4
 CKPT_STEP = 2
 MAX_STEPS = 4
 VAL = {"limit_val_batches": 2, "val_check_interval": 2, "sanity": 2}
+# Every run keeps an EMA of the weights (validation runs on it; the checkpoint holds it, resharded at each layout) and
+# state of the module's own beside its chunks (a counter buffer and a small head, restored at each layout).
+AVERAGED = {"ema": 0.5, "own_state": True}
 
 LAYOUTS = {
     # grad reduce / param gather overlapped, several buckets; loss_fn logs and grad norms over data-parallel shards;
     # weight gradients fused into main_grad (kernels/linear.py) here, at PP=2, TP=2 and TP=2+SP x CP=2
-    "dp2": {"devices": 2, "overlap": True, "logs": True, "model": {"gradient_accumulation_fusion": True}},
+    "dp2": {
+        "devices": 2,
+        "overlap": True,
+        "logs": True,
+        "metrics": True,
+        "model": {"gradient_accumulation_fusion": True},
+    },
     # the GPU default path: SDPA, fused CE, weight gradients accumulated into main_grad in the GEMM, at TP=2; the
     # Trainer's ModelSummary counts both shards
     "tp2": {
@@ -32,17 +42,31 @@ LAYOUTS = {
         "tp": 2,
         "model": {"kernels": "torch", "gradient_accumulation_fusion": True},
         "summary": True,
+        "metrics": True,
     },
-    "pp2": {"devices": 2, "pp": 2, "model": {"gradient_accumulation_fusion": True}},
+    "pp2": {"devices": 2, "pp": 2, "model": {"gradient_accumulation_fusion": True}, "metrics": True},
     "pp2_vpp2": {"devices": 2, "pp": 2, "vpp": 2},
-    "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2, "logs": True},  # logs and grad norms over TP shards and stages
+    # logs and grad norms over TP x PP; a user's own ModelSummary subclass prints the whole model's count too
+    "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2, "logs": True, "metrics": True, "summary": "subclass"},
     "tp2_sp": {"devices": 2, "tp": 2, "sp": True},
     # context parallelism (kernels='auto' is the torch-native attention, on CPU too): K/V all-gathered;
     # with SP each CP shard's tokens split over TP. (CP=2 alone, unpacked: tests/test_hf.py against transformers.)
-    "tp2_sp_cp2": {"devices": 4, "tp": 2, "cp": 2, "sp": True, "model": {"gradient_accumulation_fusion": True}},
+    "tp2_sp_cp2": {
+        "devices": 4,
+        "tp": 2,
+        "cp": 2,
+        "sp": True,
+        "model": {"gradient_accumulation_fusion": True},
+        "metrics": True,
+    },
+    # data-parallel groups of ranks {0, 2} and {1, 3}: the one layout whose data-parallel group is neither every rank
+    # nor one rank (torchmetrics sync within each; the training curve too)
+    "dp2_tp2": {"devices": 4, "tp": 2, "metrics": True},
     "cp2": {"devices": 2, "cp": 2},  # GPU only here (NCCL); on CPU, CP=2 alone runs in tests/test_hf.py
 }
-# On CPU, tp2_sp_cp2 covers sequence parallelism (tp2_sp runs on GPUs).
+# On CPU, tp2_sp_cp2 covers sequence parallelism (tp2_sp runs on GPUs). "metrics": torchmetrics Sum/Mean/Cat metrics
+# of the validation batches (tests/logged_module.py's Metered) equal one process's: synced over the data-parallel
+# group, not over the model-parallel (TP, PP) or context-parallel peers, which see the same batch.
 CPU_LAYOUTS = [name for name in LAYOUTS if name not in ("tp2_sp", "cp2")]
 # Packed rows (documents of 3-20 tokens in rows of 32, attention and loss per document) from the same checkpoint.
 # The reference names kernels='torch'; kernels='auto' must pick kernels that take such rows (test_torchrun_launch).
@@ -59,12 +83,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One process: a run that checkpoints at step 2, and the uninterrupted run to step 4 (with validation)."""
     tmp = tmp_path_factory.mktemp("reference")
     ckpt_dir = tmp / "ckpt"
-    saving = {"devices": 1, "max_steps": CKPT_STEP, "ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP}
-    run_here(saving, tmp)
-    full = run_here({"devices": 1, "max_steps": MAX_STEPS, **VAL, "summary": True}, tmp)
+    saving = {"devices": 1, "max_steps": CKPT_STEP, "ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP, **AVERAGED}
+    saved = run_here(saving, tmp)
+    full = run_here({"devices": 1, "max_steps": MAX_STEPS, **VAL, **AVERAGED, "summary": True, "metrics": True}, tmp)
     ckpt = ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt"
     assert (ckpt / "metadata.json").is_file(), sorted(p.name for p in ckpt_dir.iterdir())
-    return {"ckpt": str(ckpt), "full": full, "tmp": tmp}
+    return {"ckpt": str(ckpt), "full": full, "tmp": tmp, "own_state": saved["own_state"]["at_end"]}
 
 
 def _assert_close(got: dict, want: dict, what: str) -> None:
@@ -74,7 +98,7 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
 
 
 def _resume_args(layout: dict, reference: dict, **extra: object) -> dict:
-    return {**layout, "max_steps": MAX_STEPS, "resume": reference["ckpt"], **VAL, **extra}
+    return {**layout, "max_steps": MAX_STEPS, "resume": reference["ckpt"], **VAL, **AVERAGED, **extra}
 
 
 def _resume(layout: dict, reference: dict, tmp_path: Path, launcher: str = "fork", **extra: object) -> dict:
@@ -92,6 +116,17 @@ def test_resume_is_exact_at_one_layout(reference: dict, tmp_path: Path) -> None:
     full_after = {k: v for k, v in reference["full"]["train"].items() if int(k) > CKPT_STEP}
     assert resumed["train"] == full_after  # bit-identical, not just close
     assert resumed["val"] == {str(MAX_STEPS): reference["full"]["val"][str(MAX_STEPS)]}
+    assert resumed["own_state"]["at_start"] == reference["own_state"]
+    assert int(reference["own_state"]["steps_seen"]) == CKPT_STEP
+
+
+@pytest.mark.multiprocess
+def test_module_state_that_differs_within_a_replica_is_refused_at_the_save(tmp_path: Path) -> None:
+    # At TP=2 both ranks of the one replica run the same steps; a counter that starts at the rank differs between them.
+    args = {"devices": 2, "tp": 2, "max_steps": 1, "ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 1}
+    result = run_worker({**args, "own_state": "per_rank"}, tmp_path)
+    assert re.search(r"differs between the ranks of one model replica .*: steps_seen", result["error"]), result
+    assert not list((tmp_path / "ckpt").glob("*.ckpt"))
 
 
 def test_training_changes_the_loss(reference: dict) -> None:
@@ -120,14 +155,30 @@ def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_p
             assert seen["norm_total"] == pytest.approx(seen["grad_norm"], rel=1e-5)  # Megatron's own norm
     if LAYOUTS[name].get("summary"):
         _assert_whole_model_summary(resumed["summary"], full["summary"])
+    assert resumed["own_state"]["at_start"] == reference["own_state"]  # the module's own state, restored
+    if LAYOUTS[name].get("metrics"):  # the last validation's, as one process computes them
+        for metric in ("val_rows", "val_mean_token", "val_ppl"):  # val_ppl: TokenPerplexity, which never syncs
+            assert resumed["callback_metrics"][metric] == pytest.approx(full["callback_metrics"][metric], rel=REL)
+        assert resumed["callback_metrics"]["val_rows"] == 16.0  # 2 batches of 8 rows (8 // dp on each replica)
+        assert resumed["row_sums"] == full["row_sums"]  # every row once, in any order
 
 
 def _assert_whole_model_summary(summary: dict, one_process: dict) -> None:
     """The Trainer's ModelSummary of a multi-process run counts what one process counts of the same ModelConfig."""
+    if summary["class"] == "UserSummary":  # the user's subclass stays, counting the whole model
+        assert f"{get_human_readable_count(one_process['total']):<10}Total params" in summary["printed"]
+        return
     assert summary["class"] == "MegatronModelSummary"  # the strategy replaced Lightning's at connect
     for key in ("total", "trainable", "size_mb"):
         assert summary[key] == one_process[key], key
-    assert summary["rows"]["chunks"] == one_process["rows"]["chunks"] == one_process["total"]
+    # The chunks, and the module's own head beside them (OwnState), where the run has one: the top-level rows that
+    # hold parameters (rows below describe this rank's stage; metrics hold none).
+    top = [
+        {name: n for name, n in rows.items() if "." not in name and n}
+        for rows in (summary["rows"], one_process["rows"])
+    ]
+    assert top[0] == top[1]
+    assert one_process["total"] == sum(top[1].values())
     assert f"{get_human_readable_count(one_process['total']):<10}Total params" in summary["printed"]  # rank 0's table
 
 
@@ -150,7 +201,8 @@ def test_packed_layout_continues_single_process_curve(
     _assert_close(resumed["val"], packed_reference["val"], "packed val_loss")
     if saves:  # and back: the TP=2+SP x CP=2 checkpoint validates at one process to the same loss
         ckpt = str(tmp_path / "ckpt" / f"epoch=0-step={MAX_STEPS}.ckpt")
-        one = run_here({"devices": 1, **PACKED, "mode": "validate", "limit_val_batches": 2, "resume": ckpt}, tmp_path)
+        validate = {"mode": "validate", "limit_val_batches": 2, "resume": ckpt, **AVERAGED}  # the EMA weights
+        one = run_here({"devices": 1, **PACKED, **validate}, tmp_path)
         assert one["val"] == pytest.approx(resumed["val"][str(MAX_STEPS)], rel=REL)
 
 
@@ -219,7 +271,7 @@ def test_sanity_validation_runs_with_pipeline_parallelism(tmp_path: Path) -> Non
 def test_validate_and_predict_parity(name: str, reference: dict, tmp_path: Path) -> None:
     # One process and the layout: validation loss and predicted logits from the reference checkpoint (two
     # independent runs, launched side by side).
-    args = {"mode": "validate+predict", "limit_val_batches": 2, "resume": reference["ckpt"]}
+    args = {"mode": "validate+predict", "limit_val_batches": 2, "resume": reference["ckpt"], **AVERAGED}
     one, many = run_workers(
         [
             {**args, "devices": 1, "pred_out": str(tmp_path / "one")},

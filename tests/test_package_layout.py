@@ -19,7 +19,7 @@ LAYERS = [
     ("cli", "presets", "__main__"),
     ("rl",),
     ("gpt",),
-    ("strategy", "callbacks"),
+    ("strategy", "callbacks", "weight_averaging"),
     ("modules",),
     ("schedule", "micro_batches"),
     ("kernels",),
@@ -203,9 +203,9 @@ def test_public_api() -> None:
     import lightning_megatron
 
     expected = {
-        "ByteCorpusDataModule", "ChunkSpec", "DataParallelShard", "LoRAConfig", "MegatronLMFromHF", "MegatronLMModule",
-        "MegatronLightningModule", "MegatronStrategy", "MegatronThroughput", "MegatronValueModule", "ModelConfig",
-        "OptimizerSpec",
+        "ByteCorpusDataModule", "ChunkSpec", "DataParallelShard", "LoRAConfig", "MegatronEMA", "MegatronLMFromHF",
+        "MegatronLMModule", "MegatronLightningModule", "MegatronStrategy", "MegatronThroughput", "MegatronValueModule",
+        "MegatronWeightAveraging", "ModelConfig", "OptimizerSpec",
         "ParallelSizes", "Preempted", "SaveHF", "StepStats", "TokenFileDataModule", "pack_sequences", "tiny_gpt",
     }  # fmt: skip
     assert set(lightning_megatron.__all__) == expected

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from lightning_megatron.checkpointing.contained import inside
+from lightning_megatron.training.averaging import KEY_PREFIX
 
 # DCP metadata classes and what they hold; nothing else may be built from a .metadata file.
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
@@ -176,8 +177,9 @@ def check_nothing_left_out(path: Path, metadata: Any, state: Mapping[str, Any]) 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    asked = {item.key for item in nested_values(dict(state)) if isinstance(item, ShardedBase)}
-    saved = (k for k in metadata.state_dict_metadata if not k.startswith(("optimizer.", "common_state")))
+    # A weight and its average stand for each other: either may be asked for (training.averaging).
+    asked = {item.key.removeprefix(KEY_PREFIX) for item in nested_values(dict(state)) if isinstance(item, ShardedBase)}
+    saved = (k for k in metadata.state_dict_metadata if not k.startswith(("optimizer.", "common_state", KEY_PREFIX)))
     if extra := sorted(k for k in saved if k not in asked):
         raise ValueError(
             f"checkpoint {path} holds {len(extra)} trained tensor(s) this module has no place for, e.g. "

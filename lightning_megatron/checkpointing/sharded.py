@@ -27,9 +27,11 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from lightning_megatron import patches
 from lightning_megatron.checkpointing import checks, checksums, main_weights, mcore_fixes, opening, optimizer_split
 from lightning_megatron.checkpointing.optimizer_state import builds, optimizer_state
+from lightning_megatron.checkpointing.partial_load import keep_missing_at_init
 from lightning_megatron.checkpointing.reading import Reading, ThreadedReader
 from lightning_megatron.checkpointing.staging import HostBuffers, stage_state
 from lightning_megatron.parallel.state import data_parallel_group
+from lightning_megatron.training.averaging import KEY_PREFIX, STATE_KEY, WeightAverage, averaged_entry
 
 # Reshardable across TP, PP, VPP and DP: the optimizer state is gathered per parameter on save.
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -55,13 +57,15 @@ def chunk_key(index: int) -> str:
 
 def sharded_state_dict(
     chunks: Sequence[nn.Module], optimizer: Any | None = None, *, is_loading: bool = False, weights: Weights = "all",
-    buffers: HostBuffers | None = None, model_weights: bool = True,
+    buffers: HostBuffers | None = None, model_weights: bool = True, average: WeightAverage | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Model chunks' (and optionally the Megatron optimizer's) sharded state dict: all weights, the trainable
     parameters only (LoRA adapters count as trainable even if frozen for a while), or all but those (``weights``).
     With ``buffers`` a save stages every tensor into those host buffers (:mod:`.staging`), and a load reads the
     optimizer state into them. ``model_weights=False`` (a save with the optimizer): the parameters the optimizer
-    trains are left out of the model's part, their fp32 main weights being saved (:mod:`.main_weights`)."""
+    trains are left out of the model's part, their fp32 main weights being saved (:mod:`.main_weights`). With
+    ``average`` (a :class:`~lightning_megatron.training.averaging.WeightAverage` of the chunks), the average too,
+    sharded as the weights."""
     if buffers is not None:
         buffers.begin()
     state: dict[str, Any] = {}
@@ -82,6 +86,9 @@ def sharded_state_dict(
         if not (model_weights or is_loading):
             model_states = [state[chunk_key(i)] for i in range(len(chunks))]
             main_weights.leave_out_trained_weights(model_states, optimizer, state[_OPTIMIZER_KEY])
+    if average is not None:  # after the optimizer's, which maps its state to the weights' entries by their data
+        average.bind(chunks)
+        state[STATE_KEY] = average.sharded_state([chunk.sharded_state_dict(metadata=_METADATA) for chunk in chunks])
     if buffers is not None and not is_loading:
         stage_state(state, buffers)
         buffers.finish()
@@ -91,10 +98,11 @@ def sharded_state_dict(
 def checkpoint_state(
     checkpoint: dict[str, Any], chunks: Sequence[nn.Module], optimizer: Any | None, scheduler: Any | None,
     model_config: dict[str, Any] | None, frozen_base: dict[str, str] | None = None,
-    buffers: HostBuffers | None = None, model_weights: bool = True,
+    buffers: HostBuffers | None = None, model_weights: bool = True, average: WeightAverage | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """What a save writes: Lightning's checkpoint dict (loops, callbacks, hyper-parameters; its placeholder
-    ``state_dict``/``optimizer_states`` dropped), the ``ModelConfig`` and the sharded model chunks -- plus the
+    """What a save writes: Lightning's checkpoint dict (loops, callbacks, hyper-parameters, its ``state_dict``: the
+    module's state outside its chunks, :mod:`.module_state`; its placeholder ``optimizer_states`` dropped), the
+    ``ModelConfig`` and the sharded model chunks (and their ``average``, if given) -- plus the
     optimizer state and LR schedule unless Lightning asked for weights only (its dict has no ``optimizer_states``)
     or there is no optimizer (after validate/test/predict). With ``frozen_base`` (where the frozen weights can be
     read again) only the trainable weights are written, and the reference. With ``buffers`` the tensors are host
@@ -104,7 +112,7 @@ def checkpoint_state(
     Raises ``ValueError`` naming an entry that loading (``weights_only``) would refuse, before anything is written.
     """
     with_optimizer = optimizer is not None and "optimizer_states" in checkpoint
-    state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    state = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
     state[MODEL_CONFIG_KEY] = model_config
     state[CONTENTS_KEY] = ["trainable" if frozen_base else "model"] + (["optimizer"] if with_optimizer else [])
     state[opening.CHECKSUMS_KEY] = checksums.SCHEME  # a load then refuses it without its checksum files
@@ -116,7 +124,8 @@ def checkpoint_state(
     weights: Weights = "trainable" if frozen_base else "all"
     optimizer = optimizer if with_optimizer else None
     model_weights = model_weights or optimizer is None or weights != "all"
-    state.update(sharded_state_dict(chunks, optimizer, weights=weights, buffers=buffers, model_weights=model_weights))
+    kwargs = {"weights": weights, "buffers": buffers, "model_weights": model_weights, "average": average}
+    state.update(sharded_state_dict(chunks, optimizer, **kwargs))
     return state
 
 
@@ -125,22 +134,27 @@ def module_state(
     model_weights: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """:func:`checkpoint_state` of a MegatronLightningModule: its unwrapped chunks (the DDP wrappers' state-dict
-    keys carry a "module." prefix), its ``ModelConfig`` and where its frozen weights can be read again."""
+    keys carry a "module." prefix), its ``ModelConfig``, where its frozen weights can be read again, and its
+    weight average (``module.weight_average``, kept by a weight-averaging callback)."""
     chunks, config, base = list(module.chunks), model_config_dict(module), module.frozen_base()
     return checkpoint_state(
-        checkpoint, chunks, optimizer, scheduler, config, frozen_base=base, buffers=buffers, model_weights=model_weights
-    )
+        checkpoint, chunks, optimizer, scheduler, config, frozen_base=base, buffers=buffers,
+        model_weights=model_weights, average=module.weight_average,
+    )  # fmt: skip
 
 
 def load_module(
     module: Any, optimizer: Any | None, path: str | Path, scheduler: Any | None, reading: Reading | None = None
 ) -> dict[str, Any]:
-    """Collective: :func:`load` into a MegatronLightningModule's chunks (and ``optimizer``, ``scheduler``); the
-    checkpoint's non-tensor entries, with the empty ``state_dict`` Lightning expects."""
+    """Collective: :func:`load` into a MegatronLightningModule's chunks (and ``optimizer``, ``scheduler``, its
+    ``weight_average``); the checkpoint's non-tensor entries, its ``state_dict`` the module's state outside the chunks
+    (``None`` for a checkpoint written before that was saved)."""
     config, frozen = model_config_dict(module), module.frozen_base()
-    chunks = list(module.chunks)
-    loaded = load(chunks, optimizer, path, config, scheduler=scheduler, frozen_base=frozen, reading=reading)
-    loaded.setdefault("state_dict", {})
+    chunks, average = list(module.chunks), module.weight_average
+    loaded = load(
+        chunks, optimizer, path, config, scheduler=scheduler, frozen_base=frozen, reading=reading, average=average
+    )
+    loaded.setdefault("state_dict", None)
     return loaded
 
 
@@ -153,10 +167,12 @@ def model_config_dict(module: object) -> dict[str, Any] | None:
 def load(
     chunks: Sequence[nn.Module], optimizer: Any | None, path: str | Path, model_config: dict[str, Any] | None = None,
     *, scheduler: Any | None = None, frozen_base: dict[str, str] | None = None, weights: Weights | None = None,
-    reading: Reading | None = None,
+    reading: Reading | None = None, average: WeightAverage | None = None, strict: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """Collective: load model (and optimizer, LR schedule) state from ``path`` into ``chunks`` (``optimizer``,
-    ``scheduler``).
+    ``scheduler``). A saved weight average goes into ``average`` with the optimizer (a resume; without one saved,
+    ``average`` starts over from the loaded weights), else it is loaded as the weights (Lightning's ``WeightAveraging``
+    saves it as the checkpoint's model).
 
     Before anything is read collectively, every rank checks the files (complete, not truncated, metadata free of
     foreign pickled objects), the model's shape (the saved ``model_config`` against ``model_config``, every
@@ -171,13 +187,16 @@ def load(
     ``"frozen"`` loads all but the trainable parameters (a base for LoRA adapters, which keep their own init).
     ``reading``: the host buffers of the strategy's saves, which the optimizer state is read into (then copied to
     the GPU from pinned memory; the next save reuses them), where the seconds each part took on this rank go (see
-    ``CheckpointWriter.last_load``), and the threads per rank that read the tensors.
+    ``CheckpointWriter.last_load``), and the threads per rank that read the tensors. ``strict=False``: what the
+    checkpoint lacks keeps its value, what the chunks lack is not read (:mod:`.partial_load`).
     """
     path, reading = Path(path), reading or Reading()
     clock = _Clock(reading.timings)
     plan: dict[str, Any] = {}
     _raise_on_every_rank(
-        lambda: plan.update(_plan(path, chunks, optimizer, model_config, frozen_base, weights, reading, clock)),
+        lambda: plan.update(
+            _plan(path, chunks, optimizer, (model_config, frozen_base, strict), weights, reading, clock, average)
+        ),
         reading.group,
     )
     state = plan["state"]
@@ -199,9 +218,22 @@ def load(
         with torch.no_grad(), patches.KeepAdamStepOnLoad(optimizer):
             optimizer.load_state_dict(optimizer_state)
         mcore_fixes.untie_adam_steps(optimizer)
+    _load_average(average if optimizer is not None else None, loaded.pop(STATE_KEY, None), chunks)
     _load_schedule(scheduler, loaded.pop(SCHEDULER_KEY, None), path)
     clock.lap("apply_s")
     return loaded
+
+
+def _load_average(average: WeightAverage | None, loaded: dict[str, Any] | None, chunks: Sequence[nn.Module]) -> None:
+    """A resume's weight average: the checkpoint's, or else a new one from the weights just loaded."""
+    if average is None:
+        return
+    if loaded is not None:
+        average.load(loaded)
+        return
+    average.bind(chunks)
+    average.copy_from_weights()
+    average.num_averaged = 0
 
 
 class _Clock:
@@ -266,6 +298,7 @@ def _load_schedule(scheduler: Any | None, scheduler_state: dict[str, Any] | None
     """Megatron's LR schedule from the checkpoint (with the optimizer state only); a changed schedule is refused."""
     if scheduler is not None and scheduler_state is not None:
         try:
+            scheduler.num_steps = 0  # Megatron's load adds the saved step count to the current one (a mid-fit restore)
             scheduler.load_state_dict(scheduler_state)
         except AssertionError as error:  # Megatron asserts that the schedule settings match
             raise ValueError(
@@ -318,11 +351,13 @@ def _weights(
 
 
 def _plan(
-    path: Path, chunks: Sequence[nn.Module], optimizer: Any | None, model_config: dict[str, Any] | None,
-    frozen_base: dict[str, str] | None, weights: Weights | None, reading: Reading, clock: _Clock,
+    path: Path, chunks: Sequence[nn.Module], optimizer: Any | None,
+    model: tuple[dict[str, Any] | None, dict[str, str] | None, bool], weights: Weights | None, reading: Reading,
+    clock: _Clock, average: WeightAverage | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Check the files and the model against them; the state dict to load into and which weights it holds."""
-    buffers = reading.buffers
+    """Check the files and the model (its ``ModelConfig``, frozen base, strictness) against them; the state dict
+    to load into and which weights it holds."""
+    (model_config, frozen_base, strict), buffers = model, reading.buffers
     metadata = opening.open_checkpoint(path)
     common = opening.read_common(path, metadata)
     if optimizer is not None and "optimizer" not in common.get(CONTENTS_KEY, ["model", "optimizer"]):
@@ -334,16 +369,18 @@ def _plan(
         )
     selected = _weights(path, common, frozen_base, weights)
     clock.lap("open_s")
-    state = sharded_state_dict(chunks, optimizer, is_loading=True, weights=selected, buffers=buffers)
+    state = _request(metadata, chunks, optimizer, selected, buffers, average)
     clock.lap("state_s")
     reads = optimizer is not None and buffers is not None and builds(optimizer)  # each parameter's state, whole
     model_states = [state[chunk_key(i)] for i in range(len(chunks))]
     from_optimizer = main_weights.read_from_main_weights(metadata, model_states, optimizer, optimizer_reads=reads)
     diff = checks.config_mismatch(common.get(MODEL_CONFIG_KEY), model_config)
     model_state = {k: v for k, v in state.items() if k != _OPTIMIZER_KEY}
+    if not strict:  # what the checkpoint lacks keeps its value, what it holds beyond the model is not read
+        diff = keep_missing_at_init(path, metadata, model_state, diff)
     optimizer_request = state.get(_OPTIMIZER_KEY, {})  # a model of another shape first: the clearer error
     checks.check_shapes(path, metadata, model_state, diff, optional=optimizer_request)
-    if selected == "trainable":  # adapters this module has no place for would be dropped silently
+    if selected == "trainable" and strict:  # adapters this module has no place for would be dropped silently
         checks.check_nothing_left_out(path, metadata, model_state)
     split = None if optimizer is None else _optimizer_split(path, metadata, optimizer, state[_OPTIMIZER_KEY], buffers)
     # Last, as it reads the shards: each rank verifies the stored entries it loads -- those read in place into the
@@ -361,6 +398,25 @@ def _plan(
     checksums.verify(path, metadata, items=set(_stored_items(metadata, state)) - while_reading - in_reader)
     return {"state": state, "weights": selected, "split": split, "from_optimizer": from_optimizer,
             "metadata": metadata, "verify_while_reading": while_reading, "verify_in_reader": in_reader}  # fmt: skip
+
+
+def _request(
+    metadata: Any, chunks: Sequence[nn.Module], optimizer: Any | None, selected: Weights, buffers: HostBuffers | None,
+    average: WeightAverage | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The state to load into; a saved weight average into ``average`` (with the optimizer), or into the weights
+    themselves (without: see :func:`load`)."""
+    saved = metadata.state_dict_metadata
+    has_average = any(key.startswith(KEY_PREFIX) for key in saved)
+    into_average = average if has_average and optimizer is not None else None
+    state = sharded_state_dict(
+        chunks, optimizer, is_loading=True, weights=selected, buffers=buffers, average=into_average
+    )
+    if has_average and optimizer is None:
+        for i in range(len(chunks)):
+            state[chunk_key(i)] = {name: averaged_entry(entry) if KEY_PREFIX + entry.key in saved else entry
+                                   for name, entry in state[chunk_key(i)].items()}  # fmt: skip
+    return state
 
 
 def _optimizer_split(

@@ -176,14 +176,18 @@ class GPTModule(MegatronLightningModule):
         return {**super().init_args_from_checkpoint(common), "config": ModelConfig(**common[MODEL_CONFIG_KEY])}
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str | Path, **kwargs: Any) -> Self:  # type: ignore[override]
-        """As :meth:`MegatronLightningModule.load_from_checkpoint`; with LoRA, also from a checkpoint holding only
-        adapters (its frozen base is read from where the checkpoint says: an HF directory or another checkpoint),
-        and, with ``lora=`` given, from a checkpoint without adapters: its weights become the frozen base of new,
-        seeded adapters."""
+    def load_from_checkpoint(  # type: ignore[override]
+        cls, checkpoint_path: str | Path, map_location: Any = None, hparams_file: str | Path | None = None,
+        strict: bool | None = None, weights_only: bool | None = None, **kwargs: Any,
+    ) -> Self:  # fmt: skip
+        """As :meth:`MegatronLightningModule.load_from_checkpoint` (Lightning's arguments included); with LoRA, also
+        from a checkpoint holding only adapters (its frozen base is read from where the checkpoint says: an HF
+        directory or another checkpoint), and, with ``lora=`` given, from a checkpoint without adapters: its weights
+        become the frozen base of new, seeded adapters."""
         from lightning_megatron.checkpointing import opening, sharded
 
-        module = super().load_from_checkpoint(checkpoint_path, **kwargs)
+        lightning = {"map_location": map_location, "hparams_file": hparams_file, "strict": strict}
+        module = super().load_from_checkpoint(checkpoint_path, weights_only=weights_only, **lightning, **kwargs)
         if module.lora is None or module.hf_checkpoint is not None:  # MegatronLMFromHF: the base is its hf_path
             return module
         common = opening.read_common_state(checkpoint_path)

@@ -32,6 +32,7 @@ from lightning_megatron.modules.metrics import TokenPerplexity
 
 if TYPE_CHECKING:
     from lightning_megatron.parallel.sizes import ParallelSizes
+    from lightning_megatron.training.averaging import WeightAverage
 
 
 class MegatronLightningModule(L.LightningModule):
@@ -50,6 +51,11 @@ class MegatronLightningModule(L.LightningModule):
     base_checkpoint: str | None = None
     """A MegatronStrategy checkpoint whose frozen weights (all but the trainable parameters, e.g. LoRA adapters) are
     loaded into the chunks when they are built, before :attr:`weights_checkpoint`."""
+    weights_strict: bool = True
+    """Whether :attr:`weights_checkpoint` must match the chunks exactly (``load_from_checkpoint(strict=...)``)."""
+    weight_average: WeightAverage | None = None
+    """The average of the chunks' weights a weight-averaging callback keeps
+    (:class:`~lightning_megatron.MegatronWeightAveraging`); checkpoints save it, and a resume loads it."""
     _in_schedule: bool = False
     _built_for: list[ChunkSpec]
 
@@ -111,13 +117,16 @@ class MegatronLightningModule(L.LightningModule):
             return
         self.chunks = nn.ModuleList(self.build_chunk(spec) for spec in specs)
         self._built_for = specs
-        from lightning_megatron.checkpointing import sharded
+        from lightning_megatron.checkpointing import module_state, sharded
 
         config = sharded.model_config_dict(self)
         if self.base_checkpoint is not None:
             sharded.load(list(self.chunks), None, self.base_checkpoint, config, weights="frozen")
         if self.weights_checkpoint is not None:
-            sharded.load(list(self.chunks), None, self.weights_checkpoint, config, frozen_base=self.frozen_base())
+            path, frozen = self.weights_checkpoint, self.frozen_base()
+            strict = self.weights_strict
+            common = sharded.load(list(self.chunks), None, path, config, frozen_base=frozen, strict=strict)
+            module_state.restore(self, common.get("state_dict"), strict=strict)  # beside the chunks
             self.weights_checkpoint = None  # loaded once: a later fit continues from the trained weights
 
     def frozen_base(self) -> dict[str, str] | None:
@@ -126,15 +135,37 @@ class MegatronLightningModule(L.LightningModule):
         return None
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str | Path, **kwargs: Any) -> Self:  # type: ignore[override]
+    def load_from_checkpoint(  # type: ignore[override]
+        cls, checkpoint_path: str | Path, map_location: Any = None, hparams_file: str | Path | None = None,
+        strict: bool | None = None, weights_only: bool | None = None, **kwargs: Any,
+    ) -> Self:  # fmt: skip
         """A new module from a MegatronStrategy checkpoint directory: built from its hyper-parameters (``kwargs``
         override them), its chunks get the checkpoint's weights when the strategy builds them -- to fine-tune from
         a checkpoint (also one saved with ``weights_only=True``) or to validate/test/predict with it. Resuming an
-        interrupted run is ``trainer.fit(model, ckpt_path=path)`` instead."""
-        from lightning_megatron.checkpointing import opening
+        interrupted run is ``trainer.fit(model, ckpt_path=path)`` instead.
 
-        module = cls(**{**cls.init_args_from_checkpoint(opening.read_common_state(checkpoint_path)), **kwargs})
+        Lightning's arguments, with Lightning's meaning:
+
+        * ``map_location``: ``None``, a device or a mapping of devices, all alike: nothing is read here, and each
+          rank reads its shard straight onto the device of the Trainer that runs the module (as Lightning's Trainer
+          moves a module loaded elsewhere to its device). A callable is refused: it cannot act on a sharded read.
+        * ``hparams_file``: a ``.yaml``/``.yml``/``.csv`` file whose hyper-parameters replace the checkpoint's
+          (``kwargs`` still override them).
+        * ``strict``: whether the checkpoint's tensors must match the module's exactly (``None``: the module's
+          ``strict_loading``, True by default). With ``False`` a tensor the checkpoint lacks keeps its initial
+          value and one the module lacks is ignored, both named in a warning; another shape still raises.
+        * ``weights_only``: checkpoints are always read weights-only; ``False`` is refused (allow a trusted class
+          with ``torch.serialization.add_safe_globals``).
+        """
+        from lightning_megatron.checkpointing import opening, partial_load
+
+        partial_load.check_load_arguments(map_location, weights_only, strict)
+        common = opening.read_common_state(checkpoint_path)
+        if hparams_file is not None:  # Lightning's: the file's hyper-parameters replace the checkpoint's
+            common = {**common, "hyper_parameters": partial_load.hparams_from_file(hparams_file)}
+        module = cls(**{**cls.init_args_from_checkpoint(common), **kwargs})
         module.weights_checkpoint = str(checkpoint_path)
+        module.weights_strict = module.strict_loading if strict is None else strict
         return module
 
     @classmethod
@@ -207,6 +238,8 @@ class MegatronLightningModule(L.LightningModule):
         :meth:`step_metrics` (``moe_aux_loss``, ``moe_z_loss``), device tensors that Lightning reads only when a
         logger writes: keep them off the progress bar, where every step would wait for the GPU. Override to change
         what is logged (a local operation: no collective runs here)."""
+        if self.trainer.barebones:  # Trainer(barebones=True) turns self.log off (it would warn every run)
+            return
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name in _PROGRESS_BAR)
 
@@ -217,6 +250,8 @@ class MegatronLightningModule(L.LightningModule):
         as ``{stage}_{name}``, and ``{stage}_ppl`` at the epoch's end; with several loaders Lightning appends
         ``/dataloader_idx_N`` to each name, and each loader (``dataloader_idx``) has its own perplexity. Called by the
         strategy in its step."""
+        if self.trainer.barebones:  # Trainer(barebones=True) turns self.log off
+            return
         # Weighting by tokens makes the epoch mean the token-weighted mean over the whole set.
         # sync_dist: the values are identical on every rank already; the mean over the data-parallel group at the
         # epoch's end changes nothing and keeps Lightning's reminder to sync epoch-level values quiet.

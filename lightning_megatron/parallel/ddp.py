@@ -123,6 +123,11 @@ def clear_hooks(config: Any) -> None:
         setattr(config, name, None)
 
 
+def param_gather_deferred(chunks: list[Any]) -> bool:
+    """Whether the DDP-wrapped ``chunks`` defer each update's parameter all-gather to the next forward."""
+    return any(chunk.ddp_config.overlap_param_gather for chunk in chunks)
+
+
 def sync_params(chunks: list[Any]) -> None:
     """Finish the parameter all-gather now when it is overlapped with the next forward (before a checkpoint or
     when training ends, where no forward follows)."""

@@ -156,6 +156,8 @@ def destroy() -> None:
     """
     from megatron.core import parallel_state
 
+    if not (parallel_state.model_parallel_is_initialized() or _created):
+        return  # nothing was built (a run refused before its groups): no collection to pay for
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     created, _created[:] = list(_created), []

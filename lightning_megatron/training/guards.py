@@ -1,4 +1,5 @@
-"""Cheap guards against bad data and non-finite training steps.
+"""Cheap guards against bad data, non-finite training steps, and Trainer settings or Lightning callbacks the strategy
+cannot honour (:func:`check_trainer`, at ``connect``).
 
 Batch checks run on the host, in ``on_before_batch_transfer`` (before the batch moves to the accelerator), so they
 add no device synchronisation; tensors that already live on an accelerator are only checked for dtype and shape.
@@ -12,10 +13,18 @@ step.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    BatchSizeFinder,
+    LearningRateFinder,
+    ModelPruning,
+    ThroughputMonitor,
+)
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
@@ -255,13 +264,106 @@ def step_is_finite(loss: Tensor | None, chunks: Sequence[nn.Module], check_grads
 
 
 def check_trainer(trainer: Any) -> None:
-    """Trainer settings that MegatronStrategy handles itself (clipping) must stay at their defaults."""
+    """Raise ``ValueError``/``TypeError`` at ``connect``, before any process group or model exists, for Trainer
+    settings and callbacks whose documented effect MegatronStrategy cannot give (docs/lightning.md, "Lightning's
+    callbacks and Trainer arguments"); and run Lightning's validate/test/predict loops under ``torch.no_grad``."""
     if trainer.gradient_clip_val is not None:
         raise ValueError(
             f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported by MegatronStrategy: Megatron's "
             "optimizer clips gradients; set clip_grad in the OptimizerConfig your module's configure_optimizers "
             "returns (MegatronLMModule(clip_grad=...))"
         )
+    strategy = trainer.strategy
+    # Lightning converts BatchNorm layers in DDPStrategy.setup, which MegatronStrategy replaces; it keeps the
+    # request only in this private attribute.
+    if getattr(strategy, "_layer_sync", None) is not None:
+        raise ValueError(
+            "Trainer(sync_batchnorm=True) is not supported by MegatronStrategy: Lightning converts BatchNorm layers in "
+            "DDP's setup, which this strategy replaces, and would sync them over every rank rather than the "
+            "data-parallel group; build torch.nn.SyncBatchNorm(process_group=megatron.core.parallel_state."
+            "get_data_parallel_group()) into your chunks (build_chunk) instead"
+        )
+    if type(strategy.checkpoint_io) is not TorchCheckpointIO:
+        raise ValueError(
+            f"Trainer(plugins=[{type(strategy.checkpoint_io).__name__}(...)]) is not supported by MegatronStrategy: "
+            "it saves and loads sharded checkpoints through Megatron's dist_checkpointing and never calls a "
+            "CheckpointIO plugin; drop the plugin (for saves in the background: MegatronStrategy(async_save=True))"
+        )
+    check_callbacks(trainer.callbacks)  # again when the run starts, with the module's configure_callbacks
+    evaluate_under_no_grad(trainer)
+
+
+def evaluate_under_no_grad(trainer: Any) -> None:
+    """Run ``trainer.validate/test/predict`` under ``torch.no_grad`` instead of ``torch.inference_mode`` (as Lightning
+    itself does under FSDP, XLA and gloo): tensors made in inference mode and kept -- the attention's RoPE tables,
+    the perplexity metric's states -- would make the next ``fit`` of the module fail ("Inference tensors cannot be
+    saved for backward"). Results are the same; validation inside ``fit`` runs under ``no_grad`` already."""
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        loop.inference_mode = False
+
+
+# Lightning callbacks whose documented effect MegatronStrategy cannot give: why, and what to use instead.
+_REFUSED_CALLBACKS: tuple[tuple[type, str], ...] = (
+    (
+        ThroughputMonitor,
+        "it counts every rank as a data-parallel replica (the ranks of a tensor/pipeline/context-parallel model "
+        "replica share their samples), needs the module's flops_per_batch and synchronises the GPU every step; use "
+        "lightning_megatron.MegatronThroughput, which logs the same names (train/samples_per_sec, "
+        "train/device/flops_per_sec, train/device/mfu, ...) computed from the parallel layout",
+    ),
+    (
+        ModelPruning,
+        "torch's pruning re-registers each weight as weight_orig plus a mask, which Megatron's gradient buffers, "
+        "distributed optimizer and sharded checkpoints do not know (its default also finds no torch.nn.Linear in "
+        "Megatron's parallel linears, and a global threshold would be per tensor-parallel shard); prune the "
+        "trained model after export (save_hf) instead",
+    ),
+    (
+        BaseFinetuning,
+        "it freezes parameters in setup, before configure_model builds the chunks, and Megatron's optimizer and "
+        "gradient buffers are built once from the parameters that require grad: a parameter frozen later is still "
+        "updated (weight decay, Adam momentum), and one unfrozen later cannot join (the optimizer's param groups "
+        "hold fp32 main-weight shards); freeze before the fit instead -- requires_grad=False when the chunks are "
+        "built (build_chunk, or configure_model after super().configure_model()), or LoRA adapters "
+        "(MegatronLMModule(..., lora=...)) -- and run one fit per stage, each starting from the last stage's "
+        "weights (Module.load_from_checkpoint(path))",
+    ),
+    (
+        BatchSizeFinder,
+        "Lightning's batch-size finder (also what Tuner.scale_batch_size adds) refuses distributed strategies, and "
+        "this strategy is one (it would fail after the process groups exist); choose the DataLoader's batch_size "
+        "yourself: it is the per-data-parallel-rank batch of one optimizer step, run in micro-batches of "
+        "MegatronStrategy(micro_batch_size=...), which sets the activation memory",
+    ),
+)
+
+
+def check_callbacks(callbacks: Iterable[object]) -> None:
+    """Raise ``ValueError``/``TypeError`` naming a Lightning callback (a subclass included) whose documented effect
+    MegatronStrategy cannot give, and what to use instead."""
+    for callback in callbacks:
+        name = type(callback).__name__
+        for refused, why in _REFUSED_CALLBACKS:
+            if isinstance(callback, refused):
+                kind = "" if type(callback) is refused else f" (a {refused.__name__})"
+                raise ValueError(f"{name}{kind} is not supported by MegatronStrategy: {why}")
+        # Tuner.lr_find adds its own LearningRateFinder, marked to end the fit after the search (private flag).
+        if isinstance(callback, LearningRateFinder) and not getattr(callback, "_early_exit", False):
+            raise ValueError(
+                f"{name} inside trainer.fit is not supported by MegatronStrategy: after its search the model is put "
+                "back but Megatron's LR schedule keeps the search's step count, and a suggestion cannot reach the "
+                "schedule built at setup, so the rest of the fit would not train at the module's rate or the "
+                "suggested one; run Tuner(trainer).lr_find(model, ...) before trainer.fit (its suggestion becomes "
+                "the module's hparams.lr, which the fit's optimizer uses)"
+            )
+        own = getattr(callback, "__dict__", {})
+        hooks = [hook for hook in ("on_before_backward", "on_after_backward") if hook in own]
+        if hooks:  # LambdaCallback sets hooks on the instance (check_overrides sees those of a callback's class)
+            raise TypeError(
+                f"{name}({'=..., '.join(hooks)}=...): MegatronStrategy never calls {' or '.join(hooks)} (Megatron's "
+                "schedule runs the backward pass per micro-batch inside the training step); read gradients in "
+                "on_before_optimizer_step instead (trainer.strategy.grad_norms())"
+            )
 
 
 def check_per_token_loss(chunks: Sequence[nn.Module]) -> None:

@@ -51,7 +51,8 @@ class LightningOptimizerAdapter(torch.optim.Optimizer):
         self._take_token_scale = take_token_scale
         self._clip = clip
         self._after_update = after_update
-        self.defaults: dict[str, Any] = {}
+        # The torch optimizer's (e.g. Adam's betas, which LearningRateMonitor(log_momentum=True) looks for).
+        self.defaults: dict[str, Any] = dict(torch_optimizers(optimizer)[0].defaults)
         self.state: dict[Any, Any] = {}
 
     @property
@@ -217,9 +218,9 @@ def torch_adams(optimizer: Any) -> list[torch.optim.Adam | torch.optim.AdamW]:
     return [opt for opt in torch_optimizers(optimizer) if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))]
 
 
-def use_fused_adam(optimizer: Any, fused: bool) -> int:
+def use_fused_adam(optimizer: Any | None, fused: bool) -> int:
     """Switch the torch Adam(W) inside Megatron's optimizer to torch's fused CUDA kernel (or back); returns how many
-    parameter groups use it.
+    parameter groups use it (0 without an optimizer: validate/test/predict).
 
     Without Transformer Engine or apex, megatron-core builds ``torch.optim.AdamW`` with its default
     (multi-tensor "foreach") implementation: about 8% of a 1B model's step on an H200. ``fused`` is a
@@ -228,7 +229,7 @@ def use_fused_adam(optimizer: Any, fused: bool) -> int:
     kernel wants the ``step`` counters on the parameters' device.
     """
     switched = 0
-    for torch_optimizer in torch_adams(optimizer):
+    for torch_optimizer in torch_adams(optimizer) if optimizer is not None else ():
         for group in torch_optimizer.param_groups:
             on_gpu = all(p.is_cuda and p.is_floating_point() for p in group["params"])
             group["fused"] = fused and on_gpu
