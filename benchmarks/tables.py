@@ -151,7 +151,7 @@ def configuration(data: dict[str, Any]) -> tuple:
         data.get("vpp"), data.get("cp") or 1, bool(data.get("sp")), data["seq"], data["micro_batch"],
         data.get("recompute"), fp8, bool(data.get("cuda_graphs")), data.get("lora_rank") or 0,
         data.get("weight_cast_reuse", True), kernels(data), data.get("check_batches") is not False,
-        num_layers(data), data.get("ep") or 1, data.get("moe_grouped_gemm"),
+        num_layers(data), data.get("ep") or 1, data.get("moe_grouped_gemm"), data.get("ema"),
     )  # fmt: skip
 
 
@@ -211,6 +211,7 @@ def variant_label(data: dict[str, Any]) -> str:
     extras = [f"fp8 {fp8}"] if fp8 else []
     extras += ["CUDA graphs"] if data.get("cuda_graphs") else []
     extras += [f"LoRA r{data['lora_rank']}"] if data.get("lora_rank") else []
+    extras += [f"EMA {data['ema']}"] if data.get("ema") else []
     extras += [f"recompute {data['recompute']}"] if data.get("recompute") else []
     extras += ["weights cast per micro-batch"] if data.get("weight_cast_reuse") is False else []
     extras += (

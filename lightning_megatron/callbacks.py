@@ -13,6 +13,7 @@ computed from the parallel layout, with the standard count of model FLOPs per to
 from __future__ import annotations
 
 import time
+import types
 from collections import deque
 from typing import Any, override
 
@@ -229,27 +230,21 @@ def adapt_callbacks(trainer: L.Trainer) -> None:
 def count_whole_model(trainer: L.Trainer) -> None:
     """Replace the Trainer's ``ModelSummary``/``RichModelSummary`` callbacks (the default one included) by
     :class:`MegatronModelSummary`/:class:`MegatronRichModelSummary` with the same settings; a user's subclass stays,
-    made to count the whole model too (:func:`_counting_whole_model`). Called by MegatronStrategy at ``connect``."""
+    made to count the whole model too (:func:`whole_model_summary`). Called by MegatronStrategy when a run starts."""
     for index, callback in enumerate(trainer.callbacks):
         whole = _WHOLE_MODEL.get(type(callback))
         if whole is not None:
             # Lightning keeps a summary callback's settings in private attributes (docs/lightning.md, "internals").
             trainer.callbacks[index] = whole(callback._max_depth, **callback._summarize_kwargs)
-        elif isinstance(callback, ModelSummary) and not isinstance(callback, (MegatronModelSummary, _WholeCount)):
-            callback.__class__ = _counting_whole_model(type(callback))
+        elif isinstance(callback, ModelSummary) and type(callback)._summary is ModelSummary._summary:
+            # A user's subclass (without a _summary of its own): Lightning's on_fit_start builds its summary with
+            # _summary, and the instance's own attribute, a bound method, takes the class's place; under another
+            # strategy it returns Lightning's summary again, so it may stay.
+            callback._summary = types.MethodType(whole_model_summary, callback)  # type: ignore[method-assign]
 
 
-class _WholeCount:
-    """Mixed into a user's ``ModelSummary`` subclass: the summary Lightning's ``on_fit_start`` builds through
-    ``_summary`` counts the whole model under MegatronStrategy (another strategy gets Lightning's)."""
-
-    def _summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Summary:
-        if isinstance(trainer.strategy, MegatronRuntime):
-            return WholeModelSummary(pl_module, max_depth=self._max_depth)  # type: ignore[attr-defined]
-        return super()._summary(trainer, pl_module)  # type: ignore[misc]
-
-
-def _counting_whole_model(cls: type[ModelSummary]) -> type[ModelSummary]:
-    """``cls`` (a user's ``ModelSummary`` subclass) with :class:`_WholeCount` first: the instance keeps every method
-    and setting of its own, and Lightning's ``on_fit_start`` (if it is not overridden) prints the whole model."""
-    return type(cls.__name__, (_WholeCount, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+def whole_model_summary(callback: ModelSummary, trainer: L.Trainer, pl_module: L.LightningModule) -> Summary:
+    """What a user's ``ModelSummary`` subclass summarises under MegatronStrategy: :class:`WholeModelSummary`."""
+    if isinstance(trainer.strategy, MegatronRuntime):
+        return WholeModelSummary(pl_module, max_depth=callback._max_depth)
+    return ModelSummary._summary(callback, trainer, pl_module)

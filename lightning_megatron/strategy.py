@@ -260,7 +260,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self.accelerator.setup(trainer)
         self.model_to_device()
         bind_metrics(self.module)  # torchmetrics sync over the data-parallel group, not all ranks (parallel/metrics.py)
-        guards.check_per_token_loss(self.module.chunks)
+        guards.check_module(self.module, fitting=trainer.state.fn == TrainerFn.FITTING)  # loss, trained parameters
         self._run_chunks = mixed.wrap(list(self.module.chunks), self.compute_dtype)
         if trainer.state.fn == TrainerFn.FITTING:
             graphs.renew(self.module.chunks)  # with ModelConfig.cuda_graphs: this fit captures its own

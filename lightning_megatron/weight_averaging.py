@@ -49,7 +49,8 @@ class MegatronWeightAveraging(WeightAveraging):
 
     def _new_average(self) -> WeightAverage:
         avg_fn, multi_avg_fn = self._kwargs.get("avg_fn"), self._kwargs.get("multi_avg_fn")
-        decay = ema_decay(avg_fn)  # Lightning's EMA: updated in place, without a temporary per tensor
+        # Lightning's EMA function: updated in one pass, in place (multi_avg_fn wins over avg_fn, as in torch).
+        decay = ema_decay(avg_fn) if multi_avg_fn is None else None
         return WeightAverage(decay=decay, avg_fn=None if decay is not None else avg_fn, multi_avg_fn=multi_avg_fn,
                              device=self._device)  # fmt: skip
 
@@ -97,7 +98,8 @@ class MegatronWeightAveraging(WeightAveraging):
 
     @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.average is not None and self._swap is None:
+        # Within fit only: trainer.validate(ckpt_path=...) loads a checkpoint's average as the weights itself.
+        if self.average is not None and self._swap is None and trainer.state.fn == "fit":
             trainer.strategy.sync_params()  # type: ignore[attr-defined]  (a deferred gather would undo the swap)
             self._swap = self.average.swapped_in()
             self._swap.__enter__()
@@ -180,10 +182,12 @@ def ema_decay(avg_fn: Any) -> float | None:
 
 
 def adopt(trainer: L.Trainer) -> None:
-    """At ``connect``: each Lightning ``WeightAveraging`` callback (``EMAWeightAveraging`` and subclasses that change
-    only ``__init__``/``should_update`` included) is replaced by a :class:`MegatronWeightAveraging` with its settings
-    and its ``should_update``; ``StochasticWeightAveraging``, or a subclass that changes other hooks, raises
-    ``TypeError`` naming what to use instead."""
+    """When a run starts: each Lightning ``WeightAveraging`` callback (``EMAWeightAveraging`` and subclasses that
+    change only ``__init__``/``should_update`` included) is replaced by a :class:`MegatronWeightAveraging` with its
+    settings and its ``should_update``; ``StochasticWeightAveraging``, or a subclass that changes other hooks, raises
+    ``TypeError`` naming what to use instead. The module's average of an earlier run is forgotten: only a run's own
+    averaging callback (its ``setup``) gives it one, which its checkpoints then save."""
+    megatron_module(trainer.lightning_module).weight_average = None
     for index, callback in enumerate(trainer.callbacks):
         if isinstance(callback, StochasticWeightAveraging):
             raise TypeError(
@@ -205,7 +209,8 @@ def _replacement(callback: WeightAveraging) -> MegatronWeightAveraging:
         cls for cls in type(callback).__mro__ if issubclass(cls, WeightAveraging) and cls not in _LIGHTNING_CLASSES
     ]
     hooks = {name for cls in users for name, value in vars(cls).items() if inspect.isfunction(value)}
-    if extra := sorted(hooks - {"__init__", "should_update"}):
+    # Lightning's hooks and WeightAveraging's own methods; a helper of the subclass's own (for should_update) is fine.
+    if extra := sorted(name for name in hooks - {"__init__", "should_update"} if hasattr(WeightAveraging, name)):
         raise TypeError(
             f"{type(callback).__name__} overrides {', '.join(extra)} of Lightning's WeightAveraging, whose averaged "
             "copy of the module cannot hold a model MegatronStrategy shards; subclass "

@@ -38,23 +38,8 @@ def run_forked(
     from the session's fork server (``tests/forked.py``); raise with the ranks' output if one fails, the run exceeds
     ``timeout`` seconds, or the file ``expect`` (the run's result) is missing afterwards. Lightning joins the ranks as
     it joins torchrun's; its own launcher is exercised by the DP=2 layout test, the examples and the CLI fit."""
-    if str(WORKER.parent) not in sys.path:
-        sys.path.insert(0, str(WORKER.parent))  # the fork server imports the workers as scripts import their helpers
-    import forked
-
-    context = multiprocessing.get_context("forkserver")
-    # The stack, imported once for every rank. (Only installed packages: Python 3.12.1's fork server ignores the
-    # parent's sys.path while preloading; the ranks themselves get it, and import the scripts in tests/.)
-    context.set_forkserver_preload(["lightning_megatron", "lightning.pytorch", "megatron.core", "transformers"])
-    logs = [cwd / f"rank{rank}-{os.urandom(4).hex()}.log" for rank in range(world)]
-    port = free_port()
-    ranks = [
-        context.Process(target=forked.rank_main, args=(entry, args, rank, world, port, str(cwd), str(log), env))
-        for rank, log in enumerate(logs)
-    ]
+    ranks, logs = start_forked(entry, args, world, cwd, env)
     try:
-        for process in ranks:
-            process.start()
         failure = _wait(ranks, timeout)
     finally:  # survivors of a failure, or of an interrupt: no rank may outlive the test (pytest's exit waits for it)
         for process in ranks:
@@ -66,6 +51,45 @@ def run_forked(
     if failure:
         output = "\n".join(f"--- rank {r}:\n{log.read_text()[-4000:]}" for r, log in enumerate(logs) if log.exists())
         raise AssertionError(f"{failure} for {entry} {args}:\n{output}")
+
+
+def start_forked(
+    entry: str, args: dict, world: int, cwd: Path, env: dict[str, str]
+) -> tuple[list[multiprocessing.process.BaseProcess], list[Path]]:
+    """Start ``world`` ranks of ``entry`` forked from the session's fork server (see ``run_forked``); the processes
+    (started: the caller must see that none outlives the test) and each rank's log file (its stdout and stderr)."""
+    if str(WORKER.parent) not in sys.path:
+        sys.path.insert(0, str(WORKER.parent))  # the fork server imports the workers as scripts import their helpers
+    import forked
+
+    context = fork_server()
+    logs = [cwd / f"rank{rank}-{os.urandom(4).hex()}.log" for rank in range(world)]
+    port = free_port()
+    ranks = [
+        context.Process(target=forked.rank_main, args=(entry, args, rank, world, port, str(cwd), str(log), env))
+        for rank, log in enumerate(logs)
+    ]
+    started = []
+    try:
+        for process in ranks:
+            process.start()
+            started.append(process)
+    except BaseException:
+        for process in started:
+            process.kill()
+            process.join()
+        raise
+    return ranks, logs
+
+
+def fork_server() -> multiprocessing.context.ForkServerContext:
+    """The multiprocessing context whose processes are forked from the session's fork server, which has imported
+    the stack once (torch, Lightning, Megatron, transformers: ~7 s of CPU that a fresh interpreter spends)."""
+    context = multiprocessing.get_context("forkserver")
+    # (Only installed packages: Python 3.12.1's fork server ignores the parent's sys.path while preloading; the
+    # processes themselves get it, and import the scripts in tests/.)
+    context.set_forkserver_preload(["lightning_megatron", "lightning.pytorch", "megatron.core", "transformers"])
+    return context
 
 
 def _wait(ranks: list, timeout: float) -> str:
@@ -347,3 +371,26 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     saver = ModelCheckpoint(dirpath=root, filename="adapters", every_n_train_steps=1)
     _trainer(1, callbacks=[saver], enable_checkpointing=True).fit(lora, DataLoader(DATA, batch_size=8))
     return {name: root / f"{name}.ckpt" for name in ("full", "weights", "adapters")}
+
+
+_OPENED: list[str] | None = None  # while recording_opens() runs: the paths Python opened
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _OPENED is not None and event == "open" and isinstance(args[0], str | bytes | os.PathLike):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+@contextlib.contextmanager
+def recording_opens() -> Iterator[list[str]]:
+    """The paths this process opens through Python (``open``, ``os.open``: torch's checkpoint reader included; not
+    native readers such as safetensors') inside the block. The audit hook is added once, idle outside the block."""
+    global _OPENED
+    if not getattr(recording_opens, "installed", False):
+        sys.addaudithook(_audit)
+        recording_opens.installed = True  # type: ignore[attr-defined]
+    _OPENED = opened = []
+    try:
+        yield opened
+    finally:
+        _OPENED = None

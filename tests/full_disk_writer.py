@@ -62,12 +62,30 @@ def _option(name: str) -> str | None:
     return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), None)
 
 
-if __name__ == "__main__":
-    from lightning_megatron.checkpointing.write_process import serve
+def _writer_main() -> Any:
+    """The package's writer entry point (``writer_main.py``) as a module, and ``lightning_megatron`` and
+    ``megatron.core`` entered as it enters them before it serves: without running their ``__init__`` (Lightning,
+    the models: seconds of imports the writer does not need). This writer starts as the real one does."""
+    import importlib.util
+    from pathlib import Path
 
+    package: Any = importlib.util.find_spec("lightning_megatron")  # found, not imported
+    main = Path(package.origin).parent / "checkpointing" / "writer_main.py"
+    spec: Any = importlib.util.spec_from_file_location("_writer_main", main)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its definitions: the writer's start is under ``__main__``
+    module._package_without_init("lightning_megatron", main.parents[1])
+    module._megatron_core_without_init()
+    return main
+
+
+if __name__ == "__main__":
+    import runpy
+
+    writer_main = _writer_main()
     if (size := _option("fsize")) is not None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, not the process
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(size), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     else:
         fill_the_disk(die="--die" in sys.argv, error=getattr(errno, _option("errno") or "ENOSPC"))
-    serve(int(sys.argv[-2]), int(sys.argv[-1]))
+    runpy.run_path(str(writer_main), run_name="__main__")  # the real writer from here: its imports, then serve()

@@ -110,7 +110,7 @@ class OwnState(L.Callback):
     def setup(self, trainer, pl_module, stage) -> None:  # noqa: ANN001
         start = trainer.global_rank if self.per_rank else 0
         pl_module.register_buffer("steps_seen", torch.tensor(start, dtype=torch.long))
-        pl_module.head = torch.nn.Linear(2, 2)
+        pl_module.head = torch.nn.Linear(2, 2).requires_grad_(False)  # (trainable, it would be refused at setup)
         with torch.no_grad():
             pl_module.head.weight.copy_(torch.arange(4.0).reshape(2, 2))
             pl_module.head.bias.zero_()

@@ -1,9 +1,12 @@
 """A 2-process TP=2 CPU run for the failure tests: a rank that SIGKILLs itself, one that stops answering, or SIGTERM.
 
-``python tests/reliability_worker.py '{"max_steps": 8, "ckpt_dir": ..., "losses": ..., "kill_at": 6, ...}'``
-Lightning's launcher starts rank 1 as a child of rank 0 (this process), or the test starts both ranks with
-torchrun's environment variables (``RANK``, ``LOCAL_RANK``, ...) and Lightning joins them. Rank 0 appends
-``{"step", "loss"}`` lines to ``losses`` as it trains, so the curve survives a crash.
+``main({"max_steps": 8, "ckpt_dir": ..., "losses": ..., "kill_at": 6, ...})`` in each rank forked from the test
+session's fork server (tests/conftest.py:start_forked; Lightning joins the ranks as it joins torchrun's), or
+``python tests/reliability_worker.py '{...}'`` (Lightning's launcher starts rank 1 as a child of rank 0, this
+process). Rank 0 appends ``{"step", "loss"}`` lines to ``losses`` as it trains, so the curve survives a crash.
+``own_group`` (a file path): the ranks first form a process group of their own, led by rank 0, whose id it writes
+there (forked ranks otherwise share the test process's group): ``term="group"`` signals the job's processes and
+their checkpoint writers and nothing else, and the test kills whatever of the job is left when it ends.
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ class Failures(L.Callback):
     def _terminate(self) -> None:
         _stamp(self.args["stamp"])
         if self.args["term"] == "group":
-            os.killpg(os.getpgid(0), signal.SIGTERM)
+            group = os.getpgid(0)
+            if self.args.get("own_group"):  # never the test process's group
+                assert group == int(Path(self.args["own_group"]).read_text()) != os.getpgid(os.getppid()), group
+            os.killpg(group, signal.SIGTERM)
         else:
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -71,7 +77,24 @@ def _stamp(path: str) -> None:
         f.write(repr(time.time()))
 
 
+def _own_process_group(path: Path) -> None:
+    """Rank 0 leads a new process group and writes its id to ``path``; the other ranks join it."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        os.setpgid(0, 0)
+        Path(f"{path}.tmp").write_text(str(os.getpgid(0)))
+        os.replace(f"{path}.tmp", path)  # whole when it appears
+        return
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 did not write {path}")
+        time.sleep(0.01)
+    os.setpgid(0, int(path.read_text()))
+
+
 def main(args: dict) -> None:
+    if args.get("own_group"):
+        _own_process_group(Path(args["own_group"]))
     data = synthetic_tokens(64, 32, 256, seed=1)
     data[:, 16:] = data[:, :16]
     model = MegatronLMModule(tiny_gpt(), lr=3e-3, warmup_steps=1, decay_steps=16)

@@ -1,48 +1,61 @@
 """Failures of a real 2-process TP=2 CPU job: a rank killed mid-training (then resumed), a rank that goes silent,
 SIGTERM to the whole job (then resumed from its final checkpoint) or to one rank.
 
-All use ``tests/reliability_worker.py``; each test is one or two short multi-process runs.
+All run ``tests/reliability_worker.py``, its ranks forked from the session's fork server (tests/conftest.py:
+start_forked), which has imported torch, Lightning and Megatron once for every multi-process test: each job is real
+processes joined over gloo, without ~7 s of imports per rank. (Lightning's own launcher, rank 1 a child of rank 0,
+is exercised by the DP=2 layout test, the two-"node" test, the examples and the CLI fit.)
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import child_env
-
-WORKER = Path(__file__).parent / "reliability_worker.py"
+from tests.conftest import child_env, start_forked
 
 
 def _losses(path: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
 
 
-def _launch(args: dict, cwd: Path, log: Path) -> subprocess.Popen:
-    # Lightning's launcher starts rank 1; with a TP=2 layout every collective involves both ranks. A session of
-    # its own, so that _reap can end whatever the job leaves behind (a SIGKILLed rank's checkpoint writer).
-    env = child_env(CUDA_VISIBLE_DEVICES="")
-    command = [sys.executable, str(WORKER), json.dumps(args)]
-    log_file = log.open("w")
-    return subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-    )
+def _job(args: dict, cwd: Path, timeout: float, peers: float = 30) -> tuple[list[int | None], float, list[str]]:
+    """Run the worker's ``args.get("devices", 2)`` ranks, in a process group of their own (``own_group``); wait up to
+    ``timeout`` s for rank 0 to exit, then up to ``peers`` s for the others, and kill whatever is left of the group
+    (no process of the job outlives the test: a killed rank's checkpoint writer or result-queue manager). Returns each
+    rank's exit code (``None``: still running, killed), when rank 0 exited (``time.time()``), and each rank's log
+    (its stdout and stderr)."""
+    world, group = args.get("devices", 2), cwd / f"group-{os.urandom(4).hex()}"
+    args = {**args, "own_group": str(group)}
+    ranks, logs = start_forked("reliability_worker:main", args, world, cwd, child_env(CUDA_VISIBLE_DEVICES=""))
+    try:
+        ranks[0].join(timeout)
+        exited = time.time()
+        deadline = time.monotonic() + peers
+        for rank in ranks[1:]:
+            rank.join(max(0.0, deadline - time.monotonic()))
+        codes = [rank.exitcode for rank in ranks]
+    finally:
+        if group.exists() and int(group.read_text()) != os.getpgid(0):  # never this process's own group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(group.read_text()), signal.SIGKILL)
+        for rank in ranks:
+            if rank.is_alive():
+                rank.kill()
+            rank.join()
+    return codes, exited, [log.read_text() if log.exists() else "" for log in logs]
 
 
-def _reap(proc: subprocess.Popen) -> None:
-    """Kill what is left of the job's process group (orphans of a killed rank would outlive the test run)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def _tail(logs: list[str]) -> str:
+    return "\n".join(f"--- rank {rank}:\n{log[-3000:]}" for rank, log in enumerate(logs))
 
 
 @pytest.mark.multiprocess
@@ -54,21 +67,17 @@ def test_sigkill_one_rank_then_resume_last_reproduces_the_curve(tmp_path: Path) 
         "max_steps": 9, "ckpt_dir": str(ckpt), "ckpt_every": 3, "losses": str(tmp_path / "killed.jsonl"),
         "kill_at": 6, "stamp": str(tmp_path / "killed_at"), "async_save": True, "timeout": 600,
     }  # fmt: skip
-    proc = _launch(killed, tmp_path, tmp_path / "killed.log")
-    try:
-        rc = proc.wait(timeout=300)
-        exited = time.time()
-    finally:
-        _reap(proc)
+    codes, exited, logs = _job(killed, tmp_path, timeout=300)
     kill_to_exit = exited - float((tmp_path / "killed_at").read_text())
-    print(f"kill -> job exit: {kill_to_exit:.2f} s (rc={rc})")
-    assert rc != 0, (tmp_path / "killed.log").read_text()[-3000:]
+    print(f"kill -> job exit: {kill_to_exit:.2f} s (exit codes {codes})")
+    assert codes[1] == -9, _tail(logs)  # SIGKILLed
+    assert codes[0] not in (0, None), _tail(logs)  # rank 0 failed, and did not hang
     assert kill_to_exit < 30, kill_to_exit  # the survivor fails fast on the closed connection, no 600 s timeout
 
     names = sorted(p.name for p in ckpt.iterdir())
     # The interrupted save stays unpublished; the previous last.ckpt (step 3) and the step-6 checkpoint are whole.
-    # (last.ckpt.lock, the lock file of that save, is gone if rank 0 released it in its teardown before the launcher
-    # stopped it; a stale one is taken over by the next save, below.)
+    # (last.ckpt.lock, the lock file of that save, is gone if rank 0 released it in its teardown; a stale one is
+    # taken over by the next save, below.)
     assert [n for n in names if n != "last.ckpt.lock"] == ["epoch=0-step=6.ckpt", "last.ckpt", "last.ckpt.partial"]
     assert (ckpt / "last.ckpt" / "metadata.json").is_file()
 
@@ -79,12 +88,8 @@ def test_sigkill_one_rank_then_resume_last_reproduces_the_curve(tmp_path: Path) 
     resumed = {**killed, "max_steps": 6, "resume": "last", "losses": str(tmp_path / "resumed.jsonl")}
     resumed["async_save"] = False
     del resumed["kill_at"]
-    proc = _launch(resumed, tmp_path, tmp_path / "resumed.log")
-    try:
-        rc = proc.wait(timeout=300)
-    finally:
-        _reap(proc)
-    assert rc == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    codes, _, logs = _job(resumed, tmp_path, timeout=300)  # TP=2 again, the same processes' layout
+    assert codes == [0, 0], _tail(logs)
     again = _losses(tmp_path / "resumed.jsonl")
     assert sorted(again) == [4, 5, 6]  # resumed from last.ckpt = step 3, not from the half-written step-6 one
     assert again == {step: curve[step] for step in (4, 5, 6)}  # exactly the uninterrupted curve
@@ -94,32 +99,18 @@ def test_sigkill_one_rank_then_resume_last_reproduces_the_curve(tmp_path: Path) 
 
 @pytest.mark.multiprocess
 def test_silent_rank_makes_the_other_fail_within_the_strategy_timeout(tmp_path: Path) -> None:
-    # Both ranks are started at once with torchrun's variables (so a short timeout also fits the rendezvous);
-    # rank 1 stops answering before step 3, rank 0 must fail on its next collective after ~timeout seconds.
+    # Both ranks start at once (so a short timeout also fits the rendezvous); rank 1 stops answering before step 3,
+    # rank 0 must fail on its next collective after ~timeout seconds.
     timeout = 8
     args = {
         "max_steps": 4, "losses": str(tmp_path / "losses.jsonl"), "hang_at": 2, "hang_for": 120,
         "stamp": str(tmp_path / "hung_at"), "timeout": timeout,
     }  # fmt: skip
-    procs = []
-    for rank in range(2):
-        env = child_env(
-            CUDA_VISIBLE_DEVICES="", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE="2",
-            LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29547",
-        )  # fmt: skip
-        log = (tmp_path / f"rank{rank}.log").open("w")
-        command = [sys.executable, str(WORKER), json.dumps(args)]
-        procs.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=log, start_new_session=True))
-    try:
-        rc = procs[0].wait(timeout=300)
-        waited = time.time() - float((tmp_path / "hung_at").read_text())
-    finally:
-        for proc in procs:
-            _reap(proc)
-    log = (tmp_path / "rank0.log").read_text()
+    codes, exited, logs = _job(args, tmp_path, timeout=300, peers=0)  # rank 1, still asleep, is killed
+    waited = exited - float((tmp_path / "hung_at").read_text())
     print(f"silent rank -> error after {waited:.2f} s (timeout {timeout} s)")
-    assert rc != 0, log[-3000:]
-    assert "Timed out" in log, log[-3000:]
+    assert codes[0] not in (0, None), _tail(logs)
+    assert "Timed out" in logs[0], _tail(logs)
     # Megatron's groups got the sub-minute timeout (it used to be rounded up to a whole minute).
     assert timeout <= waited < timeout + 15, waited
     assert sorted(_losses(tmp_path / "losses.jsonl")) == [1, 2]
@@ -127,12 +118,11 @@ def test_silent_rank_makes_the_other_fail_within_the_strategy_timeout(tmp_path: 
 
 @pytest.mark.multiprocess
 def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_a_final_checkpoint(tmp_path: Path) -> None:
-    from tests.reliability_worker import main as run_in_this_process
-
     # Two batches an optimizer step (accumulate_grad_batches=2); async checkpoints at step 3 (+ last.ckpt), an
     # OnExceptionCheckpoint. Inside the window of step 5 -- its first batch trained, its gradients waiting in the
     # buffers -- rank 1 sends SIGTERM to the whole job's process group (both ranks and their checkpoint writer
-    # processes), as a scheduler does: the window's step completes first, then every rank stops.
+    # processes: a group of their own, see _job), as a scheduler does: the window's step completes first, then
+    # every rank stops.
     ckpt, exits, final = tmp_path / "ckpt", tmp_path / "exits", tmp_path / "final"
     exits.mkdir()
     job = {
@@ -140,50 +130,41 @@ def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_a_final_checkpoint
         "term_at_batch": 2, "accumulate": 2, "term": "group", "stamp": str(tmp_path / "term_at"), "async_save": True,
         "timeout": 600, "on_exception_dir": str(final), "exits": str(exits),
     }  # fmt: skip
-    proc = _launch(job, tmp_path, tmp_path / "job.log")
-    try:
-        rc = proc.wait(timeout=120)
-        exited = time.time()
-        deadline = exited + 30
-        while len(list(exits.iterdir())) < 2 and time.time() < deadline:  # rank 1 is rank 0's child: not waited
-            time.sleep(0.2)
-    finally:
-        _reap(proc)
-    log = (tmp_path / "job.log").read_text()
+    codes, exited, logs = _job(job, tmp_path, timeout=120)
     term_to_exit = exited - float((tmp_path / "term_at").read_text())
-    print(f"SIGTERM -> job exit: {term_to_exit:.2f} s (rc={rc})")
-    assert rc == 143, log[-3000:]
+    print(f"SIGTERM -> job exit: {term_to_exit:.2f} s (exit codes {codes})")
+    assert codes == [143, 143], _tail(logs)
     assert term_to_exit < 60, term_to_exit
-    assert {p.name: p.read_text() for p in exits.iterdir()} == {"rank0": "143", "rank1": "143"}, log[-3000:]
+    assert {p.name: p.read_text() for p in exits.iterdir()} == {"rank0": "143", "rank1": "143"}, _tail(logs)
     # Rank 0 may have entered the step's agreement before the signal reached it: 1 or 2 ranks counted it.
-    assert re.search(r"SIGTERM received by [12] of 2 rank\(s\): every rank stopped at global step 5", log), log[-3000:]
+    stopped = r"SIGTERM received by [12] of 2 rank\(s\): every rank stopped at global step 5"
+    assert re.search(stopped, logs[0]), _tail(logs)
     assert sorted(_losses(tmp_path / "job.jsonl")) == [1, 2, 3, 4, 5]
     # The periodic checkpoints are published (the step-3 save was finished, not abandoned), and so is the final one.
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=3.ckpt", "last.ckpt"]
     assert sorted(p.name for p in final.iterdir()) == ["on_exception.ckpt"]
 
-    # Both resume (here, at TP=1) and agree: the final checkpoint holds step 5's state, the batch position after its
-    # window. (Stopped at the window's first batch, the run would resume at its second, the first one's gradients
-    # lost: step 6 would differ.)
-    common = {"max_steps": 7, "timeout": 600, "devices": 1, "accumulate": 2}
+    # Both resume, side by side at TP=2, and agree exactly: the final checkpoint holds step 5's state, the batch
+    # position after its window. (Stopped at the window's first batch, the run would resume at its second, the first
+    # one's gradients lost: step 6 would differ.)
+    common = {"max_steps": 7, "timeout": 600, "accumulate": 2}
     from_last = {**common, "resume": str(ckpt / "last.ckpt"), "losses": str(tmp_path / "from_last.jsonl")}
     from_final = {**common, "resume": str(final / "on_exception.ckpt"), "losses": str(tmp_path / "from_final.jsonl")}
-    run_in_this_process(from_last)
-    run_in_this_process(from_final)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for codes, _, logs in pool.map(lambda args: _job(args, tmp_path, timeout=300), [from_last, from_final]):
+            assert codes == [0, 0], _tail(logs)
     job_curve, curve, after_final = (_losses(tmp_path / f"{n}.jsonl") for n in ("job", "from_last", "from_final"))
     assert sorted(curve) == [4, 5, 6, 7]
     assert sorted(after_final) == [6, 7]
-    for step in (4, 5):  # TP=2 vs TP=1: float tolerance
-        assert curve[step] == pytest.approx(job_curve[step], rel=2e-4)
-    for step in (6, 7):
-        assert after_final[step] == pytest.approx(curve[step], rel=2e-4)
+    assert {step: curve[step] for step in (4, 5)} == {step: job_curve[step] for step in (4, 5)}
+    assert after_final == {step: curve[step] for step in (6, 7)}
 
 
 @pytest.mark.multiprocess
 def test_sigterm_to_one_rank_just_before_an_async_save_stops_the_other_too(tmp_path: Path) -> None:
     from lightning_megatron.checkpointing import opening
 
-    # Only rank 1 gets the signal (rank 0, which started it, does not), right before the async save of step 2 starts:
+    # Only rank 1 gets the signal (rank 0 does not), right before the async save of step 2 starts:
     # the save goes on, both ranks stop at the next step boundary, non-zero, and the checkpoint is published.
     ckpt, exits = tmp_path / "ckpt", tmp_path / "exits"
     exits.mkdir()
@@ -192,18 +173,10 @@ def test_sigterm_to_one_rank_just_before_an_async_save_stops_the_other_too(tmp_p
         "term_after": 2, "term": "self", "stamp": str(tmp_path / "term_at"), "async_save": True, "timeout": 600,
         "exits": str(exits),
     }  # fmt: skip
-    proc = _launch(job, tmp_path, tmp_path / "job.log")
-    try:
-        rc = proc.wait(timeout=120)
-        deadline = time.time() + 30
-        while len(list(exits.iterdir())) < 2 and time.time() < deadline:
-            time.sleep(0.2)
-    finally:
-        _reap(proc)
-    log = (tmp_path / "job.log").read_text()
-    assert rc == 143, log[-3000:]
-    assert {p.name: p.read_text() for p in exits.iterdir()} == {"rank0": "143", "rank1": "143"}, log[-3000:]
-    assert "SIGTERM received by 1 of 2 rank(s): every rank stopped at global step 2" in log, log[-3000:]
+    codes, _, logs = _job(job, tmp_path, timeout=120)
+    assert codes == [143, 143], _tail(logs)
+    assert {p.name: p.read_text() for p in exits.iterdir()} == {"rank0": "143", "rank1": "143"}, _tail(logs)
+    assert "SIGTERM received by 1 of 2 rank(s): every rank stopped at global step 2" in logs[0], _tail(logs)
     assert sorted(_losses(tmp_path / "job.jsonl")) == [1, 2]
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     for name in ("epoch=0-step=2.ckpt", "last.ckpt"):  # published whole: metadata, shards, checksums

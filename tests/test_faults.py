@@ -161,29 +161,36 @@ def test_sigterm_in_the_last_step_still_stops_the_run() -> None:
         _fit(2, LastStep())
 
 
-@pytest.mark.parametrize("redeliver", [True, False])
-def test_a_signal_after_the_last_check_is_delivered_again(redeliver: bool) -> None:
-    import subprocess
-    import sys
+def _signal_after_the_last_check(redeliver: bool, ran_on: str) -> None:
+    """In a process of its own (the default action of SIGTERM in place), with a ``SigtermStop`` and no Trainer."""
+    from lightning_megatron.training.preemption import SigtermStop
 
-    script = (
-        "import os, signal\n"
-        "from lightning_megatron.training.preemption import SigtermStop\n"
-        "stop = SigtermStop()\n"
-        "stop.before_run()  # the default action before the run\n"
-        "signal.signal(signal.SIGTERM, lambda *args: None)  # what Lightning registers\n"
-        "stop.at_barrier(takeover=True)  # Lightning's 'run-stage' barrier\n"
-        "os.kill(os.getpid(), signal.SIGTERM)  # after the last check\n"
-        f"stop.uninstall(redeliver={redeliver})\n"
-        "print('ran on', flush=True)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    stop = SigtermStop()
+    stop.before_run()  # the default action before the run
+    signal.signal(signal.SIGTERM, lambda *args: None)  # what Lightning registers
+    stop.at_barrier(takeover=True)  # Lightning's 'run-stage' barrier
+    os.kill(os.getpid(), signal.SIGTERM)  # after the last check
+    stop.uninstall(redeliver=redeliver)
+    Path(ran_on).write_text("ran on")
+
+
+@pytest.mark.parametrize("redeliver", [True, False])
+def test_a_signal_after_the_last_check_is_delivered_again(redeliver: bool, tmp_path: Path) -> None:
+    from tests.conftest import fork_server
+
+    # Forked from the session's fork server (the stack imported once), not a fresh interpreter importing it.
+    process = fork_server().Process(target=_signal_after_the_last_check, args=(redeliver, str(tmp_path / "ran_on")))
+    process.start()
+    process.join(120)
+    if process.is_alive():
+        process.kill()
+        process.join()
     if redeliver:  # the process ends as the signal's default action would have ended it
-        assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
-        assert "ran on" not in done.stdout
+        assert process.exitcode == -signal.SIGTERM
+        assert not (tmp_path / "ran_on").exists()
     else:  # a failed run's teardown: its own exception is the one to see
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert "ran on" in done.stdout
+        assert process.exitcode == 0
+        assert (tmp_path / "ran_on").read_text() == "ran on"
 
 
 class RegistersAHandler(L.Callback):

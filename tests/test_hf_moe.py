@@ -2,12 +2,13 @@
 with ``save_pretrained``; nothing is downloaded).
 
 Against ``transformers`` in float32 with eager attention: logits, validation loss and log-probs at one process (in
-this process), at EP=2, TP=2 and PP=2 (one 2-process worker run); three training steps follow ``transformers`` +
+this process), at EP=2, TP=2 and PP=2 (two 2-process worker runs); three training steps follow ``transformers`` +
 ``torch.optim.AdamW``; the export is the HF checkpoint, and a trained export loads in ``transformers`` with our logits.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from pathlib import Path
 from typing import Any
@@ -301,14 +302,17 @@ def layouts(models: dict[str, Path], tokens: torch.Tensor, tmp_path_factory: pyt
     jobs = [{**job, "model": str(models[job["arch"]]), "logprobs": True, "save": str(tmp / f"saved-{name}"),
              "ckpt": str(tmp / f"ckpt-{name}") if job.get("ckpt") else None}
             for name, job in LAYOUTS.items()]  # fmt: skip
-    out = tmp / "result"
-    args = {"devices": 2, "tokens": str(tmp / "tokens.pt"), "packed": str(tmp / "packed.pt"), "out": str(out),
-            "jobs": jobs}  # fmt: skip
-    run_forked("hf_worker:main", args, 2, tmp, child_env(CUDA_VISIBLE_DEVICES=""), expect=Path(f"{out}.rank1.json"))
-    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
-    logits = [[torch.load(f"{out}.job{i}.rank{r}.pt") for r in range(2)] for i in range(len(LAYOUTS))]
-    return {name: {"ranks": [ranks[r][i] for r in range(2)], "logits": logits[i], "save": Path(jobs[i]["save"]),
-                   "ckpt": jobs[i]["ckpt"]} for i, name in enumerate(LAYOUTS)}  # fmt: skip
+    outs = [tmp / "result0", tmp / "result1"]  # job i: in run i % 2 (of two side by side), its (i // 2)-th
+    runs = [{"devices": 2, "tokens": str(tmp / "tokens.pt"), "packed": str(tmp / "packed.pt"), "out": str(out),
+             "jobs": jobs[half::2]} for half, out in enumerate(outs)]  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each run's ranks wait on each other: both cores busy
+        list(pool.map(lambda args: run_forked("hf_worker:main", args, 2, tmp, child_env(CUDA_VISIBLE_DEVICES=""),
+                                              expect=Path(f"{args['out']}.rank1.json")), runs))  # fmt: skip
+    ranks = [[json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)] for out in outs]
+    logits = [[torch.load(f"{outs[i % 2]}.job{i // 2}.rank{r}.pt") for r in range(2)] for i in range(len(LAYOUTS))]
+    return {name: {"ranks": [ranks[i % 2][r][i // 2] for r in range(2)], "logits": logits[i],
+                   "save": Path(jobs[i]["save"]), "ckpt": jobs[i]["ckpt"]}
+            for i, name in enumerate(LAYOUTS)}  # fmt: skip
 
 
 @pytest.mark.multiprocess

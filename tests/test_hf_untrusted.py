@@ -47,10 +47,6 @@ def elsewhere(source: Path, tmp_path: Path) -> Path:
     return Path(shutil.copy(source / "model.safetensors", tmp_path / "elsewhere" / "model.safetensors"))
 
 
-def _contents(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def _index(hf: Path, weight_map: dict[str, str]) -> None:
     (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
@@ -72,12 +68,11 @@ def _shard(hf: Path) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------- containment
 @pytest.mark.parametrize("entry", ["absolute", "dotdot"])
 def test_an_index_entry_outside_the_directory_is_refused(hf: Path, elsewhere: Path, entry: str) -> None:
-    before = _contents(elsewhere.parent)
     name = str(elsewhere) if entry == "absolute" else "../elsewhere/model.safetensors"
     _index(hf, {**dict.fromkeys(load_file(hf / "model.safetensors"), "model.safetensors"), NAME: name})
-    with pytest.raises(ValueError, match=rf"index\.json's weight_map entry for {NAME} names the file '{name}', out"):
-        MegatronLMModule.from_hf(hf)
-    assert _contents(elsewhere.parent) == before
+    refused = rf"index\.json's weight_map entry for {NAME} names the file '{name}', which is not a relative name"
+    with pytest.raises(ValueError, match=refused):
+        MegatronLMModule.from_hf(hf)  # (refused when the directory is opened, before any weight is read)
 
 
 @pytest.mark.parametrize("file", ["model.safetensors", "config.json", "generation_config.json"])
@@ -85,11 +80,9 @@ def test_a_symlink_leaving_the_directory_is_refused(hf: Path, elsewhere: Path, f
     target = shutil.copy(hf / file, elsewhere.parent / file) if file != "model.safetensors" else elsewhere
     (hf / file).unlink()
     (hf / file).symlink_to(target)
-    before = _contents(elsewhere.parent)
     names = rf"the model directory names .*hf/{file}"
     with pytest.raises(ValueError, match=rf"{names}, a symlink that leads to .*elsewhere/{file}, outside"):
         open_pretrained(hf)
-    assert _contents(elsewhere.parent) == before
 
 
 def test_a_hub_cache_snapshot_loads(source: Path, tmp_path: Path) -> None:
@@ -121,10 +114,8 @@ def test_a_peft_adapter_file_leaving_its_directory_is_refused(hf: Path, tmp_path
     (tmp_path / "elsewhere").mkdir()
     moved = Path(shutil.move(adapter / "adapter_model.safetensors", tmp_path / "elsewhere"))
     (adapter / "adapter_model.safetensors").symlink_to(moved)
-    before = _contents(moved.parent)
     with pytest.raises(ValueError, match=r"the adapter directory names .*adapter_model\.safetensors, a symlink that"):
         MegatronLMModule.from_hf(hf, adapter=adapter)
-    assert _contents(moved.parent) == before
 
 
 # ---------------------------------------------------------------------------------------------- what is read

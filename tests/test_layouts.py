@@ -8,7 +8,9 @@ Tier 1 runs over gloo on CPU; the ``gpu`` variants run the same over NCCL when C
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,7 +69,7 @@ LAYOUTS = {
 # On CPU, tp2_sp_cp2 covers sequence parallelism (tp2_sp runs on GPUs). "metrics": torchmetrics Sum/Mean/Cat metrics
 # of the validation batches (tests/logged_module.py's Metered) equal one process's: synced over the data-parallel
 # group, not over the model-parallel (TP, PP) or context-parallel peers, which see the same batch.
-CPU_LAYOUTS = [name for name in LAYOUTS if name not in ("tp2_sp", "cp2")]
+CPU_LAYOUTS = [name for name in LAYOUTS if name not in ("tp2_sp", "cp2", "dp2")] + ["dp2"]  # dp2's launch: last
 # Packed rows (documents of 3-20 tokens in rows of 32, attention and loss per document) from the same checkpoint.
 # The reference names kernels='torch'; kernels='auto' must pick kernels that take such rows (test_torchrun_launch).
 PACKED = {"packed": True, "model": {"kernels": "torch"}}
@@ -78,9 +80,20 @@ PACKED_LAYOUTS = {
 }
 
 
+# The resumes launched as users launch them, by their tests (and launcher): fresh interpreters importing the stack,
+# under Lightning's launcher one rank after the other (seconds of a core left idle).
+LAUNCHED = {
+    "test_layout_continues_single_process_curve[dp2]": ("lightning", LAYOUTS["dp2"]),
+    "test_torchrun_launch": ("torchrun", {"devices": 2, "tp": 2, "packed": True}),  # no kernels named: 'auto'
+}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One process: a run that checkpoints at step 2, and the uninterrupted run to step 4 (with validation)."""
+def reference(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[dict]:
+    """One process: a run that checkpoints at step 2, and the uninterrupted run to step 4 (with validation).
+
+    Then the ``LAUNCHED`` resumes of the tests selected start in the background (``reference["launched"]``), side by
+    side with the tests in between; their tests check their results."""
     tmp = tmp_path_factory.mktemp("reference")
     ckpt_dir = tmp / "ckpt"
     saving = {"devices": 1, "max_steps": CKPT_STEP, "ckpt_dir": str(ckpt_dir), "ckpt_every": CKPT_STEP, **AVERAGED}
@@ -88,7 +101,22 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     full = run_here({"devices": 1, "max_steps": MAX_STEPS, **VAL, **AVERAGED, "summary": True, "metrics": True}, tmp)
     ckpt = ckpt_dir / f"epoch=0-step={CKPT_STEP}.ckpt"
     assert (ckpt / "metadata.json").is_file(), sorted(p.name for p in ckpt_dir.iterdir())
-    return {"ckpt": str(ckpt), "full": full, "tmp": tmp, "own_state": saved["own_state"]["at_end"]}
+    result = {"ckpt": str(ckpt), "full": full, "tmp": tmp, "own_state": saved["own_state"]["at_end"], "launched": {}}
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    with concurrent.futures.ThreadPoolExecutor(len(LAUNCHED)) as pool:
+        for test, (launcher, layout) in LAUNCHED.items():
+            if test in selected:
+                (tmp / launcher).mkdir()
+                result["launched"][test] = pool.submit(_resume, layout, result, tmp / launcher, launcher=launcher)
+        yield result
+
+
+def _launched(test: str, reference: dict, tmp_path: Path) -> dict:
+    """The result of ``test``'s launched resume: started by ``reference``, or now."""
+    if test in reference["launched"]:
+        return reference["launched"][test].result()
+    launcher, layout = LAUNCHED[test]
+    return _resume(layout, reference, tmp_path, launcher=launcher)
 
 
 def _assert_close(got: dict, want: dict, what: str) -> None:
@@ -140,9 +168,12 @@ def test_training_changes_the_loss(reference: dict) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", CPU_LAYOUTS)
 def test_layout_continues_single_process_curve(name: str, reference: dict, tmp_path: Path) -> None:
-    # DP=2 as a user's script runs: Lightning's launcher starts the second process. The others fork their ranks
-    # (tests/forked.py); test_torchrun_launch covers torchrun.
-    resumed = _resume(LAYOUTS[name], reference, tmp_path, launcher="lightning" if name == "dp2" else "fork")
+    # DP=2 as a user's script runs: Lightning's launcher starts the second process (in the background: LAUNCHED).
+    # The others fork their ranks (tests/forked.py); test_torchrun_launch covers torchrun.
+    if name == "dp2":
+        resumed = _launched(f"test_layout_continues_single_process_curve[{name}]", reference, tmp_path)
+    else:
+        resumed = _resume(LAYOUTS[name], reference, tmp_path)
     full = reference["full"]
     _assert_continues(resumed, full)
     assert resumed["callback_metrics"]["train_loss"] == pytest.approx(full["callback_metrics"]["train_loss"], rel=REL)
@@ -251,9 +282,9 @@ def test_auto_kernels_take_packed_rows_at_one_process(packed_reference: dict, re
 @pytest.mark.multiprocess
 def test_torchrun_launch(packed_reference: dict, reference: dict, tmp_path: Path) -> None:
     """The same script under torchrun (processes started outside Lightning) continues the same curve: packed rows at
-    TP=2 with kernels='auto', which must take them, following the one-process run of kernels='torch'."""
-    auto = {"devices": 2, "tp": 2, "packed": True}  # no kernels named: 'auto'
-    resumed = run_worker(_resume_args(auto, reference), tmp_path, launcher="torchrun")
+    TP=2 with kernels='auto', which must take them, following the one-process run of kernels='torch' (launched in
+    the background: LAUNCHED)."""
+    resumed = _launched("test_torchrun_launch", reference, tmp_path)
     _assert_close(resumed["train"], packed_reference["train"], "packed train_loss")
     _assert_close(resumed["val"], packed_reference["val"], "packed val_loss")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import re
@@ -298,27 +299,49 @@ def test_grouped_gemm_required_where_there_is_none() -> None:
     KernelPlan.resolve(tiny_gpt(num_moe_experts=4, moe_grouped_gemm=None), "cpu")  # the loop there
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [{"pp": 2}, {"ep": 2}, {"tp": 2, "sp": True}], ids=["pp2", "ep2_dp2", "tp2_sp"])
-def test_router_losses_are_the_same_at_every_layout(tmp_path: Path, layout: dict) -> None:
-    """The router losses are reduced over the layout's ranks as the loss is: PP=2 splits the MoE layers (one per
-    stage, from the stage's global layer offset) and sums over the stages; EP=2 (with DP=2: each rank routes half the
-    batch) averages over the data-parallel ranks; TP=2 with SP adds up the load-balancing partial sums of the
-    sequence shards and averages the z-loss. Every rank logs what one process logs for the same weights and batch."""
+ROUTER_LAYOUTS = {"pp2": {"pp": 2}, "ep2_dp2": {"ep": 2}, "tp2_sp": {"tp": 2, "sp": True}}
+
+
+@pytest.fixture(scope="module")
+def router_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process's run to a checkpoint at step 1 and its step 2 resumed from it (with validation at step 2), and
+    that resume at each of ``ROUTER_LAYOUTS``, run side by side: every rank's ``callback_metrics``."""
+    tmp = tmp_path_factory.mktemp("routers")
     model = {**ROUTERS, "moe_layer_freq": [0, 1, 1, 0]}  # a list, as from YAML
     # One sample per micro-batch: the router losses are per micro-batch and not linear in its samples, so a
     # data-parallel rank's micro-batches must hold what one process's do (the distributed sampler deals samples
     # alternately to the two ranks).
-    ckpt = {"model": model, "ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 1, "micro_batch_size": 1}
-    run_here({**ckpt, "max_steps": 1}, tmp_path)
-    resume = {"model": model, "max_steps": 2, "resume": str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"),
-              "micro_batch_size": 1}  # fmt: skip
-    one = run_here(resume, tmp_path)["callback_metrics"]
-    two = run_worker({**resume, "devices": 2, **layout}, tmp_path)
-    (other,) = tmp_path.glob("result-*.json.rank1")
-    for metrics in (two["callback_metrics"], json.loads(other.read_text())["callback_metrics"]):
-        for name in ("moe_aux_loss", "moe_z_loss", "train_loss"):
-            assert metrics[name] == pytest.approx(one[name], rel=1e-5), name
+    # An EMA of the weights too (experts included), saved at step 1 and resumed at the layout: the validation at
+    # step 2 runs on it.
+    ckpt = {"model": model, "ckpt_dir": str(tmp / "ckpt"), "ckpt_every": 1, "micro_batch_size": 1, "ema": 0.5}
+    run_here({**ckpt, "max_steps": 1}, tmp)
+    resume = {"model": model, "max_steps": 2, "resume": str(tmp / "ckpt" / "epoch=0-step=1.ckpt"),
+              "micro_batch_size": 1, "ema": 0.5, "limit_val_batches": 1, "val_check_interval": 2}  # fmt: skip
+    runs = {"one": [run_here(resume, tmp)["callback_metrics"]]}
+    dirs = {name: tmp / name for name in ROUTER_LAYOUTS}
+    with concurrent.futures.ThreadPoolExecutor(len(ROUTER_LAYOUTS)) as pool:
+        for name, layout in ROUTER_LAYOUTS.items():
+            dirs[name].mkdir()
+        results = {name: pool.submit(run_worker, {**resume, "devices": 2, **layout}, dirs[name])
+                   for name, layout in ROUTER_LAYOUTS.items()}  # fmt: skip
+        for name, result in results.items():
+            rank0 = result.result()["callback_metrics"]
+            (other,) = dirs[name].glob("result-*.json.rank1")
+            runs[name] = [rank0, json.loads(other.read_text())["callback_metrics"]]
+    return runs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(ROUTER_LAYOUTS))
+def test_router_losses_are_the_same_at_every_layout(router_runs: dict, name: str) -> None:
+    """The router losses are reduced over the layout's ranks as the loss is: PP=2 splits the MoE layers (one per
+    stage, from the stage's global layer offset) and sums over the stages; EP=2 (with DP=2: each rank routes half the
+    batch) averages over the data-parallel ranks; TP=2 with SP adds up the load-balancing partial sums of the
+    sequence shards and averages the z-loss. Every rank logs what one process logs for the same weights and batch."""
+    (one,) = router_runs["one"]
+    for metrics in router_runs[name]:  # both ranks
+        for metric in ("moe_aux_loss", "moe_z_loss", "train_loss", "val_loss"):
+            assert metrics[metric] == pytest.approx(one[metric], rel=1e-5), metric
 
 
 def test_training_with_tensor_parallel_experts_needs_sequence_parallelism() -> None:

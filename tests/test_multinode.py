@@ -1,12 +1,14 @@
 """Multi-node launch on localhost: two "nodes" of one process each train at DP=2 and reproduce the single-node
 (devices=2) run exactly, started by Lightning's own launcher (``Trainer(num_nodes=2, devices=1)`` started twice with
-``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``). (Processes started by torchrun, which Lightning joins through its
+``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``); the single-node reference's two ranks are forked from the test
+session's fork server. (Processes started by torchrun, which Lightning joins through its
 TorchElastic environment: tests/test_layouts.py::test_torchrun_launch, one node; tensor-parallel peers reading the
 same samples: tests/hf_worker.py.) The same runs check what each rank read: data-parallel ranks on different nodes
 read disjoint samples (TokenFileDataModule's sharding by the data-parallel rank)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 from lightning_megatron.data.tokens import write_token_file
-from tests.conftest import child_env, free_port, run_together
+from tests.conftest import child_env, free_port, run_forked, run_together
 
 WORKER = Path(__file__).parent / "ux_worker.py"
 STEPS = 3
@@ -50,15 +52,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]
     env = child_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     runs = {}
 
-    # One node, 2 processes started by Lightning (it picks its own free port).
-    single = [([sys.executable, *_worker({**args, "devices": 2}, tmp / "single")], env)]
     # Lightning's launcher on each "node": Trainer(num_nodes=2, devices=1), node rank and rendezvous from the env.
     port, cmd = free_port(), _worker({**args, "devices": 1, "num_nodes": 2}, tmp / "lightning")
     node_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     nodes = [([sys.executable, *cmd], {**env, **node_env, "NODE_RANK": str(node)}) for node in (0, 1)]
-    # Both independent jobs at once: the single node's launcher starts its second rank only after the first has
-    # imported everything, which leaves a core idle that the two "nodes" use.
-    _launch(single + nodes, tmp)
+    # The reference, one node of 2 processes (ranks forked from the session's fork server, which has imported the
+    # stack: tests/forked.py), side by side with the two "nodes", which spend their first seconds importing it.
+    (tmp / "single").mkdir()
+    single = {**args, "devices": 2, "out": str(tmp / "single")}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run_forked, "ux_worker:main", single, 2, tmp, env, TIMEOUT)
+        _launch(nodes, tmp)
+        reference.result()
     runs["single"] = _results(tmp / "single")
     runs["lightning"] = _results(tmp / "lightning")
     return runs

@@ -96,7 +96,7 @@ def test_a_writer_still_starting_does_not_hold_up_the_handoff(tmp_path: Path, mo
 
     gate = tmp_path / "gate"
     starting = f"import pathlib, sys, time\nwhile not pathlib.Path({str(gate)!r}).exists(): time.sleep(0.05)\n"
-    serving = "from lightning_megatron.checkpointing.write_process import serve\nserve(*map(int, sys.argv[-2:]))"
+    serving = f"import runpy\nrunpy.run_path({str(write_process._MAIN)!r}, run_name='__main__')"  # the real writer
     monkeypatch.setattr(write_process, "COMMAND", [sys.executable, "-c", starting + serving])
     shared = SharedSegments()
     writer = write_process.WriterProcess()

@@ -8,7 +8,6 @@ is the check itself. (The HF side: ``tests/test_hf_untrusted.py``.)
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 import shutil
 from pathlib import Path
@@ -19,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule
 from lightning_megatron.checkpointing import checks, checksums, sharded
-from tests.conftest import flip_bit
+from tests.conftest import flip_bit, recording_opens
 from tests.test_faults import DATA, _model, _trainer
 
 
@@ -45,10 +44,6 @@ def _rewrite_metadata(path: Path, change: object) -> None:
     checksums.record_metadata(path)
 
 
-def _digests(root: Path) -> dict[str, str]:
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 # ---------------------------------------------------------------------------------------------- containment
 @pytest.mark.parametrize("where", ["absolute", "parent"])
 def test_a_storage_entry_naming_a_file_outside_the_checkpoint_is_refused(
@@ -64,11 +59,12 @@ def test_a_storage_entry_naming_a_file_outside_the_checkpoint_is_refused(
             info.relative_path = name
 
     _rewrite_metadata(path, point_outside)
-    before = _digests(tmp_path)
+    refused = r"\.metadata \(the storage entry of .*\) names the file '.*elsewhere"
     for load in (_resume, MegatronLMModule.load_from_checkpoint):
-        with pytest.raises(ValueError, match=r"\.metadata \(the storage entry of .*\) names the file '.*elsewhere"):
+        with recording_opens() as opened, pytest.raises(ValueError, match=refused):
             load(path)
-    assert _digests(tmp_path) == before
+        assert opened  # the checkpoint's own files were opened (.metadata, metadata.json, ...): the hook works
+        assert not [name for name in opened if "elsewhere" in name]  # the file outside never was
 
 
 @pytest.mark.parametrize("name", ["__0_0.distcp", "metadata.json", "checksums_0.json"])
@@ -151,6 +147,19 @@ def test_a_size_bomb_in_the_metadata_is_named(saved: dict, tmp_path: Path, key: 
         metadata.state_dict_metadata[key].size = torch.Size([10**6, 10**6])  # type: ignore[attr-defined]
 
     _rewrite_metadata(path, inflate)
-    expected = r"holds a model of another shape: 1 tensor\(s\) of another shape, e.g. "
+    expected = r"holds a model of another shape: 1 tensor\(s\) of another shape or kind, e.g. "
     with pytest.raises(ValueError, match=expected + rf"{key}: saved \(1000000, 1000000\), expected \("):
         _resume(path)
+
+
+def test_an_integer_tensor_in_place_of_a_weight_is_named(saved: dict, tmp_path: Path) -> None:
+    """Metadata that stores a weight as int32: torch's reader would cast it into the float parameter without a word."""
+    path = _copy(saved, tmp_path)
+    key = "output_layer.weight"
+
+    def as_integers(metadata: object) -> None:
+        metadata.state_dict_metadata[key].properties.dtype = torch.int32  # type: ignore[attr-defined]
+
+    _rewrite_metadata(path, as_integers)
+    with pytest.raises(ValueError, match=rf"{key}: saved as torch.int32, expected torch.float32"):
+        _validate(path)

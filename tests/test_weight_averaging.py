@@ -132,7 +132,7 @@ class WithState(MegatronLMModule):
     def __init__(self, config: ModelConfig | None = None, decay_steps: int = 8, **kwargs: object) -> None:
         super().__init__(config or tiny_gpt(), decay_steps=decay_steps, **kwargs)
         self.register_buffer("steps_seen", torch.zeros((), dtype=torch.long))
-        self.head = torch.nn.Linear(2, 2)
+        self.head = torch.nn.Linear(2, 2).requires_grad_(False)  # frozen: Megatron's optimizer trains the chunks only
         self.at_start: dict[str, torch.Tensor] = {}
 
     def on_train_start(self) -> None:  # after a resume restored the checkpoint
@@ -207,3 +207,89 @@ def test_the_average_swaps_in_on_request_and_the_weights_come_back_bit_for_bit()
     average = {name: 0.5 * first[name] + 0.5 * second[name] for name in first}  # after step 2
     assert _max_difference(swap.inside, average) < 1e-7  # inside: the average ...
     assert _max_difference(swap.inside, second) > 1e-6  # ... not the weights
+
+
+def test_a_trainable_parameter_outside_the_chunks_is_refused_when_fit_starts() -> None:
+    module = WithState()
+    module.head.requires_grad_(True)
+    with pytest.raises(
+        ValueError, match=r"WithState has trainable parameters outside its Megatron chunks: head.weight"
+    ):
+        _trainer(1).fit(module, DataLoader(DATA, batch_size=8))
+    _trainer().validate(module, VAL, verbose=False)  # evaluation trains nothing: nothing to refuse
+
+
+def test_bf16_weights_reach_a_users_averaging_function_in_fp32() -> None:
+    from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+    theirs = MegatronWeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.5))  # torch's EMA, on lists
+    _fit(theirs, precision="bf16-mixed")
+    ours = MegatronEMA(decay=0.5)
+    _fit(ours, precision="bf16-mixed")
+    assert theirs.average is not None
+    assert ours.average is not None
+    assert _max_difference(theirs.average.averages[0], ours.average.averages[0]) < 1e-6
+
+
+def test_an_average_is_its_runs_own(tmp_path: Path) -> None:
+    """A resume from a checkpoint without an average starts one from the loaded weights; a later fit of the same
+    module without the callback saves none (the old average is not loaded in place of its weights); a validation
+    with ckpt_path on the fit's Trainer evaluates that checkpoint's average, not the fit's."""
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    plain, model = _fit(L.Callback(), saver)  # a checkpoint without an average
+    ema = MegatronEMA(decay=0.5)
+    _fit(ema, steps=3, ckpt_path=str(tmp_path / "step=2.ckpt"))
+    assert ema.average is not None
+    assert ema.average.num_averaged == 1  # started at step 2 from the loaded weights, then step 3 copied in
+    later = ModelCheckpoint(dirpath=tmp_path / "later", filename="{step}", every_n_train_steps=4)
+    trainer = _trainer(4, callbacks=[later], enable_checkpointing=True)
+    trainer.fit(model, DataLoader(DATA, batch_size=8))  # the module of the first fit, no averaging now
+    loaded = MegatronLMModule.load_from_checkpoint(tmp_path / "later" / "step=4.ckpt")
+    (metrics,) = _trainer().validate(loaded, VAL, verbose=False)
+    (own,) = _trainer().validate(model, VAL, verbose=False)
+    assert metrics["val_loss"] == pytest.approx(own["val_loss"], rel=1e-6)  # its own trained weights
+    saver = ModelCheckpoint(dirpath=tmp_path / "ema", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    fit_trainer = _trainer(4, callbacks=[saver, MegatronEMA(decay=0.5)], enable_checkpointing=True)
+    module = MegatronLMModule(tiny_gpt(), decay_steps=8)
+    fit_trainer.fit(module, DataLoader(DATA, batch_size=8))
+    step2 = str(tmp_path / "ema" / "step=2.ckpt")
+    (same_trainer,) = fit_trainer.validate(module, VAL, ckpt_path=step2, verbose=False)
+    (fresh,) = _trainer().validate(MegatronLMModule(tiny_gpt()), VAL, ckpt_path=step2, verbose=False)
+    assert same_trainer["val_loss"] == fresh["val_loss"]  # step 2's average, on either Trainer
+
+
+def test_the_average_of_lora_adapters_resumes_exactly_from_lean_async_checkpoints(tmp_path: Path) -> None:
+    """LoRA (checkpoints of the adapters only, the frozen base referred to), async saves (the average staged in host
+    buffers with the rest) and checkpoints without the model's weights (the average is saved on its own)."""
+    from lightning_megatron import MegatronStrategy
+
+    def fit(ckpt_path: str | None = None, *callbacks: L.Callback) -> Snapshots:
+        strategy = MegatronStrategy(micro_batch_size=2, async_save=True)
+        strategy.checkpoint_writer.save_model_weights = False
+        snapshots, model = Snapshots(), MegatronLMModule(tiny_gpt(), decay_steps=8, lora={"rank": 2, "alpha": 4.0})
+        trainer = _trainer(
+            4, strategy=strategy, callbacks=[snapshots, MegatronEMA(decay=0.5), *callbacks], limit_val_batches=1,
+            val_check_interval=2, enable_checkpointing=bool(callbacks),
+        )  # fmt: skip
+        trainer.fit(model, DataLoader(DATA, batch_size=8), val_dataloaders=VAL, ckpt_path=ckpt_path)
+        return snapshots
+
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    full = fit(None, saver)
+    resumed = fit(str(tmp_path / "step=2.ckpt"))
+    assert resumed.val == {4: full.val[4]}
+
+
+@pytest.mark.gpu
+def test_the_compiled_ema_update_equals_the_eager_one() -> None:
+    """On a GPU the EMA update runs compiled (one pass); it computes what the eager two passes compute."""
+    from lightning_megatron.training import averaging
+
+    weights = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((64, 32), (32,), (1000, 17))]
+    eager, compiled = [w.float() * 0.5 for w in weights], [w.float() * 0.5 for w in weights]
+    for _ in range(3):
+        averaging.ema_update_eager(eager, weights, 0.9)
+        averaging.ema_update(compiled, weights, 0.9)
+    assert averaging._compiled["ema"] is not averaging.ema_update_eager  # it did compile
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -141,21 +141,25 @@ def check_shapes(
                 missing.append(item.key)
             continue
         size = getattr(saved[item.key], "size", None)  # None: stored as bytes, not as a tensor
+        dtype = getattr(getattr(saved[item.key], "properties", None), "dtype", None)
         if size is None or tuple(size) != tuple(item.global_shape):
             shape = "bytes" if size is None else tuple(size)
             wrong.append(f"{item.key}: saved {shape}, expected {tuple(item.global_shape)}")
+        elif dtype is not None and dtype.is_floating_point != item.dtype.is_floating_point:  # would be cast silently
+            wrong.append(f"{item.key}: saved as {dtype}, expected {item.dtype}")
     if not (config_diff or wrong or missing):
         return
     parts = []
     if config_diff:
         parts.append("ModelConfig differs (" + "; ".join(config_diff) + ")")
     if wrong:
-        parts.append(f"{len(wrong)} tensor(s) of another shape, e.g. " + "; ".join(wrong[:3]))
+        parts.append(f"{len(wrong)} tensor(s) of another shape or kind, e.g. " + "; ".join(wrong[:3]))
     if missing:
         parts.append(f"{len(missing)} tensor(s) not in the checkpoint, e.g. " + ", ".join(missing[:3]))
     raise ValueError(
         f"checkpoint {path} holds a model of another shape: {'. '.join(parts)}. Resume with the ModelConfig it was "
-        "saved with (parallel sizes may differ), or start a new run"
+        "saved with (parallel sizes may differ), or start a new run (to load the weights both hold into another "
+        "model: YourModule.load_from_checkpoint(path, strict=False))"
     )
 
 

@@ -22,8 +22,9 @@ def inside(directory: Path, name: str, what: str, roots: Sequence[Path] | None =
     pure = PurePosixPath(name)
     if not name or pure.is_absolute() or Path(name).is_absolute() or ".." in pure.parts or "\\" in name:
         raise ValueError(
-            f"{what} names the file {name!r}, outside {directory}: a checkpoint or model directory names only its "
-            "own files (relative names without '..'). Refusing to read it; is the directory from an untrusted source?"
+            f"{what} names the file {name!r}, which is not a relative name inside {directory}: a checkpoint or model "
+            "directory names only its own files (relative names with '/' and without '..'). Refusing to read it; is "
+            "the directory from an untrusted source?"
         )
     path = directory / name
     resolved = path.resolve()

@@ -151,9 +151,15 @@ def load_module(
     (``None`` for a checkpoint written before that was saved)."""
     config, frozen = model_config_dict(module), module.frozen_base()
     chunks, average = list(module.chunks), module.weight_average
+    # The module's strict_loading, as Lightning's load_state_dict honours it; a resume loads the optimizer state
+    # too, which must match the model exactly.
+    if module.trainer.state.fn != "fit":  # validate/test/predict(ckpt_path): the weights only (not into the optimizer
+        optimizer = scheduler = None  # an earlier fit left, whose main weights would then overwrite them)
+    strict = module.strict_loading is not False or optimizer is not None
     loaded = load(
-        chunks, optimizer, path, config, scheduler=scheduler, frozen_base=frozen, reading=reading, average=average
-    )
+        chunks, optimizer, path, config, scheduler=scheduler, frozen_base=frozen, reading=reading, average=average,
+        strict=strict,
+    )  # fmt: skip
     loaded.setdefault("state_dict", None)
     return loaded
 

@@ -101,6 +101,7 @@ class WeightAverage:
         self.num_averaged += 1
 
     def _custom_update(self, averaged: list[Tensor], current: list[Tensor]) -> None:
+        current = [c.to(a.dtype) for a, c in zip(averaged, current, strict=True)]  # bf16 weights, an fp32 average
         count = torch.tensor(self.num_averaged, device=averaged[0].device)
         if self.multi_avg_fn is not None:
             self.multi_avg_fn(averaged, current, count)
@@ -108,7 +109,7 @@ class WeightAverage:
             for average, value in zip(averaged, current, strict=True):
                 average.copy_(self.avg_fn(average, value, count))
         else:  # the equal-weight mean of every update: averaged += (current - averaged) / (n + 1)
-            difference = torch._foreach_sub([c.float() for c in current], averaged)
+            difference = torch._foreach_sub(current, averaged)
             torch._foreach_add_(averaged, difference, alpha=1.0 / (self.num_averaged + 1))
 
     @torch.no_grad()
@@ -171,12 +172,19 @@ def ema_update(averaged: list[Tensor], current: list[Tensor], decay: float) -> N
     """:func:`ema_update_eager`, on CUDA compiled into one pass per tensor (reads the average and the weights once,
     writes the average once: the update is bound by memory, and eagerly it moves 18 bytes per bf16 parameter instead
     of 10). Compiled once per run's shapes and decay (``dynamic=False``)."""
-    if not averaged or not averaged[0].is_cuda:
+    if not averaged or not averaged[0].is_cuda or _compiled.get("ema") is ema_update_eager:
         ema_update_eager(averaged, current, decay)
         return
     if "ema" not in _compiled:
         _compiled["ema"] = torch.compile(ema_update_eager, fullgraph=True, dynamic=False)
-    _compiled["ema"](averaged, current, decay)
+    try:
+        _compiled["ema"](averaged, current, decay)
+    except Exception as error:  # noqa: BLE001  (a compiler that cannot build it: the same update, eagerly)
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"the compiled EMA update failed ({type(error).__name__}: {error}); updating eagerly")
+        _compiled["ema"] = ema_update_eager
+        ema_update_eager(averaged, current, decay)
 
 
 def averaged_entry(entry: Any, data: Tensor | None = None) -> Any:

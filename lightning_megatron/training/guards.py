@@ -366,6 +366,23 @@ def check_callbacks(callbacks: Iterable[object]) -> None:
             )
 
 
+def check_module(module: nn.Module, fitting: bool) -> None:
+    """When the strategy sets a run up: the chunks' loss convention (:func:`check_per_token_loss`) and, for a fit, no
+    trainable parameter outside the chunks -- Megatron's optimizer holds the chunks' parameters only, so one beside
+    them (a head built on the LightningModule) would never change, without a word."""
+    chunks = module.chunks
+    check_per_token_loss(chunks)  # type: ignore[arg-type]
+    inside = {id(p) for p in chunks.parameters()}  # type: ignore[union-attr]
+    outside = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
+    if fitting and outside:
+        raise ValueError(
+            f"{type(module).__name__} has trainable parameters outside its Megatron chunks: {', '.join(outside[:5])}. "
+            "MegatronStrategy's optimizer trains the chunks' parameters only (Megatron's DDP, gradient buffers and "
+            "optimizer are built from them), so these would never change: build them into the chunks (build_chunk), "
+            "or freeze them (requires_grad=False: saved and restored in checkpoints as they are)"
+        )
+
+
 def check_per_token_loss(chunks: Sequence[nn.Module]) -> None:
     """Every chunk's config must say ``calculate_per_token_loss=True`` (as ``ChunkSpec.parallel`` does): loss
     functions return sums and Megatron divides the gradients by the global batch's token count."""
