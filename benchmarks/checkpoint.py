@@ -18,7 +18,7 @@ checkpoint: recording its checksums again and verifying them, and the disk's own
 (on as many bytes as the checkpoint holds, or ``--disk-probe-gib``, in the same directory: a disk may write a
 short burst faster than it sustains), measured before the saves too (``probe``: ``before`` and ``after``: a cloud
 disk's speed drifts within a run, and the two bracket it). ``--no-model-weights``: checkpoints without the
-model's copy of the trained weights (``checkpoint_writer.save_model_weights=False``). Each measurement prints one
+model's copy of the trained weights (``CheckpointConfig(save_model_weights=False)``). Each measurement prints one
 JSON line; ``normal_step_s`` is the mean step time before the first save. The host buffers are staged when each fit
 starts (``prestaged`` in its first row); the first save of a structure plans, the second verifies the plan, the
 third on reuse it.
@@ -65,7 +65,7 @@ def parse() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--read-threads", type=lambda text: [int(n) for n in text.split(",")], default=None,
-        help="checkpoint_writer.read_threads of the resumes, e.g. 1,8: each value's cold and warm resume (default: "
+        help="CheckpointConfig.read_threads of the resumes, e.g. 1,8: each value's cold and warm resume (default: "
         "the strategy's)",
     )  # fmt: skip
     p.add_argument("--commit", default=None, help="the code's git commit, copied into every row")
@@ -75,7 +75,7 @@ def parse() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--no-model-weights", dest="model_weights", action="store_false",
-        help="checkpoint_writer.save_model_weights=False: the trained weights stored only as fp32 main weights",
+        help="CheckpointConfig(save_model_weights=False): the trained weights stored only as fp32 main weights",
     )  # fmt: skip
     return p.parse_args()
 
@@ -144,10 +144,11 @@ class Saves(Checkpoint):
 
     def _megatron_optimizer_state(self, trainer: Any) -> dict[str, float]:
         """Seconds Megatron's own ``sharded_state_dict`` (fully_reshardable) takes to build the optimizer state a
-        save writes, against :mod:`lightning_megatron.checkpointing.optimizer_state` building it into host buffers."""
+        save writes, against :mod:`lightning_megatron.checkpointing.format.optimizer_state` building it into host
+        buffers."""
         from lightning_megatron.checkpointing import sharded
-        from lightning_megatron.checkpointing.optimizer_state import optimizer_state
-        from lightning_megatron.checkpointing.staging import HostBuffers
+        from lightning_megatron.checkpointing.format.optimizer_state import optimizer_state
+        from lightning_megatron.checkpointing.save.staging import HostBuffers
 
         chunks, optimizer = list(trainer.strategy.module.chunks), trainer.strategy.megatron_optimizer
         metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -182,7 +183,7 @@ class LoadTimer(L.Callback):
             torch.cuda.synchronize()
         writer = trainer.strategy.checkpoint_writer
         timeline = {k: round(v, 3) for k, v in writer.last_load.items()}
-        self.result = {"resume_load_s": time.perf_counter() - self.start, "read_threads": writer.read_threads,
+        self.result = {"resume_load_s": time.perf_counter() - self.start, "read_threads": writer.config.read_threads,
                        "timeline": timeline}  # fmt: skip
 
 
@@ -192,15 +193,14 @@ def fit(
 ) -> None:  # fmt: skip
     from torch.utils.data import DataLoader
 
-    from lightning_megatron import MegatronLMModule, MegatronStrategy, ModelConfig
+    from lightning_megatron import CheckpointConfig, MegatronLMModule, MegatronStrategy, ModelConfig
     from lightning_megatron.data.corpus import synthetic_tokens
 
     config = ModelConfig(**SHAPES[args.shape], vocab_size=VOCAB, seq_length=args.seq_length)
     batch = args.micro_batch_size * args.micro_batches
-    strategy = MegatronStrategy(micro_batch_size=args.micro_batch_size, async_save=async_save)
-    strategy.checkpoint_writer.save_model_weights = args.model_weights
-    if read_threads is not None:
-        strategy.checkpoint_writer.read_threads = read_threads
+    weights = args.model_weights
+    checkpoint = CheckpointConfig(async_save=async_save, save_model_weights=weights, read_threads=read_threads)
+    strategy = MegatronStrategy(micro_batch_size=args.micro_batch_size, checkpoint=checkpoint)
     trainer = L.Trainer(
         accelerator="cpu" if args.cpu else "gpu", devices=1, precision="32-true" if args.cpu else "bf16-mixed",
         strategy=strategy, max_steps=steps,
@@ -217,8 +217,8 @@ def fit(
 
 
 def checksum_costs(path: Path) -> dict[str, float]:
-    from lightning_megatron.checkpointing import checksums
-    from lightning_megatron.checkpointing.checks import read_metadata
+    from lightning_megatron.checkpointing.integrity import checksums
+    from lightning_megatron.checkpointing.integrity.checks import read_metadata
 
     start = time.perf_counter()
     checksums.record(path, rank=0)

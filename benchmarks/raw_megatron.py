@@ -82,7 +82,7 @@ def run(args: Any, config: Any, data: torch.Tensor, stock: bool = False) -> dict
         clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
     )  # fmt: skip
     optimizer = get_megatron_optimizer(opt_config, chunks)
-    from lightning_megatron.patches import ForeachClipGrads
+    from lightning_megatron.compat.patches import ForeachClipGrads
     from lightning_megatron.training.optim import use_fused_adam
 
     if not stock:  # What MegatronStrategy does on GPU: torch's fused AdamW kernel, multi-tensor gradient-norm kernels.

@@ -1,4 +1,4 @@
-"""Reading a torch DCP checkpoint by one thread against several (``checkpointing/reading.py``), without a strategy:
+"""Reading a torch DCP checkpoint by one thread against several (``checkpointing/load/reading.py``), without a strategy:
 48 fp32 tensors of 16-28 MB (1.4 GB) saved to ``--out``, then read back from the page cache ``--repeats`` times per
 thread count, the counts alternated. Prints one JSON line per read.
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from lightning_megatron.checkpointing.reading import ThreadedReader
+from lightning_megatron.checkpointing.load.reading import ThreadedReader
 
 
 def main() -> None:

@@ -18,7 +18,7 @@
 #   checkpoint  1B: three sync and three async saves with their timelines, Megatron's optimizer-state build beside
 #             ours, resumes from the disk and from the page cache read by 1 and by 8 threads, the disk's own
 #             speed (checkpoints under ./ckbench, ~40 GB at most; ~7 min)
-#   checkpoint_lean  the same with checkpoint_writer.save_model_weights=False (no bf16 weights; ~6 min)
+#   checkpoint_lean  the same with CheckpointConfig(save_model_weights=False) (no bf16 weights; ~6 min)
 #   ema       1B, variant a without and with MegatronEMA(decay=0.999) updated every step, in turn, twice (~6 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)

@@ -1,7 +1,11 @@
 """Markdown tables of the current benchmark figures, from the committed rows in benchmarks/results/*.jsonl.
 
     python benchmarks/tables.py            # print the tables
-    python benchmarks/tables.py --write    # rewrite the block between the markers in benchmarks/README.md
+    python benchmarks/tables.py --write    # rewrite the generated blocks of benchmarks/README.md and README.md
+
+Every line of a result file is one JSON object (a line that is not raises, naming the file and line). Every table
+names, per row, the date of its file, the commit of the code measured (``commit``, or a commit in the row's ``code``
+note; ``-`` where the row records none) and the device (the GPU the row names, else the chip in its file name).
 
 Throughput rows (benchmarks/throughput.py's JSON lines): the latest row of each configuration and chip (variant, shape,
 layout, sequence length, micro-batches and the options that change the step: fp8, CUDA graphs, LoRA, recompute,
@@ -28,6 +32,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE / "README.md"
 START, END = "<!-- tables:start -->", "<!-- tables:end -->"
+ROOT_README = HERE.parent / "README.md"
+HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
+SAVES_START, SAVES_END = "<!-- checkpoints:start -->", "<!-- checkpoints:end -->"
 
 # The shapes of benchmarks/throughput.py (SHAPES, VOCAB), repeated so that this script imports neither torch nor
 # the package (it runs in CI in milliseconds).
@@ -84,51 +91,49 @@ class Row:
     data: dict[str, Any]
     file: str
     line: int
-    header_code: str | None = None  # a "code at <commit>" in the file's comment lines before the row
 
     @property
     def date(self) -> str:
         return self.file[:10]
 
     @property
-    def machine(self) -> str:
-        if self.data.get("machine"):
-            return self.data["machine"]
-        match = re.match(r"\d{4}-\d{2}-\d{2}-(h[12]00(?:x\d+)?)-", self.file)
-        if not match:
-            return "?"
-        chip, _, count = match.group(1).partition("x")
-        if chip == "h100":  # the lent kinds' names: nvidia-h100-x1, nvidia-h100-x2, ...
-            return f"nvidia-h100-x{count or 1}"
-        return f"nvidia-{chip}" + (f"-x{count}" if count else "")
+    def device(self) -> str:
+        """The GPU of the row (``H100``, ``H200``) or ``CPU``: from its ``gpu``/``device``/``machine`` field, else
+        from its file name (``...-h100-...``, ``...-h200x2-...``, ``...-cpu-...``)."""
+        for key in ("gpu", "device", "machine"):
+            value = str(self.data.get(key) or "")
+            chip = re.search(r"H[12]00", value.upper())
+            if chip:
+                return chip.group(0)
+            if value.lower() == "cpu":
+                return "CPU"
+        match = re.match(r"\d{4}-\d{2}-\d{2}-(h[12]00|cpu)", self.file)
+        return match.group(1).upper() if match else "?"
 
     @property
-    def code(self) -> str:
+    def commit(self) -> str:
         if self.data.get("commit"):
             return str(self.data["commit"])
         match = re.search(r"\b([0-9a-f]{7,40})\b", str(self.data.get("code", "")))
-        return match.group(1) if match else (self.header_code or "")
+        return match.group(1) if match else ""
 
 
 def rows(results: Path = RESULTS) -> Iterator[Row]:
-    """Every JSON object line of the result files, in date, file-name and line order (comments and other lines
-    skipped)."""
+    """Every line of the result files, in date, file-name and line order; each must be one JSON object."""
     for path in sorted(results.glob("*.jsonl")):
-        header_code = None
         for number, text in enumerate(path.read_text().splitlines(), 1):
-            text = text.strip()
-            if text.startswith("#"):
-                match = re.search(r"code at ([0-9a-f]{7,40})", text)
-                header_code = match.group(1) if match else header_code
-                continue
-            if not text.startswith("{"):
-                continue
             try:
                 data = json.loads(text)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(data, dict):
-                yield Row(data, path.name, number, header_code)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path.name}:{number}: not a JSON line ({error})") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"{path.name}:{number}: a JSON {type(data).__name__}, not an object")
+            yield Row(data, path.name, number)
+
+
+def cell(row: Row) -> str:
+    """The date, commit and device cells that end a table row."""
+    return f"{row.date} | {row.commit or '-'} | {row.device} |"
 
 
 @dataclass
@@ -180,8 +185,7 @@ def throughput(all_rows: list[Row]) -> Throughput:
         if not all(key in data for key in ("seq", "micro_batch")) or data.get("shape") not in SHAPES:
             table.skip("without the sequence length, micro-batches or a known shape (the MFU cannot be recomputed)")
             continue
-        chip = "h100" if "h100" in row.machine else "h200"  # H100 and H200 rows side by side, each chip's latest
-        table.latest[(*configuration(data), chip)] = row
+        table.latest[(*configuration(data), row.device)] = row  # H100 and H200 rows side by side, each chip's latest
     return table
 
 
@@ -251,8 +255,9 @@ def _order(row: Row) -> tuple:
 
 def throughput_tables(table: Throughput) -> list[str]:
     head = [
-        "| variant | shape | GPUs | seq | micro-batch | tokens/s | MFU | MFU as recorded | date | code | machine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | shape | GPUs | seq | micro-batch | tokens/s | MFU | MFU as recorded | peak GiB | date | commit "
+        "| device |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[str, list[str]] = {
         "one GPU, 2,048 tokens per sequence": [],
@@ -266,8 +271,8 @@ def throughput_tables(table: Throughput) -> list[str]:
         line = (
             f"| {variant_label(data)} | {shape_label(data)} | {layout(data)} | {data['seq']:,} | "
             f"{data['micro_batch']} | "
-            f"{data['tokens_per_s']:,} | {mfu:.1%} | {data['mfu']:.1%} | {row.date} | {row.code or '-'} | "
-            f"{row.machine} |"
+            f"{data['tokens_per_s']:,} | {mfu:.1%} | {data['mfu']:.1%} | {number(data.get('peak_memory_gib'))} | "
+            f"{cell(row)}"
         )
         group = "several GPUs" if data.get("devices", 1) > 1 else "one GPU, 2,048 tokens per sequence"
         if data.get("devices", 1) == 1 and data["seq"] != 2048:
@@ -282,8 +287,9 @@ def throughput_tables(table: Throughput) -> list[str]:
     notes = [
         "MFU: the standard count, tokens/s x (6 N + 6 layers hidden seq) / (989 TFLOP/s x GPUs), N the parameters "
         "without the input embedding table (MoE: each routed expert's parameters times top-k / experts, the active "
-        "parameters); recomputed from each row's fields. \"MFU as recorded\": the row's own "
-        "`mfu` field (before the standard count, rows counted 6 x all parameters, the input table included).",
+        "parameters); recomputed from each row's fields. \"MFU as recorded\": the row's own `mfu` field (a row "
+        "without `flops_params` counted 6 x all parameters, the input table included). `peak GiB`: the GPU memory "
+        "the step allocated at its peak (`torch.cuda.max_memory_allocated`), of one GPU.",
     ]
     if table.from_params:
         notes.append(
@@ -296,61 +302,61 @@ def throughput_tables(table: Throughput) -> list[str]:
     return out + [f"- {note}" for note in notes] + [""]
 
 
-def checkpoint_table(all_rows: list[Row]) -> list[str]:
-    """Checkpoint benchmark rows, of full checkpoints and of checkpoints without the model weights (``model_weights:
-    false``): for each of sync saves, async saves and resumes, the rows of the newest day that measured it (each of
-    that day's files: they may be different machines), each against the disk speed measured in its own file (the
-    mean of its probes: before and after the saves, where both ran). Rows discarded by their ``code`` note are left
-    out."""
+def checkpoint_rows(all_rows: list[Row], lean: bool) -> tuple[list[Row], dict[str, list[dict[str, Any]]]]:
+    """The rows of full checkpoints (or, ``lean``, of checkpoints without the model weights: ``model_weights:
+    false``) shown for sync saves, async saves and resumes: each mode's rows of the newest day that measured it (each
+    of that day's files: they may be different machines), and every such file's disk probes. Rows discarded by their
+    ``code`` note are left out."""
     found = [r for r in all_rows if "-checkpoint-" in r.file]
     found = [r for r in found if not any(word in str(r.data.get("code", "")) for word in NOT_COMPARABLE)]
+    mine = [r for r in found if (r.data.get("model_weights") is False) == lean]
+    chosen: list[Row] = []
+    for mode in ("sync", "async", "resume"):
+        rows_of_mode = sorted((r for r in mine if r.data.get("mode") == mode), key=lambda r: (r.file, r.line))
+        if rows_of_mode:
+            newest = max(r.date for r in rows_of_mode)
+            chosen += [r for r in rows_of_mode if r.date == newest]
+    disks: dict[str, list[dict[str, Any]]] = {}
+    for r in mine:
+        if r.data.get("mode") == "disk":
+            disks.setdefault(r.file, []).append(r.data)
+    return chosen, disks
+
+
+def checkpoint_table(all_rows: list[Row]) -> list[str]:
+    """Checkpoint benchmark tables, of full checkpoints and of checkpoints without the model weights: each save and
+    resume of :func:`checkpoint_rows` against the disk speed measured in its own file (the mean of its probes:
+    before and after the saves, where both ran), the disk probes, the loads' timelines and the checksums."""
     out: list[str] = []
     for lean in (False, True):
-        mine = [r for r in found if (r.data.get("model_weights") is False) == lean]
-        chosen: list[Row] = []
-        for mode in ("sync", "async", "resume"):
-            rows_of_mode = sorted((r for r in mine if r.data.get("mode") == mode), key=lambda r: (r.file, r.line))
-            if rows_of_mode:
-                newest = max(r.date for r in rows_of_mode)
-                chosen += [r for r in rows_of_mode if r.date == newest]
+        chosen, disks = checkpoint_rows(all_rows, lean)
         if chosen:
-            disks: dict[str, list[dict[str, Any]]] = {}
-            for r in mine:
-                if r.data.get("mode") == "disk":
-                    disks.setdefault(r.file, []).append(r.data)
-            out += checkpoint_file(chosen, disks, lean)
+            files = {r.file for r in chosen}
+            checks = [r for r in all_rows if r.file in files and r.data.get("mode") == "checksums"]
+            out += checkpoint_file(chosen, disks, lean, checks)
     return out
 
 
-def checkpoint_file(chosen: list[Row], disks: dict[str, list[dict[str, Any]]], lean: bool) -> list[str]:
+def checkpoint_file(
+    chosen: list[Row], disks: dict[str, list[dict[str, Any]]], lean: bool, checks: list[Row] | None = None
+) -> list[str]:
     size = next((r.data["checkpoint_bytes"] for r in chosen if "checkpoint_bytes" in r.data), 0)
     title = "without the model weights (`save_model_weights=False`)" if lean else "full"
-
-    def probes(file: str, key: str) -> str:  # "1.75 (before), 1.61 (after)" where the probes say when they ran
-        if not any(probe.get("probe") for probe in disks[file]):
-            return " then ".join(number(probe.get(key), 2) for probe in disks[file])
-        return ", ".join(f"{number(probe.get(key), 2)} ({probe.get('probe', '?')})" for probe in disks[file])
-
-    speeds = [
-        f"{probes(file, 'disk_write_gb_s')} GB/s write and {probes(file, 'disk_read_gb_s')} GB/s read in run "
-        f"{run_label(file)} of {file[:10]}"
-        for file in sorted({r.file for r in chosen})
-        if file in disks
-    ]
     out = [
         f"#### Checkpoints, {title} (benchmarks/checkpoint.py)",
         "",
-        f"Checkpoint {number(size / 1e9)} GB. The disk (fsynced writes), measured in each run: {'; '.join(speeds)}. "
-        "Each save's step blocked for `blocked`; `stage` builds the state and copies it to host buffers, `plan` plans "
-        "(and for async saves hands the shards to the writer), `write` writes, checksums and publishes (sync). "
-        "`x disk`: the save until published (a load from the disk) against the checkpoint's bytes at that run's disk "
-        "speed (the mean of its probes, where it measured the disk before and after the saves). Loads from the disk "
-        "(cold) and the page cache (warm).",
+        f"Checkpoint {number(size / 1e9)} GB. Each save's step blocked for `blocked`, against `step`, a training step "
+        "of the same run without a save; `stage` builds the state and copies it to host buffers, `plan` plans (and "
+        "for async saves hands the shards to the writer), `write` writes, checksums and publishes (sync). `x disk`: "
+        "the save until published (a load from the disk) against the checkpoint's bytes at that run's disk speed "
+        "(the mean of its probes, where it measured the disk before and after the saves). Save 0 is the first save "
+        "of a fit. Loads from the disk (cold) and the page cache (warm).",
         "",
+        *disk_table(chosen, disks),
         *optimizer_build(chosen),
-        "| shape | mode | save | blocked s | stage s | plan s | write s | published after s | load s | x disk | date "
-        "| run | code | machine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | mode | save | blocked s | step s | stage s | plan s | write s | published after s | load s | x disk "
+        "| date | run | commit | device |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in chosen:
         data, timeline = row.data, row.data.get("timeline", {})
@@ -360,13 +366,56 @@ def checkpoint_file(chosen: list[Row], disks: dict[str, list[dict[str, Any]]], l
             which = f"{which}, {threads} thread{'s' if threads != 1 else ''}"
         out.append(
             f"| {data.get('shape')} | {data['mode']} | {which} | {number(data.get('save_blocked_s'))} | "
-            f"{number(timeline.get('stage_s'))} | {number(timeline.get('plan_s'))} | {number(timeline.get('write_s'))} "
+            f"{number(data.get('normal_step_s'))} | {number(timeline.get('stage_s'))} | "
+            f"{number(timeline.get('plan_s'))} | {number(timeline.get('write_s'))} "
             f"| {number(data.get('published_after_s'))} | {number(data.get('resume_load_s'))} | "
             f"{number(against_disk(data, disks.get(row.file, [])), 2)} | {row.date} | {run_label(row.file)} | "
-            f"{row.code or '-'} | "
-            f"{row.machine} |"
+            f"{row.commit or '-'} | {row.device} |"
         )
-    return [*out, "", *load_timeline([r for r in chosen if r.data.get("mode") == "resume"])]
+    out += ["", *load_timeline([r for r in chosen if r.data.get("mode") == "resume"])]
+    return out + checksum_table(checks or [])
+
+
+def disk_table(chosen: list[Row], disks: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The disk's speed (fsynced writes, then reads) in each run, each probe named where the run says when it ran."""
+    files = sorted({r.file for r in chosen if r.file in disks})
+    if not files:
+        return []
+
+    def probes(file: str, key: str) -> str:  # "1.75 (before), 1.61 (after)" where the probes say when they ran
+        if not any(probe.get("probe") for probe in disks[file]):
+            return ", ".join(number(probe.get(key), 2) for probe in disks[file])
+        return ", ".join(f"{number(probe.get(key), 2)} ({probe.get('probe', '?')})" for probe in disks[file])
+
+    first = {r.file: r for r in chosen}
+    out = ["| run | disk write GB/s | disk read GB/s | date | commit | device |", "|---|---|---|---|---|---|"]
+    for file in files:
+        row = first[file]
+        out.append(
+            f"| {run_label(file)} | {probes(file, 'disk_write_gb_s')} | {probes(file, 'disk_read_gb_s')} | {cell(row)}"
+        )
+    return [*out, ""]
+
+
+def checksum_table(checks: list[Row]) -> list[str]:
+    """Checksumming the whole checkpoint (files in the page cache): recording, and verifying what a load reads."""
+    if not checks:
+        return []
+    out = [
+        "Checksums (`mode: checksums`): recording the CRC-32 of every 64 KiB block of the whole checkpoint and "
+        "verifying them, on files in the page cache.",
+        "",
+        "| run | record s | verify s | record GB/s | verify GB/s | date | commit | device |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in checks:
+        data = row.data
+        out.append(
+            f"| {run_label(row.file)} | {number(data.get('checksum_record_s'))} | "
+            f"{number(data.get('checksum_verify_s'))} | {number(data.get('checksum_record_gb_s'))} | "
+            f"{number(data.get('checksum_verify_gb_s'))} | {cell(row)}"
+        )
+    return [*out, ""]
 
 
 def run_label(file: str) -> str:
@@ -390,7 +439,7 @@ def against_disk(data: dict[str, Any], probes: list[dict[str, Any]]) -> float | 
 
 def load_timeline(found: list[Row]) -> list[str]:
     """Where each load's time went (``CheckpointWriter.last_load``), for rows that recorded it."""
-    loads = [r.data for r in found if r.data.get("timeline")]
+    loads = [r for r in found if r.data.get("timeline")]
     if not loads:
         return []
     parts = ("open_s", "state_s", "check_s", "verify_s", "read_s", "verify_after_read_s", "apply_s")
@@ -399,30 +448,360 @@ def load_timeline(found: list[Row]) -> list[str]:
         "`verify` checks what is read into the model, `read` is Megatron's load (the optimizer state's checksums "
         "verified meanwhile, where `verify after` is recorded), `apply` puts it into the model and optimizer.",
         "",
-        "| cache | read threads | load | " + " | ".join(p.removesuffix("_s").replace("_", " ") for p in parts) + " |",
-        "|---|---|---|" + "---|" * len(parts),
+        "| cache | read threads | load | "
+        + " | ".join(p.removesuffix("_s").replace("_", " ") for p in parts)
+        + " | date | run | commit | device |",
+        "|---|---|---|" + "---|" * len(parts) + "---|---|---|---|",
     ]
-    for data in loads:
+    for row in loads:
+        data = row.data
         cells = [number(data["timeline"].get(p), 2) for p in parts]
         threads = data.get("read_threads", 1)  # rows without the field: Megatron's own reader
         if threads is None:  # the default: the read split into parts by the CPUs at hand
             threads = f"default ({data['timeline'].get('read_parts', '?')})"
-        row = f"| {data.get('cache', '-')} | {threads} | {number(data.get('resume_load_s'))} | "
-        out.append(row + " | ".join(cells) + " |")
+        line = f"| {data.get('cache', '-')} | {threads} | {number(data.get('resume_load_s'))} | "
+        end = f" | {row.date} | {run_label(row.file)} | {row.commit or '-'} | {row.device} |"
+        out.append(line + " | ".join(cells) + end)
     return [*out, ""]
 
 
 def optimizer_build(found: list[Row]) -> list[str]:
     """A sentence on building the distributed optimizer's state for a save: Megatron's own method against ours."""
-    row = next((r.data for r in found if "megatron_optimizer_state_s" in r.data), None)
+    row = next((r for r in found if "megatron_optimizer_state_s" in r.data), None)
     if row is None:
         return []
+    data = row.data
     return [
-        f"Building the distributed optimizer's state for a save: Megatron's `sharded_state_dict` (fully_reshardable) "
-        f"{number(row['megatron_optimizer_state_s'])} s, this package's {number(row['optimizer_state_s'], 2)} s "
-        f"({number(row['optimizer_state_first_s'])} s into new host buffers, which it allocates and pins).",
+        f"Building the distributed optimizer's state for a save (run {run_label(row.file)}): Megatron's "
+        f"`sharded_state_dict` (fully_reshardable) {number(data['megatron_optimizer_state_s'])} s, this package's "
+        f"{number(data['optimizer_state_s'], 2)} s ({number(data['optimizer_state_first_s'])} s into new host "
+        "buffers, which it allocates and pins).",
         "",
     ]
+
+
+def newest(found: list[Row]) -> list[Row]:
+    """The rows of the newest date among ``found``."""
+    if not found:
+        return []
+    date = max(r.date for r in found)
+    return [r for r in found if r.date == date]
+
+
+def fp8_loss_table(all_rows: list[Row]) -> list[str]:
+    """benchmarks/fp8_convergence.py with CUDA graphs: for each fp8 format, the mean validation loss after 300 steps
+    of the 1B shape over its seeds, against the mean of bf16's runs of the same seeds (the latest run of each)."""
+    runs: dict[tuple[str, Any], Row] = {}
+    for row in all_rows:
+        data = row.data
+        if "val_loss" not in data or data.get("steps") != 300 or not data.get("cuda_graphs"):
+            continue
+        if data.get("fp8_bf16_layers") or any(word in str(data.get("code", "")) for word in ("discarded", "not kept")):
+            continue
+        fp8 = "e4m3" if "e4m3" in (data.get("fp8"), data.get("grad_dtype")) else data.get("fp8")
+        runs[(fp8, data.get("seed"))] = row
+    out: list[str] = []
+    for fp8 in ("e4m3", "hybrid"):
+        seeds = [seed for (kind, seed) in runs if kind == fp8 and ("none", seed) in runs]
+        if not seeds:
+            continue
+        mine = [runs[(fp8, seed)] for seed in seeds]
+        bf16 = [runs[("none", seed)] for seed in seeds]
+        ours = sum(r.data["val_loss"] for r in mine) / len(mine)
+        theirs = sum(r.data["val_loss"] for r in bf16) / len(bf16)
+        both = mine + bf16
+        dates = ", ".join(sorted(dict.fromkeys(r.date for r in both)))
+        commits = ", ".join(dict.fromkeys(r.commit or "-" for r in both))
+        devices = ", ".join(dict.fromkeys(r.device for r in both))
+        out.append(
+            f"| {fp8} | {len(seeds)} | {ours:.4f} | {theirs:.4f} | {ours / theirs - 1:+.1%} | {dates} | {commits} | "
+            f"{devices} |"
+        )
+    if not out:
+        return []
+    return [
+        "#### fp8 against bf16: the loss",
+        "",
+        "`python benchmarks/fp8_convergence.py --fp8 none|hybrid|e4m3`: the 1B shape with a vocabulary of 256 on byte "
+        "text, 300 steps of 4 x 2 x 2,048 tokens with CUDA graphs, the validation loss at the end: the mean over the "
+        "seeds run in fp8, against the mean of bf16's runs of the same seeds.",
+        "",
+        "| fp8 | seeds | fp8 loss | bf16 loss | fp8 above bf16 | dates | commits | device |",
+        "|---|---|---|---|---|---|---|---|",
+        *out,
+        "",
+    ]
+
+
+def ema_tables(all_rows: list[Row]) -> list[str]:
+    """The EMA runs (files named ``...-ema...``) of the newest date: the training steps without and with
+    ``MegatronEMA``, in their order, and one update timed alone (``benchmarks/ema_update.py``)."""
+    files = [r for r in all_rows if re.search(r"-ema[-.]", r.file)]
+    steps = newest([r for r in files if "tokens_per_s" in r.data and "variant" in r.data])
+    updates = newest([r for r in all_rows if r.data.get("bench") == "ema_update"])
+    out: list[str] = []
+    if steps:
+        out += [
+            "#### EMA of the weights: training steps",
+            "",
+            "`bash benchmarks/run_lists.sh ema`: variant (a) without and with `MegatronEMA` updated after every step, "
+            "in turn, each row its own process.",
+            "",
+            "| variant | shape | tokens/s | step s | peak memory GiB | date | commit | device |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in steps:
+            data = row.data
+            out.append(
+                f"| {variant_label(data)} | {shape_label(data)} | {data['tokens_per_s']:,} | "
+                f"{number(data.get('step_time_s'), 4)} | {number(data.get('peak_memory_gib'), 2)} | {cell(row)}"
+            )
+        out.append("")
+    if updates:
+        out += [
+            "#### EMA of the weights: one update",
+            "",
+            "`python benchmarks/ema_update.py`: one update of the 1B shape's average from its weights, timed alone.",
+            "",
+            "| way | parameters | ms | GB/s at 10 bytes per parameter | date | commit | device |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in updates:
+            data = row.data
+            out.append(
+                f"| {data.get('way')} | {data.get('params', 0):,} | {number(data.get('ms'), 3)} | "
+                f"{number(data.get('gb_per_s_at_10_bytes'))} | {cell(row)}"
+            )
+        out.append("")
+    return out
+
+
+def moe_fp8_table(all_rows: list[Row]) -> list[str]:
+    """The MoE expert MLP's grouped GEMMs in fp8 against bf16 (``benchmarks/moe_fp8_probe.py``), newest run."""
+    found = newest([r for r in all_rows if "-moe-fp8-probe" in r.file and "gemm" in r.data])
+    if not found:
+        return []
+    first = found[0].data
+    out = [
+        "#### MoE experts in fp8",
+        "",
+        "`python benchmarks/moe_fp8_probe.py`: the grouped GEMMs of one layer's expert MLP, forward and backward "
+        f"({first.get('routed_rows', 0):,} routed "
+        f"rows, {first.get('num_moe_experts')} experts, hidden {first.get('hidden_size')}, ffn "
+        f"{first.get('moe_ffn_hidden_size')}): bf16 (`torch._grouped_mm`) against fp8 e4m3 with row-wise scales "
+        "(`torch._scaled_grouped_mm`); the casts to fp8 they need, compiled, on their own.",
+        "",
+        "| GEMM | bf16 ms | fp8 ms | fp8 casts ms | date | commit | device |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in found:
+        data = row.data
+        out.append(
+            f"| {data['gemm']} | {number(data.get('bf16_ms'), 2)} | {number(data.get('fp8_ms'), 2)} | "
+            f"{number(data.get('fp8_casts_compiled_ms'), 2)} | {cell(row)}"
+        )
+    return [*out, ""]
+
+
+PACKING_MODES = {"packed": "packed rows", "budget": "token budget", "padded": "padded to the longest document"}
+ATTENTION_KERNELS = {
+    "sdpa_unpacked": "SDPA, each document alone (causal)",
+    "flex_packed": "FlexAttention, packed, document mask",
+    "varlen_packed": "torch varlen_attn, packed",
+    "sdpa_mask_packed": "SDPA, packed, boolean mask",
+}
+
+
+def packing_tables(all_rows: list[Row]) -> list[str]:
+    """benchmarks/packing.py: the latest row of each mode and row length, and of each attention kernel."""
+    latest: dict[tuple, Row] = {}
+    kernels_latest: dict[str, Row] = {}
+    for row in all_rows:
+        data = row.data
+        if data.get("mode") in PACKING_MODES and "useful_tokens_per_s" in data:
+            key = (data["row_length"], data.get("docs_per_step"), data.get("cp") or 1, data["mode"])
+            latest[key] = row
+        elif data.get("benchmark") == "packed_attention":
+            kernels_latest[data["kernel"]] = row
+    out: list[str] = []
+    if latest:
+        out += [
+            "#### Packed rows, token budgets and padding",
+            "",
+            "`python benchmarks/packing.py --mode packed,budget,padded`: the 1B shape on documents of 64-4,096 tokens. "
+            "`useful`: the documents' own tokens per second; "
+            "`computed`: every token the model ran, padding included.",
+            "",
+            "| mode | row length | documents per step | useful tokens/s | computed tokens/s | padding | date | commit "
+            "| device |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        modes = list(PACKING_MODES)
+        for key in sorted(latest, key=lambda k: (k[0], k[1] or 0, k[2], modes.index(k[3]))):
+            row = latest[key]
+            data = row.data
+            out.append(
+                f"| {PACKING_MODES[data['mode']]} | {data['row_length']:,} | {data.get('docs_per_step', '-')} | "
+                f"{data['useful_tokens_per_s']:,} | {data['computed_tokens_per_s']:,} | "
+                f"{data['padding_fraction']:.1%} | {cell(row)}"
+            )
+        out.append("")
+    if kernels_latest:
+        out += [
+            "#### Attention kernels for packed rows",
+            "",
+            "`python benchmarks/packing.py --mode attention`: 8 documents of 2,048 tokens in one row, 16 heads of 128, "
+            "bf16, forward and backward.",
+            "",
+            "| kernel | ms | date | commit | device |",
+            "|---|---|---|---|---|",
+        ]
+        for name, row in sorted(kernels_latest.items(), key=lambda item: item[1].data["fwd_bwd_ms"]):
+            out.append(f"| {ATTENTION_KERNELS.get(name, name)} | {number(row.data['fwd_bwd_ms'], 2)} | {cell(row)}")
+        out.append("")
+    return out
+
+
+def batch_check_table(all_rows: list[Row]) -> list[str]:
+    """The per-step batch check's host work (``benchmarks/batch_check.py``): the latest row of each batch size."""
+    latest: dict[tuple, Row] = {}
+    for row in all_rows:
+        if row.data.get("benchmark") == "batch_check":
+            latest[(row.data["world"], row.data["seq"], row.data["batch"])] = row
+    if not latest:
+        return []
+    out = [
+        "#### The per-step batch check",
+        "",
+        "`torchrun --nproc-per-node 2 benchmarks/batch_check.py`: the check's host work per DataLoader batch, timed "
+        "alone (medians): the batch's fingerprint, and the all-reduce of two integers over a model replica's gloo "
+        "group that compares the fingerprints.",
+        "",
+        "| ranks | batch | seq | fingerprint ms | all-reduce ms | date | commit | device |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(latest):
+        row = latest[key]
+        data = row.data
+        out.append(
+            f"| {data['world']} | {data['batch']} | {data['seq']:,} | {number(data['fingerprint_us'] / 1000, 2)} | "
+            f"{number(data['allreduce_us'] / 1000, 2)} | {cell(row)}"
+        )
+    return [*out, ""]
+
+
+def writer_memory_table(all_rows: list[Row]) -> list[str]:
+    """The async-save writer process's memory once it serves (``benchmarks/writer_memory.py``), newest run."""
+    found = newest([r for r in all_rows if r.data.get("bench") == "writer_memory"])
+    if not found:
+        return []
+    out = [
+        "#### The async-save writer process",
+        "",
+        "`python benchmarks/writer_memory.py`: its memory once it serves (imports done, no save yet): resident in "
+        "all, its own heap, and mapped files "
+        "(shared libraries, shared with other processes that map them); `started`: from its start until it idled.",
+        "",
+        "| resident GB | heap GB | mapped files GB | started s | CPUs | torch | date | commit | device |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in found:
+        data = row.data
+        out.append(
+            f"| {number(data['rss_gb'], 2)} | {number(data.get('rss_anon_gb'), 2)} | "
+            f"{number(data.get('rss_file_gb'), 2)} | {number(data.get('start_s'))} | {data.get('cpus', '-')} | "
+            f"{data.get('torch', '-')} | {cell(row)}"
+        )
+    return [*out, ""]
+
+
+# The README's headline rows: (the variant's label in the throughput tables, shape, device), each the latest row of
+# its configuration at one GPU, 2,048 tokens per sequence and micro-batches 4x2.
+HEADLINE = (
+    ("(a) Trainer + MegatronStrategy", "1b", "H200"),
+    ("(b) raw Megatron-Core, the project's kernels", "1b", "H200"),
+    ("(b0) raw Megatron-Core, stock local spec", "1b", "H200"),
+    ("(d) HF Llama + FSDP2 + compile", "1b", "H200"),
+    ("(a) Trainer + MegatronStrategy + fp8 e4m3, CUDA graphs", "1b", "H200"),
+    ("(a) Trainer + MegatronStrategy", "1b", "H100"),
+    ("(a) Trainer + MegatronStrategy", "moe1b", "H100"),
+)
+
+
+def headline_row(row: Row) -> tuple[str, str, str] | None:
+    """A throughput row's (label, shape, device) where it is one GPU, 2,048 tokens per sequence, micro-batches 4x2."""
+    data = row.data
+    if data.get("devices", 1) != 1 or data["seq"] != 2048 or data["micro_batch"] != "4x2":
+        return None
+    return variant_label(data), data["shape"], row.device
+
+
+def headline(all_rows: list[Row]) -> list[str]:
+    """The README's throughput table: the :data:`HEADLINE` rows of the throughput tables."""
+    table = throughput(all_rows)
+    out = [
+        "| run | model | tokens/s | MFU | date | commit | device |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, shape, device in HEADLINE:
+        found = [row for row in table.latest.values() if headline_row(row) == (label, shape, device)]
+        if len(found) != 1:
+            raise ValueError(f"headline row {label!r} {shape} {device}: {len(found)} rows in the throughput tables")
+        row = found[0]
+        out.append(
+            f"| {label} | {shape_label(row.data)} | {row.data['tokens_per_s']:,} | {standard_mfu(row.data):.1%} | "
+            f"{cell(row)}"
+        )
+    return out
+
+
+def span(values: list[float], digits: int) -> str:
+    """``low-high`` of the values (one number when they agree at these digits), ``-`` for none."""
+    if not values:
+        return "-"
+    low, high = number(min(values), digits), number(max(values), digits)
+    return low if low == high else f"{low}-{high}"
+
+
+def checkpoint_summary(all_rows: list[Row]) -> list[str]:
+    """The README's checkpoint table: full checkpoints, the rows of :func:`checkpoint_rows` summed up per kind of
+    save (first of a fit, later) and for resumes from the disk by 8 threads: how many, the ranges over them."""
+    chosen, disks = checkpoint_rows(all_rows, lean=False)
+    size = next((r.data["checkpoint_bytes"] for r in chosen if "checkpoint_bytes" in r.data), 0)
+    kinds = {
+        "sync save, first of a fit": ("sync", True),
+        "sync save, later": ("sync", False),
+        "async save, first of a fit": ("async", True),
+        "async save, later": ("async", False),
+        "resume from the disk, 8 threads": ("resume", None),
+    }
+    out = [
+        f"| {number(size / 1e9)} GB checkpoint | saves | blocked s | step s | published after s | load s | x disk | "
+        "date | commits | device |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, (mode, first) in kinds.items():
+        found = [r for r in chosen if r.data["mode"] == mode]
+        if first is None:  # resumes: read from the disk by 8 threads
+            found = [r for r in found if r.data.get("cache") == "cold" and r.data.get("read_threads") == 8]
+        else:
+            found = [r for r in found if (r.data.get("save") == 0) == first]
+        if not found:
+            continue
+
+        def values(key: str, found: list[Row] = found) -> list[float]:
+            return [r.data[key] for r in found if isinstance(r.data.get(key), int | float)]
+
+        ratios = [x for r in found if (x := against_disk(r.data, disks.get(r.file, []))) is not None]
+        commits = ", ".join(dict.fromkeys(r.commit or "-" for r in found))
+        dates = ", ".join(dict.fromkeys(r.date for r in found))
+        devices = ", ".join(dict.fromkeys(r.device for r in found))
+        out.append(
+            f"| {name} | {len(found)} | {span(values('save_blocked_s'), 1)} | {span(values('normal_step_s'), 1)} | "
+            f"{span(values('published_after_s'), 1)} | {span(values('resume_load_s'), 1)} | {span(ratios, 2)} | "
+            f"{dates} | {commits} | {devices} |"
+        )
+    return out
 
 
 def number(value: Any, digits: int = 1) -> str:
@@ -430,26 +809,66 @@ def number(value: Any, digits: int = 1) -> str:
 
 
 def render(results: Path = RESULTS) -> str:
+    """benchmarks/README.md's block: every table."""
     all_rows = list(rows(results))
-    lines = [*throughput_tables(throughput(all_rows)), *checkpoint_table(all_rows)]
+    lines = [
+        *throughput_tables(throughput(all_rows)),
+        *fp8_loss_table(all_rows),
+        *ema_tables(all_rows),
+        *moe_fp8_table(all_rows),
+        *packing_tables(all_rows),
+        *checkpoint_table(all_rows),
+        *writer_memory_table(all_rows),
+        *batch_check_table(all_rows),
+    ]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def write(readme: Path = README, results: Path = RESULTS) -> bool:
-    """Rewrite the block between the markers of ``readme``; whether it changed."""
-    text = readme.read_text()
-    start, end = text.index(START) + len(START), text.index(END)
-    new = text[:start] + "\n" + render(results) + text[end:]
-    readme.write_text(new)
-    return new != text
+def render_headline(results: Path = RESULTS) -> str:
+    """README.md's throughput block."""
+    return "\n".join(headline(list(rows(results)))) + "\n"
+
+
+def render_checkpoints(results: Path = RESULTS) -> str:
+    """README.md's checkpoint block."""
+    return "\n".join(checkpoint_summary(list(rows(results)))) + "\n"
+
+
+def blocks(results: Path = RESULTS) -> list[tuple[Path, str, str, str]]:
+    """(file, start marker, end marker, the block's text) of every generated block."""
+    return [
+        (README, START, END, render(results)),
+        (ROOT_README, HEADLINE_START, HEADLINE_END, render_headline(results)),
+        (ROOT_README, SAVES_START, SAVES_END, render_checkpoints(results)),
+    ]
+
+
+def block(text: str, start: str, end: str) -> str:
+    """The text between a file's markers."""
+    return text[text.index(start) + len(start) : text.index(end)]
+
+
+def write(results: Path = RESULTS) -> list[Path]:
+    """Rewrite every generated block; the files that changed."""
+    changed = []
+    for path, start, end, content in blocks(results):
+        text = path.read_text()
+        new = text[: text.index(start) + len(start)] + "\n" + content + text[text.index(end) :]
+        if new != text:
+            path.write_text(new)
+            changed.append(path)
+    return list(dict.fromkeys(changed))
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--write", action="store_true", help=f"rewrite the tables between {START} and {END} in README")
+    p.add_argument(
+        "--write", action="store_true", help="rewrite the generated blocks of benchmarks/README.md and README"
+    )
     args = p.parse_args(argv)
     if args.write:
-        print(f"{README}: {'rewritten' if write() else 'unchanged'}")
+        changed = write()
+        print("rewritten: " + (", ".join(str(path.relative_to(HERE.parent)) for path in changed) or "none"))
     else:
         sys.stdout.write(render())
 

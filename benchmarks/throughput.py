@@ -228,7 +228,7 @@ def make_clock(args: argparse.Namespace) -> Any:
 
                 strategy = trainer.strategy
                 host_timeline.annotate_optimizer(strategy.megatron_optimizer, strategy._scheduler)
-                host_timeline.annotate_chunks(strategy._ddp_chunks)
+                host_timeline.annotate_chunks(strategy._run.ddp_chunks)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             loss = trainer.callback_metrics.get("train_loss")  # the strategy's: the same on every rank
@@ -468,14 +468,14 @@ def main() -> None:
         else:
             print(lines[-1], flush=True)
         for line in proc.stdout.splitlines():
-            if line.startswith("TIMELINE "):
-                print(line, flush=True)
+            if line.startswith("TIMELINE "):  # a JSON line too, marked as a host timeline
                 timelines.append(json.loads(line[len("TIMELINE ") :]))
-    if timelines:  # the short form last, where a truncated log still shows it
+                print(json.dumps({"record": "host_timeline", **timelines[-1]}), flush=True)
+    if timelines:  # the short form last, on stderr (stdout is JSON lines), where a truncated log still shows it
         from benchmarks.host_timeline import brief
 
         for summary in timelines:
-            print(brief(summary), flush=True)
+            print(brief(summary), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

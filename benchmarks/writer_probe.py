@@ -1,8 +1,8 @@
 """Probe: where an async save's writer should run, and from which host memory. Buffers like a checkpoint's staged
 tensors -- torch's pinned memory (``cudaHostAlloc``) or memfd shared memory page-locked with ``cudaHostRegister``
-(``checkpointing/shared_memory.py``) -- are written with ``torch.save`` per tensor into one file (CRC-32 off,
+(``checkpointing/save/shared_memory.py``) -- are written with ``torch.save`` per tensor into one file (CRC-32 off,
 fsync'd, as Megatron's writer does): by the process that holds them, by a process forked for the write (Megatron's
-per-save writer), by the persistent writer process (``checkpointing/write_process.py``, three times: the first maps
+per-save writer), by the persistent writer process (``checkpointing/save/write_process.py``, three times: the first maps
 the segments), or by a thread while the main thread runs GPU work that waits on the GPU (a GPU-bound step) or Python
 code (a host-bound step). Also times touching one byte of every page in the holder and in a forked child (the page
 faults a forked writer pays), and whether a forked child sees the parent's later writes into pinned memory.
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.checkpointing.shared_memory import SharedSegments
-from lightning_megatron.checkpointing.write_process import WriterProcess
+from lightning_megatron.checkpointing.save.shared_memory import SharedSegments
+from lightning_megatron.checkpointing.save.write_process import WriterProcess
 
 
 def write_all(buffers: list[torch.Tensor], path: Path) -> float:
@@ -119,7 +119,7 @@ def in_thread(buffers: list[torch.Tensor], path: Path, main: Callable[[threading
 
 
 def in_writer_process(rank: int, buckets: list, results: Any) -> None:
-    """Run in the writer process (lightning_megatron.checkpointing.write_process): write the buckets' tensors."""
+    """Run in the writer process (lightning_megatron.checkpointing.save.write_process): write the buckets' tensors."""
     path, _, (_, tensors) = buckets[0]
     results.put(write_all([t for _, t in tensors], Path(path)))
 

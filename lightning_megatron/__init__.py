@@ -1,11 +1,12 @@
 """lightning_megatron: Megatron-Core training (TP/PP/VPP/CP/EP/SP, pipeline schedules, distributed optimizer,
 sharded checkpoints) inside Lightning's ``Trainer``."""
 
-from lightning_megatron import quiet
+from lightning_megatron.compat import quiet
 
 with quiet.importing():  # megatron-core's import-time notices about Transformer Engine/apex (see quiet.py)
     from lightning_megatron import presets  # noqa: F401  (registers Trainer(strategy="megatron") & co.)
     from lightning_megatron.callbacks import MegatronThroughput
+    from lightning_megatron.checkpointing.config import CheckpointConfig
     from lightning_megatron.contract import ChunkSpec, OptimizerSpec, StepStats
     from lightning_megatron.data.modules import ByteCorpusDataModule, TokenFileDataModule
     from lightning_megatron.data.packing import pack_sequences
@@ -24,6 +25,7 @@ with quiet.importing():  # megatron-core's import-time notices about Transformer
 
 __all__ = [
     "ByteCorpusDataModule",
+    "CheckpointConfig",
     "ChunkSpec",
     "DataParallelShard",
     "LoRAConfig",

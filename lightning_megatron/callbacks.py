@@ -13,7 +13,6 @@ computed from the parallel layout, with the standard count of model FLOPs per to
 from __future__ import annotations
 
 import time
-import types
 from collections import deque
 from typing import Any, override
 
@@ -23,6 +22,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 
+from lightning_megatron.compat import lightning_internals
 from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.parallel.counts import flops_parameters, model_flops_per_token, whole_model_counts
 from lightning_megatron.schedule import as_batch, global_batch_size
@@ -197,7 +197,7 @@ class MegatronModelSummary(ModelSummary):
         self.summary = summary = WholeModelSummary(pl_module, max_depth=self.max_depth)  # collective: every rank
         if trainer.is_global_zero:
             self.summarize(
-                summary._get_summary_data(),  # Lightning's own table columns (as its on_fit_start builds them)
+                lightning_internals.summary_table(summary),  # Lightning's own columns (as its on_fit_start has them)
                 summary.total_parameters,
                 summary.trainable_parameters,
                 summary.model_size,
@@ -235,16 +235,16 @@ def count_whole_model(trainer: L.Trainer) -> None:
         whole = _WHOLE_MODEL.get(type(callback))
         if whole is not None:
             # Lightning keeps a summary callback's settings in private attributes (docs/lightning.md, "internals").
-            trainer.callbacks[index] = whole(callback._max_depth, **callback._summarize_kwargs)
-        elif isinstance(callback, ModelSummary) and type(callback)._summary is ModelSummary._summary:
-            # A user's subclass (without a _summary of its own): Lightning's on_fit_start builds its summary with
-            # _summary, and the instance's own attribute, a bound method, takes the class's place; under another
-            # strategy it returns Lightning's summary again, so it may stay.
-            callback._summary = types.MethodType(whole_model_summary, callback)  # type: ignore[method-assign]
+            max_depth, summarize_kwargs = lightning_internals.summary_settings(callback)
+            trainer.callbacks[index] = whole(max_depth, **summarize_kwargs)
+        elif isinstance(callback, ModelSummary) and not lightning_internals.builds_summary_itself(callback):
+            # A user's subclass (without a summary builder of its own): this instance builds the whole model's
+            # summary; under another strategy it returns Lightning's summary again, so it may stay.
+            lightning_internals.build_summary_with(callback, whole_model_summary)
 
 
 def whole_model_summary(callback: ModelSummary, trainer: L.Trainer, pl_module: L.LightningModule) -> Summary:
     """What a user's ``ModelSummary`` subclass summarises under MegatronStrategy: :class:`WholeModelSummary`."""
     if isinstance(trainer.strategy, MegatronRuntime):
-        return WholeModelSummary(pl_module, max_depth=callback._max_depth)
-    return ModelSummary._summary(callback, trainer, pl_module)
+        return WholeModelSummary(pl_module, max_depth=lightning_internals.summary_settings(callback)[0])
+    return lightning_internals.lightning_summary(callback, trainer, pl_module)

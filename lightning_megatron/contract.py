@@ -8,13 +8,14 @@ checkpointing code all read these, so none of them needs another's file to know 
 * :class:`ChunkSpec` -- where one model chunk sits, handed to ``build_chunk``;
 * :class:`OptimizerSpec` -- what ``configure_optimizers`` returns;
 * :class:`StepStats` -- what one optimizer step reported;
-* :class:`MegatronRuntime` -- what a module or callback may ask of the strategy that runs it.
+* :class:`MegatronRuntime` -- what a module or callback may ask of the strategy that runs it;
+* :class:`ModelHooks` -- what a model family needs of the strategy around the step (and :class:`RunPatch`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -132,3 +133,41 @@ class MegatronRuntime(ABC):
     @abstractmethod
     def compute_dtype(self) -> torch.dtype:
         """The dtype of weights and activations (bf16, fp16 or fp32)."""
+
+
+class RunPatch(Protocol):
+    """A process-wide replacement of third-party code for one run (``lightning_megatron.compat.patches.Patch``)."""
+
+    installed: bool
+
+    def install(self) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+class ModelHooks:
+    """What a model family needs of the strategy around Megatron's step, beyond building chunks and running
+    micro-batches: a module returns its family's from ``MegatronLightningModule.model_hooks()``, once per run.
+
+    The strategy calls each at one fixed point and knows nothing else of the family (its kernels, its caches, its
+    process-wide state). Every default does nothing, so a module made of plain Megatron-Core parts needs none.
+    """
+
+    def run_patches(self, device_type: str) -> list[RunPatch]:
+        """Process-wide patches the run needs (installed in ``setup_environment``, before the chunks are built, and
+        removed at teardown, failed or not), for chunks on ``device_type``."""
+        return []
+
+    def fit_starting(self, chunks: Sequence[nn.Module]) -> None:
+        """A fit is about to train ``chunks`` (built, not yet wrapped for data parallelism): e.g. fresh per-run
+        state such as CUDA graphs to capture."""
+
+    def weights_updated(self) -> None:
+        """An optimizer step changed the weights (called right after it, every step): e.g. mark cached weight
+        casts stale."""
+
+    def weights_released(self, chunks: Sequence[nn.Module]) -> None:
+        """The weights of ``chunks`` left the device (``MegatronStrategy.offload``): drop what was derived from them."""
+
+    def run_ended(self, chunks: Sequence[nn.Module]) -> None:
+        """The run that used ``chunks`` ended (teardown, also after a failure): release its per-run state."""

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, override
@@ -15,24 +13,27 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_megatron import patches, schedule
+from lightning_megatron import schedule
 from lightning_megatron.callbacks import adapt_callbacks
-from lightning_megatron.checkpointing import module_state, prestage, sharded
-from lightning_megatron.checkpointing.resume import ResumableLoader
+from lightning_megatron.checkpointing import prestage
+from lightning_megatron.checkpointing.config import CheckpointConfig
 from lightning_megatron.checkpointing.writer import CheckpointWriter
+from lightning_megatron.compat import patches
 from lightning_megatron.contract import ChunkSpec, MegatronRuntime, StepStats
 from lightning_megatron.data import consistency, sharding
-from lightning_megatron.kernels import fp8, permute
+from lightning_megatron.data.resume import ResumableLoader
 from lightning_megatron.micro_batches import micro_batching
 from lightning_megatron.modules.base import MegatronLightningModule, check_overrides, megatron_module
 from lightning_megatron.parallel import ddp, state
 from lightning_megatron.parallel import precision as mixed
 from lightning_megatron.parallel.metrics import bind_metrics, metric_process_group, unbind_metrics
 from lightning_megatron.parallel.sizes import ParallelSizes
-from lightning_megatron.training import graphs, guards, optim, retained
+from lightning_megatron.runstate import RunState
+from lightning_megatron.strategy_checkpoints import CheckpointHooks
+from lightning_megatron.training import guards, optim
 from lightning_megatron.training.accumulation import GradientAccumulation
 from lightning_megatron.training.grad_norms import GradNormReads, grad_norms
 from lightning_megatron.training.offload import Offloader
@@ -43,10 +44,8 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
     from megatron.core.distributed import DistributedDataParallelConfig
 
-_PATH = str | os.PathLike
 
-
-class MegatronStrategy(DDPStrategy, MegatronRuntime):
+class MegatronStrategy(CheckpointHooks, DDPStrategy, MegatronRuntime):
     """Train a :class:`~lightning_megatron.MegatronLightningModule` with Megatron-Core.
 
     Args:
@@ -70,8 +69,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         timeout: timeout of every collective (Lightning's default group and Megatron's groups; sub-minute values
             work): a rank that stops answering makes the others fail with an error after this long.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on GPU by default.
-        async_save: write checkpoints in background processes (Megatron's async dist-checkpointing) from pinned host
-            copies, each published once every rank has written it (at the latest at the next save or the end).
+        async_save: ``CheckpointConfig.async_save`` (``None``: ``checkpoint``'s; the two differing: ``ValueError``).
+        checkpoint: the checkpoint writer's settings: :class:`~lightning_megatron.CheckpointConfig`.
         nonfinite: what a non-finite loss or gradient does: ``"error"`` (default) stops with an error naming the
             step, ``"skip"`` leaves the weights unchanged for that step and counts it in ``skipped_steps``.
         check_batches: compare a fingerprint of every batch over each model replica's ranks (tensor x pipeline x
@@ -95,7 +94,8 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         seed: int | None = None,
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
-        async_save: bool = False,
+        async_save: bool | None = None,
+        checkpoint: CheckpointConfig | None = None,
         nonfinite: guards.NonFinite = "error",
         check_batches: bool = True,
     ) -> None:
@@ -106,22 +106,16 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self.use_distributed_optimizer = use_distributed_optimizer
         ddp.check_config(ddp_config, use_distributed_optimizer)
         self._ddp_config, self._seed = ddp_config, seed
-        self._ddp_chunks: list[nn.Module] | None = None
-        self._run_chunks: list[nn.Module] | None = None  # what the schedule runs: chunks, precision/DDP-wrapped
+        self._run = RunState()  # what one run builds and undoes (runstate.py); idle between runs
         self._megatron_optimizer: Any | None = None
         self._scheduler: Any | None = None
         self._offload = Offloader()
         self._guard = guards.StepGuard(nonfinite)
         self._grad_reads = GradNormReads()  # warns once if on_before_optimizer_step hooks never read grad_norms()
-        self.checkpoint_writer = CheckpointWriter(async_save)  # pending saves, host buffers and plans saves reuse
-        self._failed = False
+        self.checkpoint_writer = CheckpointWriter(checkpoint, async_save)  # pending saves, buffers and plans they reuse
         self._collective_timeout = timeout
         self._groups: state.Groups | None = None  # Megatron's groups of this strategy's last run
-        self._rng: dict[str, Any] | None = None  # the global RNG states before this run seeded them
-        self._step: schedule.TrainStep | None = None
-        self._log_names = schedule.LogNames()
         self._retained: Retained | None = None  # what a finished run keeps for trainer.save_checkpoint
-        self._patches = patches.PatchStack()  # every third-party patch of a run, removed at teardown (patches.py)
         self._sigterm = SigtermStop(lambda: self._accumulation.open)  # all ranks stop at one step on SIGTERM
         self._batches = consistency.BatchCheck(check_batches)
         self._accumulation = GradientAccumulation()  # Trainer(accumulate_grad_batches) (training/accumulation.py)
@@ -209,16 +203,6 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
             return None
         return super().launcher
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the model and optimizer must exist to load sharded state into them
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # loaded together with the model in load_checkpoint
-
     @override
     def block_backward_sync(self) -> AbstractContextManager[None]:  # type: ignore[override]
         return self._accumulation.defer()  # Trainer(accumulate_grad_batches): this batch does not step
@@ -245,14 +229,16 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         adapt_callbacks(self.lightning_module.trainer)  # the module's configure_callbacks are attached by now
         self.checkpoint_writer.prepare(self.use_distributed_optimizer, processes_per_node=self.num_processes)
         run_started(self, self._sigterm)  # tears down runs Lightning left unfinished first (training/retained.py)
+        self._run = RunState(hooks=self.module.model_hooks())
         self.checkpoint_writer.start(self.lightning_module.trainer.state.fn)  # while the model is built
-        for patch in patches.run_patches(self.root_device.type, permute):  # CPU mode, quiet notices, MoE permutation
-            self._patches.install(patch)
+        device = self.root_device.type  # quiet notices, CPU mode; then the model family's (e.g. MoE permutation)
+        for patch in [*patches.run_patches(device), *self._run.hooks.run_patches(device)]:
+            self._run.patches.install(patch)
         super().setup_environment()  # default process group
         if self._groups is None or not self._groups.alive():  # a later fit/validate/... of this strategy reuses them
             self._megatron_optimizer = self._scheduler = self._retained = None  # an earlier run's, for its groups
             self._groups = state.initialize(self._sizes, timeout=self._collective_timeout)
-        self._rng, self._log_names = state.seed(state.resolve_seed(self._seed)), schedule.LogNames()
+        self._run.rng = state.seed(state.resolve_seed(self._seed))
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -261,11 +247,11 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         self.model_to_device()
         bind_metrics(self.module)  # torchmetrics sync over the data-parallel group, not all ranks (parallel/metrics.py)
         guards.check_module(self.module, fitting=trainer.state.fn == TrainerFn.FITTING)  # loss, trained parameters
-        self._run_chunks = mixed.wrap(list(self.module.chunks), self.compute_dtype)
+        run = self._run
+        run.run_chunks = mixed.wrap(list(self.module.chunks), self.compute_dtype)
         if trainer.state.fn == TrainerFn.FITTING:
-            graphs.renew(self.module.chunks)  # with ModelConfig.cuda_graphs: this fit captures its own
-            self._ddp_chunks = ddp.wrap(self._run_chunks, self._ddp_config, self.use_distributed_optimizer)
-            self._run_chunks = self._ddp_chunks
+            run.hooks.fit_starting(self.module.chunks)
+            run.ddp_chunks = run.run_chunks = ddp.wrap(run.run_chunks, self._ddp_config, self.use_distributed_optimizer)
             self.setup_optimizers(trainer)
             prestage.prestage(self.checkpoint_writer, trainer, self.module, self._megatron_optimizer, self._scheduler)
         self.setup_precision_plugin()
@@ -273,15 +259,14 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
         spec = optim.check_spec(self.module.configure_optimizers(), type(self.module).__name__)
-        assert self._ddp_chunks is not None
+        run = self._run
+        assert run.ddp_chunks is not None
         if self._retained is not None:  # an earlier fit's optimizer, kept for save_checkpoint, is replaced
             self._retained.forget_optimizer()
-        self._megatron_optimizer, self._scheduler, adapter = optim.setup(
-            spec, self._ddp_chunks, trainer, dtype=self.compute_dtype, distributed=self.use_distributed_optimizer,
-            fused=self.root_device.type == "cuda", nonfinite=self._guard.policy, after_update=fp8.weights_changed,
-            clip=self._patches.get(patches.ForeachClipGrads) or self._patches.install(patches.ForeachClipGrads()),
-            on_step=lambda stats: self._guard.record(stats, self.module.trainer.global_step),  # raises before saves
-        )  # fmt: skip
+        clip = run.patches.get(patches.ForeachClipGrads) or run.patches.install(patches.ForeachClipGrads())
+        setup = partial(optim.setup, dtype=self.compute_dtype, distributed=self.use_distributed_optimizer)
+        built = setup(spec, run.ddp_chunks, trainer, self._guard, clip, after_update=run.hooks.weights_updated)
+        self._megatron_optimizer, self._scheduler, adapter = built
         self.optimizers, self.lr_scheduler_configs = [adapter], []
 
     # ------------------------------------------------------------------ steps, parameters (offload: GPU shared)
@@ -289,13 +274,15 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]
         start = time.perf_counter()
         self._batches.verify(self._groups, "training", batch)
+        run = self._run
         if self._accumulation.begin(batch_idx % self.module.trainer.accumulate_grad_batches == 0):
-            ddp.zero_grads(self._ddp_chunks, self.megatron_optimizer)  # the first batch of an optimizer step
-            self._step = schedule.TrainStep()
-        with self.module.running_schedule(), self._accumulation.schedule_hooks(self._ddp_chunks):
+            ddp.zero_grads(run.ddp_chunks, self.megatron_optimizer)  # the first batch of an optimizer step
+            run.step = schedule.TrainStep()
+        with self.module.running_schedule(), self._accumulation.schedule_hooks(run.ddp_chunks):
             micro_batches = self._batching.split(schedule.as_batch(batch))
-            loss = schedule.train(self.module, self._ddp_chunks, micro_batches, self.root_device, self._log_names)
-        self._step = self._step.add(loss, schedule.global_batch_size(batch)[1], start, self._accumulation.deferring)
+            loss = schedule.train(self.module, run.ddp_chunks, micro_batches, self.root_device, run.log_names)
+        assert run.step is not None
+        run.step = run.step.add(loss, schedule.global_batch_size(batch)[1], start, self._accumulation.deferring)
         return {"loss": loss.loss, "num_tokens": loss.num_tokens}
 
     @override
@@ -310,10 +297,10 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         result = Precision.optimizer_step(plugin, optimizer, model or self.lightning_module, closure, **kwargs)
         self._grad_reads.after_hooks(self.module)  # after on_before_optimizer_step: were gradients read?
         # Logged here, before any callback's on_train_batch_end of this step reads trainer.callback_metrics.
-        assert self._step is not None
-        metrics = schedule.train_metrics(self._step, self.last_step, self.skipped_steps, self._log_names)
+        assert self._run.step is not None
+        metrics = schedule.train_metrics(self._run.step, self.last_step, self.skipped_steps, self._run.log_names)
         self.module.log_train_step({**metrics, **self.module.step_metrics()})
-        self._step = None  # grad_norms() outside a step raises instead of reading stale buffers
+        self._run.step = None  # grad_norms() outside a step raises instead of reading stale buffers
         self._accumulation.close()
         return result
 
@@ -335,7 +322,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def forward_loss(self, batch: Any) -> dict[str, Any]:
         """Collective: ``{"loss", "num_tokens", "logs"}`` of ``batch`` forward-only, as validation computes them
         (identical on every rank), without logging anything: for any hook while the strategy is set up."""
-        return schedule.evaluation(self._forward_only(batch, predict=False), self.root_device, self._log_names)
+        return schedule.evaluation(self._forward_only(batch, predict=False), self.root_device, self._run.log_names)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:  # type: ignore[override]
@@ -344,7 +331,7 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
         return schedule.gather_predictions(self._forward_only(batch, predict=True), self.root_device)
 
     def _forward_only(self, batch: Any, *, predict: bool) -> list[dict[str, Any]]:
-        chunks = self._run_chunks or list(self.module.chunks)
+        chunks = self._run.run_chunks or list(self.module.chunks)
         with torch.no_grad(), self.module.running_schedule():
             micro_batches = self._batching.split(schedule.as_batch(batch), fixed=predict)
             return schedule.run(self.module, chunks, micro_batches, forward_only=True, predict=predict)
@@ -364,72 +351,33 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def grad_norms(self) -> dict[str, Tensor]:
         """Collective, in ``on_before_optimizer_step``: the step's gradient norms, named as Lightning's
         ``grad_norm(module, 2)`` does, from Megatron's gradient buffers (``p.grad`` is None under Megatron)."""
-        in_step = self._step is not None and not self._accumulation.deferring  # not between accumulated batches
-        return grad_norms(self._ddp_chunks if in_step else None, self.module, self._grad_reads)
+        in_step = self._run.step is not None and not self._accumulation.deferring  # not between accumulated batches
+        return grad_norms(self._run.ddp_chunks if in_step else None, self.module, self._grad_reads)
 
     @override
     def sync_params(self) -> None:
         """Finish a deferred parameter all-gather; first raise ``FloatingPointError`` for a non-finite update."""
         self._guard.check_pending()
-        ddp.sync_params(self._ddp_chunks or [])
+        ddp.sync_params(self._run.ddp_chunks or [])
 
     @property
     @override
     def params_deferred(self) -> bool:
-        return ddp.param_gather_deferred(self._ddp_chunks or [])
+        return ddp.param_gather_deferred(self._run.ddp_chunks or [])
 
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
-        """Release (return the bytes) parameters and optimizer state to pinned host memory, gradients zeroed, fp8 casts
-        (uncounted) dropped; after :meth:`reload` every tensor is valid again and training goes on exactly as before."""
+        """Release (return the bytes) parameters and optimizer state to pinned host memory, gradients zeroed, what the
+        model keeps derived from its weights (e.g. fp8 casts; uncounted) dropped; after :meth:`reload` every tensor is
+        valid again and training goes on exactly as before."""
         nbytes = self._offload.release(
             lambda: self.module.chunks, self._megatron_optimizer, params=params, grads=grads, optimizer_state=optimizer
         )  # (raises first under CUDA graphs, whose replays write into the casts: those must stay then)
-        fp8.forget_weight_casts(self.module.chunks)
+        self._run.hooks.weights_released(self.module.chunks)
         return nbytes
 
     def reload(self) -> None:
         """Bring back what :meth:`offload` released."""
         self._offload.reload()
-
-    # ------------------------------------------------------------------ checkpoints (sharded: save/load_checkpoint)
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:  # what the module holds beside its chunks
-        return module_state.capture(self.module, self._groups.replica if self._groups else None)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Tensor]:
-        return {}
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"MegatronStrategy.save_checkpoint takes no storage_options, got {storage_options!r}")
-        after_run = self._run_chunks is None and self._retained is not None  # what the run kept comes back
-        with self._retained.restored(self.module.chunks, self._megatron_optimizer) if after_run else nullcontext():
-            self.sync_params()  # with overlapped param gather the last step's update may be pending
-            build = partial(sharded.module_state, checkpoint, self.module, self._megatron_optimizer, self._scheduler)
-            at_once = self._ddp_chunks is None or retained.interrupted(self.module)  # after a run, or on the way out
-            self.checkpoint_writer.save(build, filepath, publish=at_once)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        with self.checkpoint_writer.loading(self._groups.control if self._groups else None) as reading:
-            optimizer = self._megatron_optimizer
-            loaded = sharded.load_module(self.module, optimizer, checkpoint_path, self._scheduler, reading)
-        optim.use_fused_adam(optimizer, fused=self.root_device.type == "cuda")  # the loaded groups carry the writer's
-        return loaded
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module_state.restore(self.module, checkpoint.get("state_dict"), strict)  # the chunks: load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        self.checkpoint_writer.remove(filepath)  # waits for pending async saves: the last good checkpoint stays
 
     # ------------------------------------------------------------------ SIGTERM: every rank stops at one step
     @override
@@ -462,35 +410,26 @@ class MegatronStrategy(DDPStrategy, MegatronRuntime):
     def on_exception(self, exception: BaseException) -> None:
         self._guard.warn_if_failed(exception)  # a non-finite step may be the root cause
         super().on_exception(exception)
-        self._failed = not isinstance(exception, Preempted)  # peers may be dead: teardown must not wait for them
+        self._run.failed = not isinstance(exception, Preempted)  # peers may be dead: teardown must not wait for them
 
     @override
     def teardown(self) -> None:
         run_finished(self)
-        failed, self._failed = self._failed, False
+        run, self._run = self._run, RunState()
         run_all(  # each step runs even if one raises: no patch (patches.py), RNG state or graph outlives the run
-            lambda: self.checkpoint_writer.close(failed),  # publish (e.g. save_checkpoint after fit) or abort
+            lambda: self.checkpoint_writer.close(run.failed),  # publish (e.g. save_checkpoint after fit) or abort
             lambda: self._offload.reload(strict=False),  # never leave released storages behind
             lambda: unbind_metrics(self.lightning_module),  # no metric keeps a finished run's group
-            self._drop_step_state,
+            self._guard.forget,
+            self._accumulation.close,
+            run.release,  # Megatron's schedule hooks, the model family's per-run state (CUDA graphs, fp8 casts)
             super().teardown,
-            lambda: self._keep_for_saving(failed),
-            self._patches.remove,  # every patch, each removal run whatever the others do (patches.py)
-            lambda: state.restore_rng(self._rng),
-            lambda: self._sigterm.uninstall(redeliver=not failed),
-            raise_errors=not failed,  # after a failure the user's exception is the one to see
+            lambda: self._keep_for_saving(run.failed),
+            run.patches.remove,  # every patch, each removal run whatever the others do (patches.py)
+            lambda: state.restore_rng(run.rng),
+            lambda: self._sigterm.uninstall(redeliver=not run.failed),
+            raise_errors=not run.failed,  # after a failure the user's exception is the one to see
         )
-        self._rng = None
-
-    def _drop_step_state(self) -> None:
-        ddp_chunks, run_chunks = self._ddp_chunks, self._run_chunks
-        self._ddp_chunks = self._run_chunks = self._step = None
-        self._guard.forget()
-        self._accumulation.close()
-        if ddp_chunks:
-            ddp.clear_hooks(ddp_chunks[0].config)
-        graphs.release(run_chunks or ())  # ModelConfig.cuda_graphs: Megatron's process-wide graph state
-        fp8.forget_weight_casts(run_chunks or ())  # the graphs that wrote into them are gone: free their memory
 
     def _keep_for_saving(self, failed: bool) -> None:  # kept for trainer.save_checkpoint (retained.py), unless failed
         groups, optimizer = None if failed else self._groups, self._megatron_optimizer

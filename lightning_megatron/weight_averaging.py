@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging, WeightAveraging
 
+from lightning_megatron.compat import lightning_internals
 from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.modules.base import megatron_module
 from lightning_megatron.training.averaging import WeightAverage
@@ -48,11 +49,12 @@ class MegatronWeightAveraging(WeightAveraging):
         self._swap: AbstractContextManager[None] | None = None
 
     def _new_average(self) -> WeightAverage:
-        avg_fn, multi_avg_fn = self._kwargs.get("avg_fn"), self._kwargs.get("multi_avg_fn")
+        device, _, kwargs = lightning_internals.weight_averaging_settings(self)  # Lightning's, as given to __init__
+        avg_fn, multi_avg_fn = kwargs.get("avg_fn"), kwargs.get("multi_avg_fn")
         # Lightning's EMA function: updated in one pass, in place (multi_avg_fn wins over avg_fn, as in torch).
         decay = ema_decay(avg_fn) if multi_avg_fn is None else None
-        return WeightAverage(decay=decay, avg_fn=None if decay is not None else avg_fn, multi_avg_fn=multi_avg_fn,
-                             device=self._device)  # fmt: skip
+        user_fn = None if decay is not None else avg_fn
+        return WeightAverage(decay=decay, avg_fn=user_fn, multi_avg_fn=multi_avg_fn, device=device)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -163,7 +165,7 @@ class MegatronEMA(MegatronWeightAveraging):
         self.update_starting_at_epoch = update_starting_at_epoch
 
     def _new_average(self) -> WeightAverage:
-        return WeightAverage(decay=self.decay, device=self._device)
+        return WeightAverage(decay=self.decay, device=lightning_internals.weight_averaging_settings(self)[0])
 
     should_update = EMAWeightAveraging.should_update  # Lightning's own rule, on these same attributes
 
@@ -217,7 +219,7 @@ def _replacement(callback: WeightAveraging) -> MegatronWeightAveraging:
             "lightning_megatron.MegatronWeightAveraging (same arguments and should_update) instead"
         )
     # Lightning keeps the settings in private attributes (docs/lightning.md, "Lightning internals").
-    device, use_buffers, kwargs = callback._device, callback._use_buffers, callback._kwargs
+    device, use_buffers, kwargs = lightning_internals.weight_averaging_settings(callback)
     replacement = MegatronWeightAveraging(device=device, use_buffers=use_buffers, **kwargs)
     replacement.should_update = callback.should_update  # type: ignore[method-assign]  (its rule, e.g. EMA's start)
     return replacement

@@ -255,7 +255,7 @@ def one_process_megatron(port: int, cpu: bool = True) -> Iterator[None]:
     tests of modules outside a Trainer."""
     import torch
 
-    from lightning_megatron import cpu as cpu_layer  # not `cpu`: that is the parameter
+    from lightning_megatron.compat import cpu as cpu_layer  # not `cpu`: that is the parameter
     from lightning_megatron.parallel.sizes import ParallelSizes
     from lightning_megatron.parallel.state import destroy, initialize, seed
 
@@ -305,7 +305,7 @@ def gpu_tests_run_outside_cpu_mode(request: pytest.FixtureRequest) -> None:
     fp8 GPU test did until 2026-12-03: fail it instead."""
     if request.node.get_closest_marker("gpu") is None:
         return
-    from lightning_megatron import cpu as cpu_layer
+    from lightning_megatron.compat import cpu as cpu_layer
 
     if cpu_layer.is_enabled():
         pytest.fail("a gpu test started inside CPU mode (a CPU test's fixture is open): run GPU tests with -m gpu")
@@ -345,7 +345,7 @@ def flip_bit(path: Path, fqn_prefix: str) -> str:
 
 def checkpoint_metadata(path: Path) -> Any:
     """The torch DCP metadata of checkpoint ``path`` (where each stored entry is)."""
-    from lightning_megatron.checkpointing.checks import read_metadata
+    from lightning_megatron.checkpointing.integrity.checks import read_metadata
 
     return read_metadata(path)
 

@@ -70,12 +70,11 @@ def _writer_main() -> Any:
     from pathlib import Path
 
     package: Any = importlib.util.find_spec("lightning_megatron")  # found, not imported
-    main = Path(package.origin).parent / "checkpointing" / "writer_main.py"
+    main = Path(package.origin).parent / "checkpointing" / "save" / "writer_main.py"
     spec: Any = importlib.util.spec_from_file_location("_writer_main", main)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # its definitions: the writer's start is under ``__main__``
-    module._package_without_init("lightning_megatron", main.parents[1])
-    module._megatron_core_without_init()
+    module.lean_imports().enter(module.package_root())
     return main
 
 

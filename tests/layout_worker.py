@@ -19,6 +19,7 @@ from logged_module import Logged, Metered  # tests/ is this script's directory
 from torch.utils.data import DataLoader
 
 from lightning_megatron import (
+    CheckpointConfig,
     MegatronEMA,
     MegatronLMModule,
     MegatronStrategy,
@@ -180,7 +181,7 @@ class SaveProbe(L.Callback):
 
 
 def optimizer_state_differences(module: L.LightningModule, optimizer: object) -> dict[str, list[str]]:
-    """How the optimizer state :mod:`lightning_megatron.checkpointing.optimizer_state` builds compares with
+    """How the optimizer state :mod:`lightning_megatron.checkpointing.format.optimizer_state` builds compares with
     Megatron's ``optimizer.sharded_state_dict(..., fully_reshardable)``: ``structure`` (keys, replica ids, shapes:
     must agree), ``ours_wrong`` (our fp32 ``param`` entries against the model's weights, equal in fp32 training),
     ``values`` (moments and weights where Megatron's ``param`` entry is the weight), and ``megatron_misaligned``
@@ -190,8 +191,8 @@ def optimizer_state_differences(module: L.LightningModule, optimizer: object) ->
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     from lightning_megatron.checkpointing import sharded
-    from lightning_megatron.checkpointing.optimizer_state import optimizer_state
-    from lightning_megatron.checkpointing.staging import HostBuffers
+    from lightning_megatron.checkpointing.format.optimizer_state import optimizer_state
+    from lightning_megatron.checkpointing.save.staging import HostBuffers
 
     def tensors(state: dict) -> dict:
         apply_factories(state)
@@ -301,16 +302,20 @@ def main(args: dict) -> None:
         sequence_parallel=args.get("sp", False),
         micro_batch_size=args.get("micro_batch_size", 2),
         max_tokens_per_micro_batch=args.get("max_tokens"),
-        async_save=args.get("async_save", False),
+        checkpoint=CheckpointConfig(
+            async_save=args.get("async_save", False),
+            save_model_weights=not args.get("lean", False),  # lean: weights as main weights only
+            read_threads=args.get("read_threads"),
+        ),
     )
     if args.get("writer_dies_on_rank") == int(os.environ.get("LOCAL_RANK", 0)):  # at step=4.ckpt (SIGKILL)
-        from lightning_megatron.checkpointing import write_process
+        from lightning_megatron.checkpointing.save import write_process
 
         write_process.COMMAND = [sys.executable, str(Path(__file__).with_name("full_disk_writer.py")), "--die"]
     if args.get("checksums_fail_on_rank") == int(os.environ.get("LOCAL_RANK", 0)):  # step=4's, as on a full disk
         import errno
 
-        from lightning_megatron.checkpointing import checksums
+        from lightning_megatron.checkpointing.integrity import checksums
 
         exit_recorder = checksums.Recorder.__exit__
 
@@ -320,9 +325,6 @@ def main(args: dict) -> None:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.directory / "checksums.json"))
 
         checksums.Recorder.__exit__ = full_disk
-    strategy.checkpoint_writer.save_model_weights = not args.get("lean", False)
-    if "read_threads" in args:
-        strategy.checkpoint_writer.read_threads = args["read_threads"]  # lean: weights as main weights only
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=devices,

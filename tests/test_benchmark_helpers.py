@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -69,12 +71,71 @@ def test_tables_print_the_current_figures(capsys: pytest.CaptureFixture[str]) ->
     assert "MFU" in out
 
 
-def test_tables_block_in_the_readme_is_current() -> None:
+def test_tables_blocks_in_the_readmes_are_current() -> None:
+    """benchmarks/README.md's tables and README.md's headline and checkpoint tables are the script's output."""
     from benchmarks import tables
 
-    text = tables.README.read_text()
-    block = text[text.index(tables.START) + len(tables.START) : text.index(tables.END)]
-    assert block == "\n" + tables.render(), "run: python benchmarks/tables.py --write"
+    for path, start, end, content in tables.blocks():
+        assert tables.block(path.read_text(), start, end) == "\n" + content, (
+            f"{path.name} {start}: run python benchmarks/tables.py --write"
+        )
+
+
+def test_every_result_line_is_a_json_object() -> None:
+    """benchmarks/results/*.jsonl is JSON lines: every line one object (metadata as fields, prose in a sidecar .md)."""
+    import json
+
+    from benchmarks import tables
+
+    files = sorted(tables.RESULTS.glob("*.jsonl"))
+    assert files
+    problems = []
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as error:
+                problems.append(f"{path.name}:{number}: {error}: {line[:60]!r}")
+                continue
+            if not isinstance(data, dict):
+                problems.append(f"{path.name}:{number}: a JSON {type(data).__name__}, not an object")
+    assert not problems, "\n".join(problems)
+
+
+def test_tables_refuse_a_line_that_is_not_a_json_object(tmp_path: Path) -> None:
+    from benchmarks import tables
+
+    (tmp_path / "2026-01-01-h100-x.jsonl").write_text('{"a": 1}\n# a comment\n')
+    with pytest.raises(ValueError, match=r"2026-01-01-h100-x.jsonl:2: not a JSON line"):
+        list(tables.rows(tmp_path))
+    (tmp_path / "2026-01-01-h100-x.jsonl").write_text('{"a": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"2026-01-01-h100-x.jsonl:2: a JSON list, not an object"):
+        list(tables.rows(tmp_path))
+
+
+def test_every_table_names_date_commit_and_device() -> None:
+    from benchmarks import tables
+
+    text = "\n".join(content for _, _, _, content in tables.blocks())
+    lines = text.splitlines()
+    headers = [line for line, below in zip(lines, lines[1:], strict=False) if below.startswith("|---")]
+    assert len(headers) >= 10
+    for header in headers:
+        cells = [cell.strip() for cell in header.strip("|").split("|")]
+        assert {"date", "dates"} & set(cells), header
+        assert {"commit", "commits"} & set(cells), header
+        assert "device" in cells, header
+
+
+def test_a_row_names_its_device_and_commit() -> None:
+    from benchmarks import tables
+
+    assert tables.Row({"gpu": "NVIDIA H100 80GB HBM3"}, "2026-01-01-h200-x.jsonl", 1).device == "H100"
+    assert tables.Row({}, "2026-01-01-h200x2-x.jsonl", 1).device == "H200"
+    assert tables.Row({"device": "cpu"}, "2026-01-01-cpu-x.jsonl", 1).device == "CPU"
+    assert tables.Row({"commit": "abc1234+uncommitted"}, "f", 1).commit == "abc1234+uncommitted"
+    assert tables.Row({"code": "landed (ce9370d)"}, "f", 1).commit == "ce9370d"
+    assert tables.Row({}, "f", 1).commit == ""
 
 
 def test_tables_count_as_the_package() -> None:
@@ -125,7 +186,7 @@ def test_checkpoint_tables_measure_a_save_against_the_mean_of_its_runs_disk_prob
     table = tables.checkpoint_table(found)
     [line] = [line for line in table if line.startswith("| 1b |")]
     assert "| 1.08 | 2026-01-02 |" in line  # 7.2 s against 10 GB at 1.5 GB/s (6.67 s), not at 2.0 or 1.0 GB/s
-    assert any("2.00 (before), 1.00 (after) GB/s write" in line for line in table)
+    assert any(line.startswith("| 1b-a | 2.00 (before), 1.00 (after) |") for line in table)  # the disk table
 
 
 def test_the_checkpoint_benchmark_expects_the_bytes_the_1b_checkpoint_holds() -> None:

@@ -197,7 +197,7 @@ def test_plan_structure_ignores_the_common_entries() -> None:
     # are saved as one object whatever they hold; only the sharded tensors and objects decide the plan.
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from lightning_megatron.checkpointing.plans import structure
+    from lightning_megatron.checkpointing.save.plans import structure
 
     def state(rows: int, best: dict) -> dict:
         weight = ShardedTensor.from_rank_offsets("w", torch.zeros(rows, 4), replica_id=0)
@@ -216,7 +216,7 @@ def test_checksums_are_computed_while_the_shards_are_written(tmp_path: Path) -> 
     import time
     import zlib
 
-    from lightning_megatron.checkpointing import checksums
+    from lightning_megatron.checkpointing.integrity import checksums
 
     block = checksums.BLOCK_BYTES
     data = {name: os.urandom(size) for name, size in [("a__0_0.distcp", 5 * block + 123), ("a__0_1.distcp", block)]}
@@ -254,13 +254,13 @@ def _segment_maps() -> set[str]:
 
 
 def test_host_buffers_can_be_given_back_after_each_save(tmp_path: Path) -> None:
-    """checkpoint_writer.keep_host_buffers=False: after each save and after a load no host buffer is held, every
+    """CheckpointConfig(keep_host_buffers=False): after each save and after a load no host buffer is held, every
     save allocates its buffers again, and the checkpoints still resume exactly."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+    from lightning_megatron import CheckpointConfig, MegatronLMModule, MegatronStrategy, tiny_gpt
     from lightning_megatron.data.corpus import synthetic_tokens
     from tests.conftest import one_process_trainer
 
@@ -281,8 +281,7 @@ def test_host_buffers_can_be_given_back_after_each_save(tmp_path: Path) -> None:
             losses[trainer.global_step] = float(outputs["loss"])
 
     def fit(steps: int, ckpt_path: str | None = None) -> MegatronStrategy:
-        strategy = MegatronStrategy(micro_batch_size=2)
-        strategy.checkpoint_writer.keep_host_buffers = False
+        strategy = MegatronStrategy(micro_batch_size=2, checkpoint=CheckpointConfig(keep_host_buffers=False))
         saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
         trainer = one_process_trainer(steps, strategy=strategy, callbacks=[Probe(), saver], enable_checkpointing=True)
         data = DataLoader(synthetic_tokens(8 * steps, 32, 256, seed=2), batch_size=4)
@@ -302,7 +301,7 @@ def test_host_buffers_can_be_given_back_after_each_save(tmp_path: Path) -> None:
 
 
 def test_checkpoints_without_the_model_weights_resume_exactly(tmp_path: Path) -> None:
-    """checkpoint_writer.save_model_weights=False (bf16 weights): the trained weights are stored once, as the fp32
+    """CheckpointConfig(save_model_weights=False) (bf16 weights): the trained weights are stored once, as the fp32
     main weights (the checkpoint is smaller by the bf16 copy); a resume continues exactly as from a full checkpoint,
     and the loads of the weights alone (validate with ckpt_path, load_from_checkpoint, a LoRA module's frozen base)
     rebuild the same bf16 weights from the main weights."""
@@ -310,7 +309,7 @@ def test_checkpoints_without_the_model_weights_resume_exactly(tmp_path: Path) ->
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+    from lightning_megatron import CheckpointConfig, MegatronLMModule, MegatronStrategy, tiny_gpt
     from lightning_megatron.data.corpus import synthetic_tokens
     from tests.conftest import one_process_trainer
 
@@ -323,8 +322,7 @@ def test_checkpoints_without_the_model_weights_resume_exactly(tmp_path: Path) ->
     data = DataLoader(synthetic_tokens(24, 32, 256, seed=2), batch_size=4)
 
     def trainer(steps: int, lean: bool, directory: Path) -> L.Trainer:
-        strategy = MegatronStrategy(micro_batch_size=2)
-        strategy.checkpoint_writer.save_model_weights = not lean
+        strategy = MegatronStrategy(micro_batch_size=2, checkpoint=CheckpointConfig(save_model_weights=not lean))
         saver = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1, filename="{step}")
         return one_process_trainer(
             steps, strategy=strategy, callbacks=[Losses(), saver], enable_checkpointing=True, precision="bf16-mixed"
@@ -379,7 +377,7 @@ def test_the_weights_stored_once_need_the_distributed_optimizer(tmp_path: Path) 
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+    from lightning_megatron import CheckpointConfig, MegatronLMModule, MegatronStrategy, tiny_gpt
     from lightning_megatron.data.corpus import synthetic_tokens
     from tests.conftest import one_process_trainer
 
@@ -392,13 +390,13 @@ def test_the_weights_stored_once_need_the_distributed_optimizer(tmp_path: Path) 
     data = DataLoader(synthetic_tokens(12, 32, 256, seed=3), batch_size=4)
 
     def fit(lean: bool, ckpt_path: str | None = None) -> None:
-        strategy = MegatronStrategy(micro_batch_size=2, use_distributed_optimizer=False)
-        strategy.checkpoint_writer.save_model_weights = not lean
+        checkpoint = CheckpointConfig(save_model_weights=not lean)
+        strategy = MegatronStrategy(micro_batch_size=2, use_distributed_optimizer=False, checkpoint=checkpoint)
         saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
         trainer = one_process_trainer(3, strategy=strategy, callbacks=[Losses(), saver], enable_checkpointing=True)
         trainer.fit(MegatronLMModule(tiny_gpt(), lr=1e-2), data, ckpt_path=ckpt_path)
 
-    with pytest.raises(ValueError, match=r"save_model_weights=False .* use_distributed_optimizer=False"):
+    with pytest.raises(ValueError, match=r"save_model_weights=False\) .* use_distributed_optimizer=False"):
         fit(lean=True)
     fit(lean=False)
     full = dict(losses)
@@ -407,40 +405,19 @@ def test_the_weights_stored_once_need_the_distributed_optimizer(tmp_path: Path) 
     assert losses == {2: full[2], 3: full[3]}
 
 
-@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
-def test_read_threads_must_be_a_positive_int(threads: object) -> None:
-    from lightning_megatron import MegatronStrategy
+def test_read_threads_none_is_the_cpus_per_rank() -> None:
+    from lightning_megatron import CheckpointConfig, MegatronStrategy
+    from lightning_megatron.checkpointing.load.reading import default_threads
 
-    strategy = MegatronStrategy()
-    strategy.checkpoint_writer.read_threads = threads  # type: ignore[assignment]
-    with pytest.raises(ValueError, match=rf"read_threads={threads!r}: give a positive int"):
-        strategy.checkpoint_writer.prepare(distributed_optimizer=True)
-
-
-def test_read_threads_are_checked_when_the_run_starts_and_none_is_the_cpus_per_rank(tmp_path: Path) -> None:
-    from torch.utils.data import DataLoader
-
-    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
-    from lightning_megatron.checkpointing.reading import default_threads
-    from lightning_megatron.data.corpus import synthetic_tokens
-    from tests.conftest import one_process_trainer
-
-    strategy = MegatronStrategy(micro_batch_size=2)
-    strategy.checkpoint_writer.read_threads = 0
-    data = DataLoader(synthetic_tokens(4, 32, 256, seed=3), batch_size=4)
-    with pytest.raises(ValueError, match=r"read_threads=0: give a positive int"):
-        one_process_trainer(1, strategy=strategy).fit(MegatronLMModule(tiny_gpt()), data)
     writer = MegatronStrategy().checkpoint_writer
-    assert writer.read_threads is None  # by default: the CPUs per rank
+    assert writer.config.read_threads is None  # by default: the CPUs per rank
     writer.prepare(distributed_optimizer=True, processes_per_node=2)
     with writer.loading() as reading:
         assert reading.threads == default_threads(2) >= 1
-    writer.read_threads = 1  # Megatron's reader
-    with writer.loading() as reading:
-        assert reading.threads == 1
-    writer.read_threads = 3
-    with writer.loading() as reading:
-        assert reading.threads == 3
+    for threads in (1, 3):  # 1: Megatron's reader
+        writer = MegatronStrategy(checkpoint=CheckpointConfig(read_threads=threads)).checkpoint_writer
+        with writer.loading() as reading:
+            assert reading.threads == threads
 
 
 def test_async_saves_of_two_structures_without_kept_buffers_or_model_weights(tmp_path: Path) -> None:
@@ -452,7 +429,7 @@ def test_async_saves_of_two_structures_without_kept_buffers_or_model_weights(tmp
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+    from lightning_megatron import CheckpointConfig, MegatronLMModule, MegatronStrategy, tiny_gpt
     from lightning_megatron.data.corpus import synthetic_tokens
     from tests.conftest import one_process_trainer
 
@@ -468,9 +445,8 @@ def test_async_saves_of_two_structures_without_kept_buffers_or_model_weights(tmp
     data = DataLoader(synthetic_tokens(24, 32, 256, seed=2), batch_size=4)
 
     def fit(steps: int, saving: bool, ckpt_path: str | None = None) -> None:
-        strategy = MegatronStrategy(micro_batch_size=2, async_save=saving)
-        strategy.checkpoint_writer.keep_host_buffers = False
-        strategy.checkpoint_writer.save_model_weights = False
+        checkpoint = CheckpointConfig(async_save=saving, keep_host_buffers=False, save_model_weights=False)
+        strategy = MegatronStrategy(micro_batch_size=2, checkpoint=checkpoint)
         savers = [ModelCheckpoint(dirpath=tmp_path / "full", every_n_train_steps=1, save_top_k=-1, filename="{step}"),
                   ModelCheckpoint(dirpath=tmp_path / "weights", every_n_train_steps=1, save_top_k=-1,
                                   filename="{step}", save_weights_only=True, monitor="train_loss")  # (a state key)

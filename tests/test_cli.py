@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from lightning_megatron import MegatronStrategy
+from lightning_megatron import CheckpointConfig, MegatronStrategy
 from lightning_megatron.cli import build_cli, main
 from tests.conftest import child_env
+from tests.test_checkpoint_config import SETTINGS
 
 CONFIG = Path(__file__).parent.parent / "examples" / "configs" / "tiny_cpu.yaml"
 
@@ -56,3 +58,46 @@ def test_print_config_round_trip_and_override(tmp_path: Path, capsys: pytest.Cap
 def test_help_documents_model_fields(capsys: pytest.CaptureFixture) -> None:
     out = _cli_here("fit", "--model.help", "MegatronLMModule", capsys=capsys)
     assert "Key/value heads for grouped-query attention" in out  # ModelConfig.num_query_groups docstring
+
+
+def _strategy_yaml(tmp_path: Path, **init_args: object) -> Path:
+    """A second config over CONFIG: one process, the strategy's ``init_args`` merged over CONFIG's."""
+    strategy = {"class_path": "lightning_megatron.MegatronStrategy", "init_args": {"tp": 1, **init_args}}
+    path = tmp_path / "strategy.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"devices": 1, "strategy": strategy}}))
+    return path
+
+
+def test_a_yaml_sets_every_checkpoint_setting(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = _strategy_yaml(tmp_path, checkpoint=SETTINGS)  # every field, none at its default
+    with contextlib.chdir(tmp_path):
+        cli = build_cli(["--config", str(CONFIG), "--config", str(config)], run=False)
+    assert cli.trainer.strategy.checkpoint_writer.config == CheckpointConfig(**SETTINGS)
+    assert cli.trainer.strategy.micro_batch_size == 4  # CONFIG's other init_args stay
+    printed = _cli_here("fit", "--config", str(CONFIG), "--config", str(config), "--print_config", capsys=capsys)
+    assert yaml.safe_load(printed)["trainer"]["strategy"]["init_args"]["checkpoint"] == SETTINGS
+    strategy_help = ("--trainer.strategy.help", "MegatronStrategy")
+    field_help = ("--trainer.strategy.checkpoint.help", "CheckpointConfig")
+    documented = _cli_here("fit", *strategy_help, *field_help, capsys=capsys)
+    assert "--trainer.strategy.checkpoint.read_threads" in documented
+    assert "Threads each rank reads" in documented  # CheckpointConfig.read_threads's docstring
+
+
+@pytest.mark.parametrize(
+    ("init_args", "error"),
+    [
+        ({"checkpoint": {"read_threads": 0}}, "CheckpointConfig(read_threads=0): give a positive int"),
+        ({"checkpoint": {"keep_host_buffers": "maybe"}}, "keep_host_buffers"),  # jsonargparse's own type check
+        ({"async_save": True, "checkpoint": {"async_save": False}}, "(async_save=True, checkpoint=CheckpointConfig("),
+    ],
+    ids=["read_threads", "not_a_bool", "async_save_twice"],
+)
+def test_a_bad_checkpoint_setting_in_a_yaml_fails_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture, init_args: dict, error: str
+) -> None:
+    config = _strategy_yaml(tmp_path, **init_args)
+    with pytest.raises((SystemExit, ValueError)) as failure, contextlib.chdir(tmp_path):
+        build_cli(["--config", str(CONFIG), "--config", str(config)], run=False)
+    # A value of the wrong type fails the parse (an exit, the error on stderr); a check when the settings are made
+    # raises from jsonargparse's instantiation, the check's message in it.
+    assert error in f"{failure.value}{capsys.readouterr().err}"

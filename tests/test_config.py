@@ -373,7 +373,7 @@ def test_layer_spec() -> None:
     assert moe_spec.submodules.mlp is not spec.submodules.mlp
     dense_in_moe = layer_spec(tiny_gpt(num_moe_experts=4), moe=False)  # a dense layer of an MoE model
     assert dense_in_moe.submodules.mlp.func == spec.submodules.mlp.func  # MLP.as_mlp_submodule
-    assert moe_spec.submodules.mlp.func.__name__ == "QueuedCountsMoELayer"  # Megatron's MoELayer, gpt/moe_dispatch.py
+    assert moe_spec.submodules.mlp.func.__name__ == "QueuedCountsMoELayer"  # Megatron's MoELayer, gpt/moe/dispatch.py
 
 
 def test_every_field_has_a_docstring() -> None:

@@ -22,9 +22,9 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, Preempted, tiny_gpt
-from lightning_megatron.checkpointing import checksums
-from lightning_megatron.checkpointing.saving import WriterLock
+from lightning_megatron import CheckpointConfig, MegatronLMModule, MegatronStrategy, Preempted, tiny_gpt
+from lightning_megatron.checkpointing.integrity import checksums
+from lightning_megatron.checkpointing.save.saving import WriterLock
 from lightning_megatron.data.corpus import synthetic_tokens
 from tests.conftest import Payload, flip_bit
 
@@ -303,7 +303,7 @@ def test_the_optimizer_state_is_verified_while_it_is_read(
     buffers) in a thread of its own during the read, so that the disk is read once; a damaged moment, read without
     any error, raises before anything read reaches the model or the optimizer. The tensors are read by
     ``read_threads`` threads."""
-    from lightning_megatron.checkpointing import sharded
+    from lightning_megatron.checkpointing.load import loading
 
     verified: list[tuple[str, set[str]]] = []
     verify = checksums.verify
@@ -313,16 +313,16 @@ def test_the_optimizer_state_is_verified_while_it_is_read(
         verify(path, metadata, items, **kwargs)  # type: ignore[arg-type]
 
     applied: list[str] = []
-    fill, load_state_dict = sharded.main_weights.fill_from_optimizer, torch.nn.Module.load_state_dict
+    fill, load_state_dict = loading.main_weights.fill_from_optimizer, torch.nn.Module.load_state_dict
     monkeypatch.setattr(checksums, "verify", recording)
-    monkeypatch.setattr(sharded.main_weights, "fill_from_optimizer", lambda *a: applied.append("fill") or fill(*a))
+    monkeypatch.setattr(loading.main_weights, "fill_from_optimizer", lambda *a: applied.append("fill") or fill(*a))
     monkeypatch.setattr(
         torch.nn.Module, "load_state_dict", lambda m, *a, **k: applied.append("model") or load_state_dict(m, *a, **k)
     )
 
     def resume(path: Path) -> MegatronStrategy:
-        strategy = MegatronStrategy(micro_batch_size=2)
-        strategy.checkpoint_writer.read_threads = threads  # 1: Megatron's reader
+        checkpoint = CheckpointConfig(read_threads=threads)  # 1: Megatron's reader
+        strategy = MegatronStrategy(micro_batch_size=2, checkpoint=checkpoint)
         verified.clear()
         applied.clear()
         _trainer(3, strategy=strategy).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
@@ -383,7 +383,7 @@ def test_a_truncated_safetensors_file_is_named(tmp_path: Path) -> None:
 def test_no_space_left_is_named_and_the_last_checkpoint_stays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
 ) -> None:
-    from lightning_megatron.checkpointing import write_process
+    from lightning_megatron.checkpointing.save import write_process
     from tests.full_disk_writer import fill_the_disk
 
     # Every write of the checkpoint step=4 fails as on a full disk: here (sync) or in the writer process (async).
@@ -453,7 +453,7 @@ def test_a_checkpoint_saved_again_under_its_name_is_swapped_in_whole(
     the old one (or the link) goes.
     Where the kernel swaps the two names at once, a crash right after the swap still leaves a complete checkpoint
     under the name (the old one waits under the ``.partial`` name, which is never loaded)."""
-    from lightning_megatron.checkpointing import saving
+    from lightning_megatron.checkpointing.save import saving
 
     def directory(name: str, content: str) -> Path:
         (tmp_path / name).mkdir()

@@ -388,7 +388,7 @@ def test_dispatch_and_experts_forward_without_host_synchronisation() -> None:
     wait); the backward then reads the counts on the host, and the values equal the loop's."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from lightning_megatron.gpt.moe_dispatch import QueuedCountsDispatcher
+    from lightning_megatron.gpt.moe.dispatch import QueuedCountsDispatcher
     from tests.test_permute import routing
 
     with one_process_megatron(port=29644, cpu=False):

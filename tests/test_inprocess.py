@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, cpu, tiny_gpt
+from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron.compat import cpu
 from lightning_megatron.data.corpus import synthetic_tokens
 from tests.conftest import one_process_megatron
 
@@ -185,7 +186,7 @@ def test_progress_metrics_tokens_per_second_and_perplexity() -> None:
 
 
 def test_resumable_loader_after_an_epoch_end_checkpoint() -> None:
-    from lightning_megatron.checkpointing.resume import ResumableLoader
+    from lightning_megatron.data.resume import ResumableLoader
 
     loader = ResumableLoader(list(range(5)), consumed=lambda: 5)
     assert loader.state_dict() == {"batches_consumed": 5, "batches_per_epoch": 5}

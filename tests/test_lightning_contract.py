@@ -202,7 +202,7 @@ def test_weights_only_checkpoint(fitted: dict) -> None:
         )
     # The start of a fine-tuning run: a module built from the checkpoint, with its weights.
     start = MegatronLMModule.load_from_checkpoint(tmp / "weights.ckpt", lr=1e-4)
-    assert start.optimizer_settings["lr"] == 1e-4
+    assert start.optimizer_settings.lr == 1e-4
     assert start.config == fitted["model"].config
     out = _trainer().validate(start, DataLoader(_data(8), batch_size=4))
     assert out[0]["val_loss"] == pytest.approx(fitted["val"]["val_loss"], rel=1e-6)
@@ -298,7 +298,7 @@ def _unpatched() -> None:
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
-    from lightning_megatron import cpu
+    from lightning_megatron.compat import cpu
 
     assert not cpu.is_enabled()
     assert torch.cuda.current_device is CURRENT_DEVICE

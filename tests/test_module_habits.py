@@ -86,14 +86,14 @@ def test_load_from_checkpoint_hparams_file(saved: dict[str, Path], tmp_path: Pat
     module = MegatronLMModule.load_from_checkpoint(saved["weights"], hparams_file=yaml)
     settings = module.optimizer_settings
     # The file's hyper-parameters replace the checkpoint's (decay_steps=8 there: back to the default here).
-    assert (settings["lr"], settings["warmup_steps"], settings["decay_steps"]) == (5e-4, 3, None)
+    assert (settings.lr, settings.warmup_steps, settings.decay_steps) == (5e-4, 3, None)
     assert module.config == tiny_gpt()  # the ModelConfig is the checkpoint's (saved apart from the hyper-parameters)
     overridden = MegatronLMModule.load_from_checkpoint(saved["weights"], hparams_file=yaml, lr=1e-4)
-    assert (overridden.optimizer_settings["lr"], overridden.optimizer_settings["warmup_steps"]) == (1e-4, 3)
+    assert (overridden.optimizer_settings.lr, overridden.optimizer_settings.warmup_steps) == (1e-4, 3)
     csv = tmp_path / "hparams.csv"
     save_hparams_to_tags_csv(csv, {"lr": 0.002, "clip_grad": 0.5})
     from_csv = MegatronLMModule.load_from_checkpoint(saved["weights"], hparams_file=csv).optimizer_settings
-    assert (from_csv["lr"], from_csv["clip_grad"]) == (0.002, 0.5)
+    assert (from_csv.lr, from_csv.clip_grad) == (0.002, 0.5)
     with pytest.raises(ValueError, match=r"hparams_file='.*hparams.json'.*\.yaml, \.yml or \.csv"):
         MegatronLMModule.load_from_checkpoint(saved["weights"], hparams_file=tmp_path / "hparams.json")
     with pytest.raises(FileNotFoundError, match=r"hparams_file='.*missing.yaml' does not exist"):

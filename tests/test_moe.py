@@ -74,12 +74,14 @@ def test_expert_parallel_errors() -> None:
 
 
 def test_optimizer_state_is_resplit_between_one_and_two_optimizers(tmp_path: Path) -> None:
-    """checkpointing/optimizer_split.py on hand-made states: entries renamed to the checkpoint's prefixes, the saved
-    parameter groups offered to each optimizer (the missing expert group from the dense one), the refusal named."""
+    """checkpointing/format/optimizer_split.py on hand-made states: entries renamed to the checkpoint's prefixes, the
+    saved parameter groups offered to each optimizer (the missing expert group from the dense one), the refusal
+    named."""
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from lightning_megatron.checkpointing import checks, optimizer_split
+    from lightning_megatron.checkpointing.format import optimizer_split
+    from lightning_megatron.checkpointing.integrity import checks
 
     def entry(key: str) -> ShardedTensor:
         return ShardedTensor.from_rank_offsets(key, torch.zeros(2))
@@ -159,7 +161,7 @@ class RouterProbe(L.Callback):
         self.bias_moved = False
 
     def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-        from lightning_megatron.gpt.moe import StepRouter
+        from lightning_megatron.gpt.moe.router import StepRouter
 
         for router in (m for m in pl_module.chunks.modules() if isinstance(m, StepRouter)):
 
@@ -196,8 +198,8 @@ def test_deepseek_and_qwen_routers_train_and_log_their_losses() -> None:
     from the routers' logits (mean over both MoE layers and the 4 micro-batches, times the coefficient)."""
     from megatron.core.transformer.mlp import MLP
 
-    from lightning_megatron.gpt.moe import StepRouter
-    from lightning_megatron.gpt.moe_dispatch import QueuedCountsDispatcher, QueuedCountsMoELayer
+    from lightning_megatron.gpt.moe.dispatch import QueuedCountsDispatcher, QueuedCountsMoELayer
+    from lightning_megatron.gpt.moe.router import StepRouter
 
     model = MegatronLMModule(tiny_gpt(**ROUTERS), lr=3e-3)
     probe = RouterProbe()
@@ -283,7 +285,7 @@ def test_a_shared_expert_without_a_gate_trains() -> None:
 
 
 def test_router_losses_are_off_without_coefficients() -> None:
-    from lightning_megatron.gpt.moe import tracked_names
+    from lightning_megatron.gpt.moe.router import tracked_names
 
     assert tracked_names(tiny_gpt(num_moe_experts=4)) == {}  # coefficient 0, z-loss None: nothing logged
     assert tracked_names(tiny_gpt()) == {}

@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron.compat.patches import ForeachClipGrads
 from lightning_megatron.data.corpus import synthetic_tokens
-from lightning_megatron.patches import ForeachClipGrads
 from tests.conftest import one_process_megatron
 
 
@@ -49,7 +49,7 @@ class Inspect(L.Callback):
         from megatron.core.optimizer import clip_grads
 
         self.l2_norm_impl = clip_grads.l2_norm_impl
-        self.clip = trainer.strategy._patches.get(ForeachClipGrads)
+        self.clip = trainer.strategy._run.patches.get(ForeachClipGrads)
 
 
 def test_resume_of_a_gpu_checkpoint_on_cpu_uses_the_cpu_adam(tmp_path: Path) -> None:
@@ -206,7 +206,7 @@ class Record(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
         self.norms_before.append(float(trainer.strategy.grad_norms()["grad_2.0_norm_total"]))
-        self.deferred.append(trainer.strategy._ddp_chunks[0].deferred_token_scale is not None)
+        self.deferred.append(trainer.strategy._run.ddp_chunks[0].deferred_token_scale is not None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.losses.append(float(outputs["loss"]))

@@ -13,22 +13,22 @@ PACKAGE = Path(__file__).parent.parent / "lightning_megatron"
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 # docs/architecture.md "Layering", top to bottom: a module imports its own layer or the ones below. A model
-# family (gpt, rl) sits above the framework; the framework imports no model family.
+# family (gpt, rl) and the kernels it builds with sit above the framework; the framework imports neither.
 LAYERS = [
     ("lightning_megatron",),
     ("cli", "presets", "__main__"),
     ("rl",),
     ("gpt",),
-    ("strategy", "callbacks", "weight_averaging"),
+    ("kernels",),
+    ("strategy", "strategy_checkpoints", "runstate", "callbacks", "weight_averaging"),
     ("modules",),
     ("schedule", "micro_batches"),
-    ("kernels",),
     ("checkpointing",),
     ("training",),
     ("data",),
     ("parallel",),
-    ("cpu", "patches"),
-    ("contract", "validation", "quiet"),
+    ("compat",),
+    ("contract", "validation"),
 ]
 
 
@@ -172,6 +172,19 @@ def test_no_private_names_across_files() -> None:
     assert used == {}
 
 
+def test_the_strategy_knows_no_model_family() -> None:
+    # What a family needs around the step reaches the strategy through the module's ModelHooks (contract.py): the
+    # strategy imports nothing of gpt/, rl/ or kernels/, directly or through any module it imports.
+    family = ("lightning_megatron.gpt", "lightning_megatron.rl", "lightning_megatron.kernels")
+    reached, todo = set(), ["lightning_megatron.strategy"]
+    while todo:
+        for target in MODULES[todo.pop()].imports - reached:
+            reached.add(target)
+            todo.append(target)
+    assert {"lightning_megatron.strategy_checkpoints", "lightning_megatron.runstate"} <= reached
+    assert sorted(target for target in reached if target.startswith(family)) == []
+
+
 def test_the_modules_do_not_import_the_strategy() -> None:
     # configure_model builds chunks through contract.MegatronRuntime; the optimizer code needs no module file.
     for name, module in MODULES.items():
@@ -203,9 +216,9 @@ def test_public_api() -> None:
     import lightning_megatron
 
     expected = {
-        "ByteCorpusDataModule", "ChunkSpec", "DataParallelShard", "LoRAConfig", "MegatronEMA", "MegatronLMFromHF",
-        "MegatronLMModule", "MegatronLightningModule", "MegatronStrategy", "MegatronThroughput", "MegatronValueModule",
-        "MegatronWeightAveraging", "ModelConfig", "OptimizerSpec",
+        "ByteCorpusDataModule", "CheckpointConfig", "ChunkSpec", "DataParallelShard", "LoRAConfig", "MegatronEMA",
+        "MegatronLMFromHF", "MegatronLMModule", "MegatronLightningModule", "MegatronStrategy", "MegatronThroughput",
+        "MegatronValueModule", "MegatronWeightAveraging", "ModelConfig", "OptimizerSpec",
         "ParallelSizes", "Preempted", "SaveHF", "StepStats", "TokenFileDataModule", "pack_sequences", "tiny_gpt",
     }  # fmt: skip
     assert set(lightning_megatron.__all__) == expected

@@ -7,7 +7,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-from lightning_megatron import patches
+from lightning_megatron.compat import patches
 from lightning_megatron.kernels import permute
 
 
@@ -70,12 +70,12 @@ def test_the_patch_takes_only_calls_it_reproduces() -> None:
 
 
 def test_queued_counts_dispatcher_equals_megatrons() -> None:
-    """The MoE layer's all-gather dispatcher at ep=1 (gpt/moe_dispatch.py): the same rows, counts (on the host),
+    """The MoE layer's all-gather dispatcher at ep=1 (gpt/moe/dispatch.py): the same rows, counts (on the host),
     probabilities, combined output and gradients as Megatron's, without the patch installed."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-    from lightning_megatron.gpt.moe_dispatch import QueuedCountsDispatcher, queued_counts_apply
+    from lightning_megatron.gpt.moe.dispatch import QueuedCountsDispatcher, queued_counts_apply
     from lightning_megatron.kernels.expert_counts import ExpertCounts
     from tests.conftest import one_process_megatron
     from tests.test_grouped_experts import moe_config

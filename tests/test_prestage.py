@@ -10,7 +10,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
+from lightning_megatron import CheckpointConfig, MegatronLMModule, MegatronStrategy, tiny_gpt
 from lightning_megatron.data.corpus import synthetic_tokens
 from tests.conftest import one_process_trainer
 
@@ -50,8 +50,8 @@ def test_weights_only_saves_beside_full_ones_without_model_weights_allocate_noth
 ) -> None:
     # Full saves without the bf16 weights (save_model_weights=False) and weights-only saves (the bf16 weights alone)
     # hold different tensors: both are staged at the start.
-    strategy = MegatronStrategy(micro_batch_size=2, use_distributed_optimizer=True, async_save=async_save)
-    strategy.checkpoint_writer.save_model_weights = False
+    checkpoint = CheckpointConfig(async_save=async_save, save_model_weights=False)
+    strategy = MegatronStrategy(micro_batch_size=2, use_distributed_optimizer=True, checkpoint=checkpoint)
     full = ModelCheckpoint(dirpath=tmp_path / "full", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     weights = ModelCheckpoint(dirpath=tmp_path / "weights", every_n_train_steps=2, save_weights_only=True)
     held = _fit(strategy, full, weights)
@@ -74,9 +74,8 @@ def test_fast_dev_run_stages_nothing(tmp_path: Path) -> None:
 def test_an_earlier_fits_staging_time_is_not_reported_again() -> None:
     from lightning_megatron.checkpointing.writer import CheckpointWriter
 
-    writer = CheckpointWriter(async_save=False)
+    writer = CheckpointWriter(CheckpointConfig(keep_host_buffers=False))  # this one stages nothing
     writer.prestaged = {"prestage_s": 1.0}  # an earlier fit's
-    writer.keep_host_buffers = False  # this one stages nothing
 
     def build(*args: object) -> dict:
         raise AssertionError("staged with keep_host_buffers=False")

@@ -1,5 +1,5 @@
-"""Checkpoint reads in several threads per rank (lightning_megatron/checkpointing/reading.py), below the strategy:
-the read plan's split, and a torch DCP checkpoint read by threads equal to torch's own read."""
+"""Checkpoint reads in several threads per rank (lightning_megatron/checkpointing/load/reading.py), below the
+strategy: the read plan's split, and a torch DCP checkpoint read by threads equal to torch's own read."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_megatron.checkpointing.reading import ThreadedReader, split
+from lightning_megatron.checkpointing.load.reading import ThreadedReader, split
 
 
 def _saved(path: Path) -> dict[str, torch.Tensor]:

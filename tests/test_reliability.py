@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy, tiny_gpt
-from lightning_megatron.checkpointing import checksums
+from lightning_megatron.checkpointing.integrity import checksums
 from lightning_megatron.data.corpus import synthetic_tokens
 from tests.conftest import Payload
 
@@ -253,7 +253,7 @@ def test_a_run_lightning_did_not_tear_down_is_torn_down_by_the_next(tmp_path: Pa
     and SIGTERM handler stay. The next run's start tears that run down, so nothing of it reaches the next run."""
     import signal
 
-    from lightning_megatron import patches
+    from lightning_megatron.compat import patches
 
     clip = patches.ForeachClipGrads()
     saver = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, every_n_train_steps=100, filename="{step}")

@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from lightning_megatron import MegatronStrategy
-from lightning_megatron.checkpointing import saving, write_process
-from lightning_megatron.checkpointing.saving import WriterLock
+from lightning_megatron.checkpointing.save import saving, write_process
+from lightning_megatron.checkpointing.save.saving import WriterLock
 from tests.test_faults import _fit
 
 PRECIOUS = b"someone else's file\n"

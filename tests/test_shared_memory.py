@@ -1,5 +1,5 @@
 """The host buffers of async saves: shared memory segments the writer process maps once (checkpointing/
-shared_memory.py, checkpointing/write_process.py). The runs that save through them are in test_checkpoint_cost.py
+shared_memory.py, checkpointing/save/write_process.py). The runs that save through them are in test_checkpoint_cost.py
 and test_faults.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_megatron.checkpointing.shared_memory import SEGMENT_BYTES, SharedSegments
+from lightning_megatron.checkpointing.save.shared_memory import SEGMENT_BYTES, SharedSegments
 
 
 def test_buffers_are_whole_storages_in_memfd_segments() -> None:
@@ -39,7 +39,7 @@ def test_the_writer_process_reads_what_the_training_process_writes_later() -> No
     """The writer maps a segment once; what the training process stages into it afterwards is what it writes."""
     import pickle
 
-    from lightning_megatron.checkpointing.write_process import WriterProcess
+    from lightning_megatron.checkpointing.save.write_process import WriterProcess
 
     shared = SharedSegments()
     buffer = shared.tensor(torch.Size([4, 4]), torch.float32, pinned=False)
@@ -68,7 +68,7 @@ def test_the_writer_process_starts_light_and_ready_to_write() -> None:
     API (Lightning, the models) nor Megatron-Core's models, whose import would make a save in a fit's first steps
     wait seconds for the writer; nor does a tensor sent by value (not in the shared buffers) import them. Each answer
     says when the write began and ended."""
-    from lightning_megatron.checkpointing.write_process import WriterProcess
+    from lightning_megatron.checkpointing.save.write_process import WriterProcess
 
     writer = WriterProcess()
     by_value = torch.arange(6.0).view(2, 3)[:, 1:]  # a view: not a whole buffer, so sent by value
@@ -92,7 +92,7 @@ def test_a_writer_still_starting_does_not_hold_up_the_handoff(tmp_path: Path, mo
     import sys
     import threading
 
-    from lightning_megatron.checkpointing import write_process
+    from lightning_megatron.checkpointing.save import write_process
 
     gate = tmp_path / "gate"
     starting = f"import pathlib, sys, time\nwhile not pathlib.Path({str(gate)!r}).exists(): time.sleep(0.05)\n"

@@ -17,7 +17,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule
-from lightning_megatron.checkpointing import checks, checksums, sharded
+from lightning_megatron.checkpointing import opening
+from lightning_megatron.checkpointing.integrity import checks, checksums
 from tests.conftest import flip_bit, recording_opens
 from tests.test_faults import DATA, _model, _trainer
 
@@ -125,7 +126,7 @@ def test_a_checkpoint_without_any_checksums_loads_with_a_warning(
 def test_a_planted_common_pt_is_refused(saved: dict, tmp_path: Path) -> None:
     """Megatron reads a legacy ``common.pt`` instead of the common state stored (and checksummed) in the shards."""
     path = _copy(saved, tmp_path)
-    common = sharded.opening.read_common_state(path)
+    common = opening.read_common_state(path)
     common["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] = 0  # re-train seen samples
     torch.save(common, path / "common.pt")
     for load in (_resume, MegatronLMModule.load_from_checkpoint):

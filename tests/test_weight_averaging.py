@@ -261,11 +261,11 @@ def test_an_average_is_its_runs_own(tmp_path: Path) -> None:
 def test_the_average_of_lora_adapters_resumes_exactly_from_lean_async_checkpoints(tmp_path: Path) -> None:
     """LoRA (checkpoints of the adapters only, the frozen base referred to), async saves (the average staged in host
     buffers with the rest) and checkpoints without the model's weights (the average is saved on its own)."""
-    from lightning_megatron import MegatronStrategy
+    from lightning_megatron import CheckpointConfig, MegatronStrategy
 
     def fit(ckpt_path: str | None = None, *callbacks: L.Callback) -> Snapshots:
-        strategy = MegatronStrategy(micro_batch_size=2, async_save=True)
-        strategy.checkpoint_writer.save_model_weights = False
+        checkpoint = CheckpointConfig(async_save=True, save_model_weights=False)
+        strategy = MegatronStrategy(micro_batch_size=2, checkpoint=checkpoint)
         snapshots, model = Snapshots(), MegatronLMModule(tiny_gpt(), decay_steps=8, lora={"rank": 2, "alpha": 4.0})
         trainer = _trainer(
             4, strategy=strategy, callbacks=[snapshots, MegatronEMA(decay=0.5), *callbacks], limit_val_batches=1,

@@ -21,9 +21,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from lightning_megatron.checkpointing import checks, checksums
 from lightning_megatron.checkpointing.contained import inside
-from lightning_megatron.checkpointing.saving import PARTIAL_SUFFIX
+from lightning_megatron.checkpointing.integrity import checks, checksums
+from lightning_megatron.checkpointing.save.saving import PARTIAL_SUFFIX
 
 CHECKSUMS_KEY = "megatron_checksums"
 """Common-state entry of a checkpoint whose files have checksums (:mod:`.checksums`): their scheme."""

@@ -30,7 +30,7 @@ def prestage(writer: CheckpointWriter, trainer: Any, module: Any, optimizer: Any
     templates: list[dict[str, Any]] = [{"optimizer_states": []}] if full else []
     # A weights-only save holds the bf16 weights: a full save's tensors already, unless save_model_weights=False left
     # them out (not a LoRA run's trainable weights, which every save holds as weights).
-    full_saves_hold_weights = writer.save_model_weights or bool(module.frozen_base())
+    full_saves_hold_weights = writer.config.save_model_weights or bool(module.frozen_base())
     if weights and not (full and full_saves_hold_weights):
         templates.append({})
     writer.prestage(*(partial(sharded.module_state, template, module, optimizer, scheduler) for template in templates))

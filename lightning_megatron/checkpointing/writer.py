@@ -1,13 +1,16 @@
 """When checkpoints become visible and when old ones may go: synchronous or asynchronous saves, deferred removals.
 
-With ``async_save`` a save returns once the shards are handed to this rank's background writer process (started when
-a fit starts and kept for it: :mod:`.write_process`); the checkpoint is *published* (``<name>.partial``
-renamed to ``<name>``) when every rank's writer has finished, which :meth:`CheckpointWriter.poll` checks between
-training steps. A pending save is always finalised before the next save starts, before a checkpoint is loaded and at
-the end of training.
+With ``CheckpointConfig.async_save`` a save returns once the shards are handed to this rank's background writer
+process (started when a fit starts and kept for it: :mod:`.write_process`); the checkpoint is *published*
+(``<name>.partial`` renamed to ``<name>``) when every rank's writer has finished, which
+:meth:`CheckpointWriter.poll` checks between training steps. A pending save is always finalised before the next
+save starts, before a checkpoint is loaded and at the end of training.
 
 ``ModelCheckpoint`` removes an older checkpoint right after asking for a new one. While a save is pending those
 removals wait until it is published, so a kill at any moment leaves at least the last published checkpoint.
+
+The writer's settings are a :class:`~.config.CheckpointConfig`, given when the strategy is made
+(:attr:`CheckpointWriter.config`).
 """
 
 from __future__ import annotations
@@ -23,36 +26,26 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from lightning_megatron.checkpointing import saving
-from lightning_megatron.checkpointing.background import BackgroundSaves
-from lightning_megatron.checkpointing.plans import SavePlans
-from lightning_megatron.checkpointing.reading import Reading, default_threads
-from lightning_megatron.checkpointing.staging import HostBuffers
-from lightning_megatron.checkpointing.write_process import children_ignore_sigterm
+from lightning_megatron.checkpointing.config import CheckpointConfig, with_async_save
+from lightning_megatron.checkpointing.load.reading import Reading, default_threads
+from lightning_megatron.checkpointing.save import saving
+from lightning_megatron.checkpointing.save.background import BackgroundSaves
+from lightning_megatron.checkpointing.save.plans import SavePlans
+from lightning_megatron.checkpointing.save.staging import HostBuffers
+from lightning_megatron.checkpointing.save.write_process import children_ignore_sigterm
+
+_SETTINGS = frozenset(CheckpointConfig.__dataclass_fields__)
 
 
 class CheckpointWriter:
     """Owns the async-save queue of one strategy, its saves not yet published, the removals waiting for them, and
     what later saves reuse: the host buffers the tensors are staged in and the save plans."""
 
-    def __init__(self, async_save: bool) -> None:
-        self.async_save = async_save
-        self.buffers = HostBuffers(shared=async_save)
+    def __init__(self, config: CheckpointConfig | None = None, async_save: bool | None = None) -> None:
+        self.config = with_async_save(config, async_save)
+        """The settings (async saves, what a save holds, host buffers, read threads), fixed for the strategy."""
+        self.buffers = HostBuffers(shared=self.config.async_save)
         self.plans = SavePlans()
-        self.keep_host_buffers = True
-        """Whether the host buffers stay allocated from one save to the next, so that a later save allocates nothing
-        (about 14 bytes per parameter of the rank's share, pinned, for the whole run). ``False``: they go back to the
-        system once each save is written (synchronous) or published (async) and after each load, so host memory is
-        taken only while a checkpoint is saved or loaded; each save then allocates and pins them again (seconds per
-        10 GB, in the step that saves)."""
-        self.save_model_weights = True
-        """Whether a checkpoint that holds the optimizer state also holds the model's trained weights. ``False``:
-        they are stored once, as the optimizer's fp32 main weights, and rebuilt from those on load (the model's
-        bf16 copy is their rounding, so a resume continues exactly); with bf16 weights and Adam the checkpoint is
-        2 of 14 bytes per parameter (about 14%) smaller. Weights-only saves still hold the weights; loading the
-        weights alone from such a checkpoint reads the main weights. Changes made to the parameters outside the
-        optimizer (weight averaging swapped into the model) are not saved. Needs the distributed optimizer
-        (checked when the run starts)."""
         self.last_save: dict[str, Any] = {}
         """Seconds the last save took on this rank: ``wait_s`` (for the previous async save to be published),
         ``stage_s`` (state dict and host copies; of it, ``allocate_s`` allocating and page-locking host buffers, where
@@ -71,10 +64,6 @@ class CheckpointWriter:
         ``read_bytes``, the stored bytes they read, and ``read_verified_bytes``, those they verified right before
         reading them (the optimizer state's share, with data-parallel ranks; all three 0 with Megatron's reader,
         ``read_threads=1``)."""
-        self.read_threads: int | None = None
-        """Threads each rank reads a checkpoint's tensors with when the strategy loads one (:mod:`.reading`):
-        ``None`` (the default), the CPUs this process may use, shared by the node's ranks, at most 8; ``1``:
-        Megatron's own reader, one tensor after the other."""
         self._processes_per_node = 1
         self._queue: BackgroundSaves | None = None
         self._saves: list[saving.PendingSave] = []  # oldest first, as they are finalised
@@ -83,28 +72,36 @@ class CheckpointWriter:
         self.prestaged: dict[str, float] = {}
         """Seconds :meth:`prestage` took (``prestage_s``; of it ``allocate_s`` and ``copy_wait_s``), if it ran."""
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SETTINGS:  # these were attributes to set before a fit: a silent no-op now would change the run
+            raise AttributeError(
+                f"checkpoint_writer.{name} is a setting given when the strategy is made: "
+                f"MegatronStrategy(checkpoint=CheckpointConfig({name}={value!r})) (in a LightningCLI YAML, "
+                f"trainer.strategy.init_args.checkpoint.{name}); it reads as checkpoint_writer.config.{name}"
+            )
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found the usual way
+        if name in _SETTINGS:
+            raise AttributeError(f"checkpoint_writer.{name} is read as checkpoint_writer.config.{name}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def prepare(self, distributed_optimizer: bool, processes_per_node: int = 1) -> None:
         """When a run starts (before any process group exists): raise ``ValueError`` for settings this run cannot
-        serve; the default :attr:`read_threads` shares the CPUs among ``processes_per_node`` ranks."""
-        threads = self.read_threads
-        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-            raise ValueError(
-                f"checkpoint_writer.read_threads={threads!r}: give a positive int (1 reads with Megatron's reader, one "
-                "tensor after the other) or None (the CPUs per rank, at most 8)"
-            )
+        serve; the default ``read_threads`` shares the CPUs among ``processes_per_node`` ranks."""
         self._processes_per_node = processes_per_node
-        if not (self.save_model_weights or distributed_optimizer):
+        if not (self.config.save_model_weights or distributed_optimizer):
             raise ValueError(
-                "checkpoint_writer.save_model_weights=False stores the trained weights as the distributed optimizer's "
+                "CheckpointConfig(save_model_weights=False) stores the trained weights as the distributed optimizer's "
                 "fp32 main weights, and this strategy has use_distributed_optimizer=False: use "
                 "MegatronStrategy(use_distributed_optimizer=True) or keep save_model_weights=True"
             )
-        if self.async_save and not hasattr(os, "memfd_create"):
+        if self.config.async_save and not hasattr(os, "memfd_create"):
             raise ValueError(
-                "MegatronStrategy(async_save=True) stages saves in shared memory made with memfd_create, which this "
+                "CheckpointConfig(async_save=True) stages saves in shared memory made with memfd_create, which this "
                 "system does not have (Linux only): use async_save=False"
             )
-        if self.async_save:  # forked before any shared memory or writer socket exists: it inherits none of them
+        if self.config.async_save:  # forked before any shared memory or writer socket exists: it inherits none of them
             with children_ignore_sigterm():
                 _start_result_queue()
 
@@ -112,7 +109,7 @@ class CheckpointWriter:
         """When a run starts: for a fit (``trainer_fn``, Lightning's ``TrainerFn``) with async saves, start the writer
         process (its start, seconds of imports, overlaps building the model and the first steps instead of delaying
         the first save's publish)."""
-        if self.async_save and trainer_fn == "fit":
+        if self.config.async_save and trainer_fn == "fit":
             self._background().start()
 
     def prestage(self, *builds: Callable[[HostBuffers, bool], dict[str, Any]]) -> None:
@@ -120,16 +117,16 @@ class CheckpointWriter:
         fit's saves will hold -- once, so that the host buffers are allocated and page-locked now (and, with async
         saves, the writer process maps them) before the first save. That save's staging then takes no longer than
         later saves', and the host memory is committed when the fit starts (an out-of-memory shows there, not at the
-        first save). Not with :attr:`keep_host_buffers` off (each save allocates its own buffers). Collective, as a
+        first save). Not with ``keep_host_buffers`` off (each save allocates its own buffers). Collective, as a
         save."""
         self.prestaged = {}
-        if not self.keep_host_buffers:
+        if not self.config.keep_host_buffers:
             return
         start, timings = time.perf_counter(), dict.fromkeys(self.buffers.timings, 0.0)
         for build in builds:
-            build(self.buffers, self.save_model_weights)
+            build(self.buffers, self.config.save_model_weights)
             timings = {key: seconds + self.buffers.timings[key] for key, seconds in timings.items()}  # reset per build
-        if self.async_save:
+        if self.config.async_save:
             self._background().map_buffers()
         self.prestaged = {"prestage_s": time.perf_counter() - start, **timings}
 
@@ -160,9 +157,9 @@ class CheckpointWriter:
         self._save_started = started  # (after the finalisation: it may publish the earlier save, timed from its own)
         assert not self.pending, "a save must not stage into host buffers a pending save still reads"
         staging = time.perf_counter()
-        state = build(self.buffers, self.save_model_weights)
+        state = build(self.buffers, self.config.save_model_weights)
         timings = {"wait_s": staging - start, "stage_s": time.perf_counter() - staging, **self.buffers.timings}
-        background = self.async_save and not publish  # published at once (a save after fit): written here
+        background = self.config.async_save and not publish  # published at once (a save after fit): written here
         strategy, new = self.plans.strategy_for(state)
         with children_ignore_sigterm():
             _start_result_queue()
@@ -180,18 +177,18 @@ class CheckpointWriter:
     @contextlib.contextmanager
     def loading(self, group: Any | None = None) -> Iterator[Reading]:
         """Around a load: a save still being written is published first; yields how to read: the host buffers the
-        optimizer state is read into (freed afterwards unless :attr:`keep_host_buffers`), :attr:`last_load`,
-        :attr:`read_threads` and ``group``, the group the ranks agree on a failed load in."""
+        optimizer state is read into (freed afterwards unless ``keep_host_buffers``), :attr:`last_load`,
+        ``read_threads`` and ``group``, the group the ranks agree on a failed load in."""
         self.finalize()
         self.last_load.clear()
-        threads = self.read_threads or default_threads(self._processes_per_node)
+        threads = self.config.read_threads or default_threads(self._processes_per_node)
         try:
             yield Reading(self.buffers, self.last_load, threads, group)
         finally:
             self._release_unless_kept()
 
     def _release_unless_kept(self) -> None:
-        if not self.keep_host_buffers and not self.pending:  # a pending save's writer still reads them
+        if not self.config.keep_host_buffers and not self.pending:  # a pending save's writer still reads them
             self.buffers.release()
             if self._queue is not None:
                 self._queue.map_buffers()

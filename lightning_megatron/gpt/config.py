@@ -14,7 +14,7 @@ from typing import Any, Literal, Self
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from lightning_megatron.gpt.moe_config import check_moe, check_moe_parallel, moe_layer_pattern
+from lightning_megatron.gpt.moe.config import check_moe, check_moe_parallel, moe_layer_pattern
 from lightning_megatron.gpt.plan import Kernels, Resolved
 from lightning_megatron.gpt.transformer import LOCAL_BACKEND, kernel_fields
 from lightning_megatron.parallel.sizes import ParallelSizes
@@ -142,7 +142,7 @@ class ModelConfig:
     global batch (Qwen3-MoE's global-batch balancing), or 'none'."""
     moe_aux_loss_coeff: float = 0.0
     """Coefficient of the load-balancing loss each MoE layer adds to the gradient (e.g. 1e-2 to 1e-3; 0: off). Logged
-    every training step as ``moe_aux_loss`` (:mod:`lightning_megatron.gpt.moe`)."""
+    every training step as ``moe_aux_loss`` (:mod:`lightning_megatron.gpt.moe.router`)."""
     moe_z_loss_coeff: float | None = None
     """Coefficient of the router z-loss (ST-MoE: the squared logsumexp of the router logits, averaged over tokens),
     e.g. 1e-3; None: off. Logged every training step as ``moe_z_loss``."""
@@ -243,9 +243,10 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, **overrides: Any) -> Self:
         """The model of a Hugging Face config (a ``PretrainedConfig``, a config.json dict or a model directory).
 
-        Llama, Mistral, Qwen2 and Qwen3 causal LMs (:func:`lightning_megatron.gpt.hf.fields.model_fields` says what
-        maps to what). Keyword arguments override fields; ``seq_length`` defaults to ``max_position_embeddings`` (capped
-        by a sliding attention window).
+        Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2 and Qwen3; mixture of experts
+        Qwen3-MoE, Qwen2-MoE and Mixtral (:func:`lightning_megatron.gpt.hf.fields.model_fields` says what maps to
+        what). Keyword arguments override fields; ``seq_length`` defaults to ``max_position_embeddings`` (capped by a
+        sliding attention window).
         """
         from lightning_megatron.gpt.hf.fields import model_fields
 
@@ -440,7 +441,7 @@ class ModelConfig:
             model["moe_layer_freq"] = freq if isinstance(freq, int) else [int(flag) for flag in freq]
             # The experts module reads it: grouped GEMMs where the device has them (None, True) or the loop (False).
             model["moe_grouped_gemm"] = self.moe_grouped_gemm is not False
-            # The token dispatcher is a parallel setting: the strategy picks it (lightning_megatron.gpt.moe).
+            # The token dispatcher is a parallel setting: the strategy picks it (lightning_megatron.gpt.moe.router).
         clash = sorted(model.keys() & parallel.keys())
         if clash:
             raise ValueError(f"{clash} are model fields; set them on ModelConfig, not as parallel settings")

@@ -11,7 +11,6 @@ from torch import Tensor, nn
 
 from lightning_megatron.contract import Batch, LossFn
 from lightning_megatron.gpt.config import ModelConfig
-from lightning_megatron.gpt.lora.config import LoRAConfig
 from lightning_megatron.gpt.model import GPTModule
 from lightning_megatron.gpt.sequences import document_starts, token_mask
 from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
@@ -59,36 +58,28 @@ class MegatronLMModule(GPTModule):
     def __init__(
         self,
         config: ModelConfig,
-        lr: float = 3e-4,
-        min_lr: float = 0.0,
-        weight_decay: float = 0.01,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        clip_grad: float = 1.0,
-        warmup_steps: int = 0,
-        decay_steps: int | None = None,
-        decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine",
-        override_lr_schedule: bool = False,
+        *args: Any,
         prediction: Literal["logits", "logprobs", "logprobs+entropy"] = "logits",
         temperature: float = 1.0,
-        lora: LoRAConfig | dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
         if prediction not in ("logits", "logprobs", "logprobs+entropy"):
             raise ValueError(f"prediction={prediction!r} must be 'logits', 'logprobs' or 'logprobs+entropy'")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be positive")
-        super().__init__(
-            config, lr=lr, min_lr=min_lr, weight_decay=weight_decay, betas=betas, eps=eps, clip_grad=clip_grad,
-            warmup_steps=warmup_steps, decay_steps=decay_steps, decay_style=decay_style,
-            override_lr_schedule=override_lr_schedule, lora=lora,
-        )  # fmt: skip
+        # GPTModule's arguments (optimizer settings, lora), typed and documented there; LightningCLI follows the call.
+        super().__init__(config, *args, **kwargs)
         self.prediction = prediction
         self.temperature = temperature
 
     def export_hf_weights(
-        self, *, include_tied: bool = True, bucket_bytes: int | None = None, lora_only: bool = False,
+        self,
+        *,
+        include_tied: bool = True,
+        bucket_bytes: int | None = None,
+        lora_only: bool = False,
         merged: bool = True,
-    ) -> Iterator[tuple[str, Tensor]] | Iterator[list[tuple[str, Tensor]]]:  # fmt: skip
+    ) -> Iterator[tuple[str, Tensor]] | Iterator[list[tuple[str, Tensor]]]:
         """Yield the full HF state dict on every rank: ``(hf_name, tensor)`` one at a time, or with
         ``bucket_bytes`` lists of them of about that many bytes (a bigger tensor alone), for weight sync.
 
@@ -117,18 +108,22 @@ class MegatronLMModule(GPTModule):
         return buckets if bucket_bytes is not None else (pair for bucket in buckets for pair in bucket)
 
     def save_hf(
-        self, path: str | Path, *, dtype: torch.dtype | None = None, max_shard_size: int = 5 * 2**30,
+        self,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        max_shard_size: int = 5 * 2**30,
         adapter: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Collective: write an HF model directory that ``AutoModelForCausalLM.from_pretrained(path)`` loads.
 
-        Rank 0 writes config.json (the one :meth:`from_hf` read, with ``dtype`` updated; else generated: Llama,
-        Qwen2 for q/k/v biases, Qwen3 for q/k norms), the safetensors (``max_shard_size`` bytes per file,
-        with an index when there are several) and, from an HF source directory, its tokenizer and generation
-        files. ``dtype`` (default: the parameters' dtype) is the dtype of the written tensors. With LoRA the
-        weights are merged (base + adapters); ``adapter=True`` writes the adapters alone as a PEFT adapter
-        directory instead (``adapter_config.json`` + ``adapter_model.safetensors``), which
-        ``peft.PeftModel.from_pretrained(base, path)`` loads.
+        Rank 0 writes config.json (the one :meth:`from_hf` read, with ``dtype`` updated; else generated in the family
+        that holds the model: Llama, Qwen2 for q/k/v biases, Qwen3 for q/k norms; with experts Qwen3-MoE, Qwen2-MoE
+        or Mixtral), the safetensors (``max_shard_size`` bytes per file, with an index when there are several) and,
+        from an HF source directory, its tokenizer and generation files. ``dtype`` (default: the parameters' dtype)
+        is the dtype of the written tensors. With LoRA the weights are merged (base + adapters); ``adapter=True``
+        writes the adapters alone as a PEFT adapter directory instead (``adapter_config.json`` +
+        ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(base, path)`` loads.
         """
         from lightning_megatron.gpt.hf.export import save_pretrained
 

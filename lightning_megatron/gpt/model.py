@@ -5,17 +5,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_megatron.checkpointing.sharded import MODEL_CONFIG_KEY
-from lightning_megatron.contract import Batch, ChunkSpec, OptimizerSpec
-from lightning_megatron.gpt import moe, routing, specs
+from lightning_megatron.contract import Batch, ChunkSpec, ModelHooks, OptimizerSpec
+from lightning_megatron.gpt import specs
 from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.lora.config import LoRAConfig, check_lora, check_lora_parallel
+from lightning_megatron.gpt.lora.frozen_base import adopt_saved_base, base_source
+from lightning_megatron.gpt.moe import routing
+from lightning_megatron.gpt.moe.router import router_losses
+from lightning_megatron.gpt.optim import DEFAULT_OPTIMIZER, DecayStyle, OptimizerSettings
 from lightning_megatron.gpt.plan import KernelPlan, Resolved
 from lightning_megatron.gpt.sequences import RankTokens, rank_tokens, without_default_positions
 from lightning_megatron.modules.base import MegatronLightningModule
@@ -31,7 +35,9 @@ class GPTModule(MegatronLightningModule):
     """What every LightningModule on a Megatron-Core ``GPTModel`` shares: the model (:class:`ModelConfig`, its
     kernel plan, LoRA, weights from Hugging Face), this rank's tokens of a batch (packed documents, the CP slice),
     MoE routing replay and the optimizer. Subclasses add the head's objective: :class:`MegatronLMModule` (the
-    causal-LM head) and :class:`~lightning_megatron.MegatronValueModule` (a scalar head).
+    causal-LM head) and :class:`~lightning_megatron.MegatronValueModule` (a scalar head); they take these arguments
+    through ``**kwargs``. The optimizer arguments (``lr`` to ``override_lr_schedule``) are kept as one
+    :class:`~lightning_megatron.gpt.optim.OptimizerSettings` (:attr:`optimizer_settings`), which checks them.
 
     Args:
         config: the model.
@@ -61,14 +67,21 @@ class GPTModule(MegatronLightningModule):
 
     @classmethod
     def from_hf(
-        cls, path: str | Path, *, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
-        allow_pickle: bool = False, adapter: str | Path | None = None, **module_kwargs: Any,
-    ) -> Self:  # fmt: skip
+        cls,
+        path: str | Path,
+        *,
+        seq_length: int | None = None,
+        config_overrides: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+        adapter: str | Path | None = None,
+        **module_kwargs: Any,
+    ) -> Self:
         """A module initialised from a local HF directory (config.json + safetensors, one file or sharded).
 
-        Llama, Mistral, Qwen2 and Qwen3 causal LMs. Only config.json and the safetensors headers are read here
-        (names and shapes are checked now, before any process starts); the weights are read when the strategy
-        builds the model, each rank reading only the slices of its tensor-/pipeline-parallel shard.
+        Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2 and Qwen3; mixture of
+        experts Qwen3-MoE, Qwen2-MoE and Mixtral. Only config.json and the safetensors headers are read here (names
+        and shapes are checked now, before any process starts); the weights are read when the strategy builds the
+        model, each rank reading only the slices of its tensor-/pipeline-/expert-parallel shard.
 
         Args:
             path: the model directory.
@@ -83,40 +96,52 @@ class GPTModule(MegatronLightningModule):
                 rank, alpha and targets become the module's ``lora`` (a ``lora=`` given too must match them).
             module_kwargs: the module's arguments (``lr``, ``warmup_steps``, ``lora``, ...).
         """
-        from lightning_megatron.gpt.hf.load import open_pretrained
-        from lightning_megatron.gpt.hf.peft import with_adapter
+        from lightning_megatron.gpt.hf.pretrained import open_hf
 
-        checkpoint, config = open_pretrained(
-            path, seq_length=seq_length, config_overrides=config_overrides, allow_pickle=allow_pickle
+        lora = module_kwargs.pop("lora", None)  # an adapter's settings replace it
+        hf = open_hf(
+            path,
+            seq_length=seq_length,
+            config_overrides=config_overrides,
+            allow_pickle=allow_pickle,
+            adapter=adapter,
+            lora=lora,
         )
-        hf_adapter, module_kwargs["lora"] = with_adapter(adapter, config, module_kwargs.get("lora"))
-        module = cls(config, **module_kwargs)
-        module.hf_checkpoint, module.hf_adapter = checkpoint, hf_adapter
+        module = cls(hf.config, lora=hf.lora, **module_kwargs)
+        module.hf_checkpoint, module.hf_adapter = hf.checkpoint, hf.adapter
         return module
 
     def __init__(
         self,
         config: ModelConfig,
-        lr: float = 3e-4,
-        min_lr: float = 0.0,
-        weight_decay: float = 0.01,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        clip_grad: float = 1.0,
-        warmup_steps: int = 0,
-        decay_steps: int | None = None,
-        decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine",
-        override_lr_schedule: bool = False,
+        lr: float = DEFAULT_OPTIMIZER.lr,
+        min_lr: float = DEFAULT_OPTIMIZER.min_lr,
+        weight_decay: float = DEFAULT_OPTIMIZER.weight_decay,
+        betas: tuple[float, float] = DEFAULT_OPTIMIZER.betas,
+        eps: float = DEFAULT_OPTIMIZER.eps,
+        clip_grad: float = DEFAULT_OPTIMIZER.clip_grad,
+        warmup_steps: int = DEFAULT_OPTIMIZER.warmup_steps,
+        decay_steps: int | None = DEFAULT_OPTIMIZER.decay_steps,
+        decay_style: DecayStyle = DEFAULT_OPTIMIZER.decay_style,
+        override_lr_schedule: bool = DEFAULT_OPTIMIZER.override_lr_schedule,
         lora: LoRAConfig | dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self._routing_record: dict[int, list] | None = None  # set while record_routing runs
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a lightning_megatron.ModelConfig, got {type(config).__name__}")
-        if lr <= 0:
-            raise ValueError(f"lr={lr} must be positive")
-        if not 0 <= min_lr <= lr:
-            raise ValueError(f"min_lr={min_lr} must be in [0, lr={lr}]")
+        self.optimizer_settings = OptimizerSettings(
+            lr=lr,
+            min_lr=min_lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            eps=eps,
+            clip_grad=clip_grad,
+            warmup_steps=warmup_steps,
+            decay_steps=decay_steps,
+            decay_style=decay_style,
+            override_lr_schedule=override_lr_schedule,
+        )
         self.config = config
         self.lora = LoRAConfig(**lora) if isinstance(lora, dict) else lora
         if self.lora is not None:
@@ -125,11 +150,6 @@ class GPTModule(MegatronLightningModule):
         self.save_hyperparameters(ignore=["config", "lora", "override_lr_schedule"])
         if self.lora is not None:  # a plain dict: checkpoints unpickle only tensors, containers and numbers
             self.hparams["lora"] = dataclasses.asdict(self.lora)
-        self.optimizer_settings: dict[str, Any] = {
-            "lr": lr, "min_lr": min_lr, "weight_decay": weight_decay, "betas": betas, "eps": eps,
-            "clip_grad": clip_grad, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
-            "decay_style": decay_style, "override_lr_schedule": override_lr_schedule,
-        }  # fmt: skip
 
     @property
     def kernels(self) -> Resolved:
@@ -161,9 +181,15 @@ class GPTModule(MegatronLightningModule):
                 f"sequence_parallel=True, or split the experts with ep instead of tp{replay}"
             )
 
+    def model_hooks(self) -> ModelHooks:
+        from lightning_megatron.gpt.hooks import GPTHooks
+
+        return GPTHooks(self.config)  # MoE permutation, fp8 weight casts, CUDA graphs (gpt/hooks.py)
+
     def step_metrics(self) -> Mapping[str, Tensor]:
-        """The routers' losses of an MoE model (``moe_aux_loss``, ``moe_z_loss``: :mod:`lightning_megatron.gpt.moe`)."""
-        return moe.router_losses(self.config, self.chunks)
+        """The routers' losses of an MoE model (``moe_aux_loss``, ``moe_z_loss``:
+        :mod:`lightning_megatron.gpt.moe.router`)."""
+        return router_losses(self.config, self.chunks)
 
     def configure_model(self) -> None:
         super().configure_model()
@@ -177,48 +203,29 @@ class GPTModule(MegatronLightningModule):
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]
-        cls, checkpoint_path: str | Path, map_location: Any = None, hparams_file: str | Path | None = None,
-        strict: bool | None = None, weights_only: bool | None = None, **kwargs: Any,
-    ) -> Self:  # fmt: skip
+        cls,
+        checkpoint_path: str | Path,
+        map_location: Any = None,
+        hparams_file: str | Path | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Self:
         """As :meth:`MegatronLightningModule.load_from_checkpoint` (Lightning's arguments included); with LoRA, also
         from a checkpoint holding only adapters (its frozen base is read from where the checkpoint says: an HF
         directory or another checkpoint), and, with ``lora=`` given, from a checkpoint without adapters: its weights
         become the frozen base of new, seeded adapters."""
-        from lightning_megatron.checkpointing import opening, sharded
-
         lightning = {"map_location": map_location, "hparams_file": hparams_file, "strict": strict}
         module = super().load_from_checkpoint(checkpoint_path, weights_only=weights_only, **lightning, **kwargs)
-        if module.lora is None or module.hf_checkpoint is not None:  # MegatronLMFromHF: the base is its hf_path
-            return module
-        common = opening.read_common_state(checkpoint_path)
-        base = common.get(sharded.FROZEN_BASE_KEY)
-        if base is not None and "hf" in base:
-            from lightning_megatron.gpt.hf.load import HFCheckpoint
-
-            try:
-                module.hf_checkpoint = HFCheckpoint.open(base["hf"])
-            except FileNotFoundError as error:
-                raise FileNotFoundError(
-                    f"{checkpoint_path} holds LoRA adapters whose frozen base was {base['hf']}: {error}. With the base "
-                    f"elsewhere, build the module with {cls.__name__}.from_hf(new_path, lora=...) and pass "
-                    "ckpt_path= to trainer.fit / validate / test / predict (the base's files are checked to match)"
-                ) from error
-            module.hf_checkpoint.check(module.config)
-        elif base is not None:
-            module.base_checkpoint = base["checkpoint"]
-        elif not (common.get("hyper_parameters") or {}).get("lora"):  # saved without adapters: the new base
-            module.base_checkpoint, module.weights_checkpoint = str(checkpoint_path), None
+        if module.lora is not None and module.hf_checkpoint is None:  # MegatronLMFromHF: the base is its hf_path
+            adopt_saved_base(module, checkpoint_path, cls.__name__)
         return module
 
     def frozen_base(self) -> dict[str, str] | None:
         """With LoRA, where the frozen base weights come from (so checkpoints hold only the adapters): the HF
-        directory of :meth:`from_hf` (and a fingerprint of its files, so a moved copy is recognised and other
-        weights at the same path are not), or the checkpoint :meth:`load_from_checkpoint` took them from."""
-        if self.lora is None:
-            return None
-        if self.hf_checkpoint is not None:
-            return {"hf": str(self.hf_checkpoint.path.resolve()), "fingerprint": self.hf_checkpoint.fingerprint}
-        return None if self.base_checkpoint is None else {"checkpoint": str(Path(self.base_checkpoint).resolve())}
+        directory of :meth:`from_hf` or the checkpoint :meth:`load_from_checkpoint` took them from
+        (:func:`lightning_megatron.gpt.lora.frozen_base.base_source`)."""
+        return base_source(self.lora, self.hf_checkpoint, self.base_checkpoint)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # On the host, before the batch reaches the accelerator: bad token ids fail here with the field and
@@ -326,18 +333,5 @@ class GPTModule(MegatronLightningModule):
         return routing.assemble(parts, tokens.shape[0], c.num_layers, tokens.shape[1], c.moe_router_topk, tokens.device)
 
     def configure_optimizers(self) -> OptimizerSpec:  # type: ignore[override]
-        from megatron.core.optimizer import OptimizerConfig
-
         # hparams win: Lightning's Tuner.lr_find (update_attr=True) writes its suggestion into hparams.lr.
-        s = {**self.optimizer_settings, **{k: v for k, v in self.hparams.items() if k in self.optimizer_settings}}
-        config = OptimizerConfig(
-            optimizer="adam", lr=s["lr"], min_lr=s["min_lr"], weight_decay=s["weight_decay"],
-            adam_beta1=s["betas"][0], adam_beta2=s["betas"][1], adam_eps=s["eps"], clip_grad=s["clip_grad"],
-        )  # fmt: skip
-        return OptimizerSpec(
-            config=config,
-            lr_warmup_steps=s["warmup_steps"],
-            lr_decay_steps=s["decay_steps"],
-            lr_decay_style=s["decay_style"],
-            override_lr_schedule=s["override_lr_schedule"],
-        )
+        return self.optimizer_settings.updated(self.hparams).spec()

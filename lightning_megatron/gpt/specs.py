@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
+from lightning_megatron.gpt.moe.specs import with_moe_parts
 from lightning_megatron.gpt.plan import Resolved
 from lightning_megatron.kernels.attention import Rotary, SDPAttention
 from lightning_megatron.kernels.norms import TorchNorm
@@ -38,8 +39,8 @@ def layer_spec(
     ``fuse_wgrad`` builds the parallel linears as :mod:`lightning_megatron.kernels.linear`'s subclasses, whose
     weight gradients accumulate straight into ``main_grad`` (``'torch'``/``'local'`` only); ``fp8`` builds them as
     the subclasses whose GEMMs run in fp8, in ``config.fp8``'s format; ``lora`` puts adapters on its target
-    linears (which stay unfused). ``moe``: an MoE layer (:func:`with_moe_parts`) or a dense one; None: MoE iff the
-    model has experts.
+    linears (which stay unfused). ``moe``: an MoE layer (:func:`~lightning_megatron.gpt.moe.specs.with_moe_parts`) or
+    a dense one; None: MoE iff the model has experts.
     """
     experts = config.num_moe_experts if (moe is None or moe) else None
     if kernels == "te":
@@ -52,22 +53,16 @@ def layer_spec(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(
-        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+        num_experts=experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
         normalization=config.normalization,
-    )  # fmt: skip
+    )
     spec = with_torch_norms(spec if experts is None else with_moe_parts(spec, fuse_wgrad))
     if kernels == "torch":
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-        attention: Any = SDPAttention
-        if config.position_embedding_type == "rope":
-            rotary = Rotary(
-                rotary_percent=config.rotary_percent, rotary_base=config.rotary_base, rope_scaling=config.rope_scaling,
-                rope_scaling_factor=config.rope_scaling_factor,
-                seq_len_interpolation_factor=config.seq_len_interpolation_factor,
-            )  # fmt: skip
-            attention = functools.partial(SDPAttention, rotary=rotary)
-        spec = replace_modules(spec, {DotProductAttention: attention})
+        spec = replace_modules(spec, {DotProductAttention: sdp_attention(config)})
     if fp8 and config.fp8 is None:
         raise ValueError("layer_spec(fp8=True) builds the linears of config.fp8's format, and config.fp8 is None")
     if fuse_wgrad or fp8:
@@ -84,6 +79,20 @@ def layer_spec(
     if lora is not None:
         spec = with_adapters(spec, lora, config)
     return spec
+
+
+def sdp_attention(config: ModelConfig) -> Any:
+    """The core attention of the ``'torch'`` kernels: :class:`SDPAttention`, with RoPE inside it for a rope model."""
+    if config.position_embedding_type != "rope":
+        return SDPAttention
+    rotary = Rotary(
+        rotary_percent=config.rotary_percent,
+        rotary_base=config.rotary_base,
+        rope_scaling=config.rope_scaling,
+        rope_scaling_factor=config.rope_scaling_factor,
+        seq_len_interpolation_factor=config.seq_len_interpolation_factor,
+    )
+    return functools.partial(SDPAttention, rotary=rotary)
 
 
 def with_adapters(spec: Any, lora: LoRAConfig, config: ModelConfig) -> Any:
@@ -108,10 +117,11 @@ def with_adapters(spec: Any, lora: LoRAConfig, config: ModelConfig) -> Any:
         # linear_fc1's gate/up halves: sized from the base (a dense layer's or a shared expert's hidden size)
         sizes = [out if name == "linear_qkv" else None for _, _, out in parts]
         params = {
-            "lora": lora, "parts": tuple((part, size) for (part, _, _), size in zip(parts, sizes, strict=True)),
+            "lora": lora,
+            "parts": tuple((part, size) for (part, _, _), size in zip(parts, sizes, strict=True)),
             "query_groups": config.effective_num_query_groups if name == "linear_qkv" else None,
             "adapted": tuple(part for part, _, _ in lora.adapted_parts(name, config)),
-        }  # fmt: skip
+        }
         return ModuleSpec(module=LoRAColumnParallelLinear, params=params)
 
     return _map_spec(spec, swap)
@@ -141,37 +151,6 @@ def block_spec(
 
         final_norm = TENorm
     return TransformerBlockSubmodules(layer_specs=[built[moe] for moe in kinds], layer_norm=final_norm)
-
-
-def with_moe_parts(spec: Any, fuse_wgrad: bool = False) -> Any:
-    """Copy of an MoE layer spec whose router is :class:`~lightning_megatron.gpt.moe.StepRouter` (Megatron's, counting
-    the micro-batches whose losses it logs) and whose experts are the grouped experts of
-    :mod:`lightning_megatron.kernels.experts` (one ``[experts, out, in]`` weight per projection on every device;
-    grouped GEMMs or a loop is the module's runtime choice); ``fuse_wgrad``: their weight gradients accumulate into
-    ``main_grad``. Its shared expert (with its gate) is Megatron's ``SharedExpertMLP``, from the same spec. The layer
-    is :class:`~lightning_megatron.gpt.moe_dispatch.QueuedCountsMoELayer` (Megatron's ``MoELayer``, its all-gather
-    dispatcher waiting less for the host)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    from lightning_megatron.gpt.moe import StepRouter
-    from lightning_megatron.gpt.moe_dispatch import QueuedCountsMoELayer
-
-    mlp = spec.submodules.mlp
-    if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
-        raise TypeError(f"with_moe_parts needs an MoE layer spec (functools.partial(MoELayer, ...)), got {mlp!r}")
-    parts = dataclasses.replace(mlp.keywords["submodules"], router=StepRouter, experts=grouped_experts(fuse_wgrad))
-    mlp = functools.partial(QueuedCountsMoELayer, *mlp.args, **{**mlp.keywords, "submodules": parts})
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
-
-
-def grouped_experts(fuse_wgrad: bool = False) -> Any:
-    """The experts builder of :func:`lightning_megatron.kernels.expert_mlp.grouped_mlp_spec`."""
-    from megatron.core.transformer.spec_utils import build_module
-
-    from lightning_megatron.kernels.expert_mlp import grouped_mlp_spec
-
-    # MoELayer calls its experts builder as builder(num_local_experts, config, pg_collection=..., name=...).
-    return functools.partial(build_module, grouped_mlp_spec(fuse_wgrad=fuse_wgrad))
 
 
 def with_torch_norms(spec: Any) -> Any:

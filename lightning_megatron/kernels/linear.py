@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor, nn
 
+from lightning_megatron.compat import class_swap
 from lightning_megatron.kernels.fp8 import E4M3, E5M2, gemm_shapes_ok, quantize_pair, quantize_weight, scaled_mm
 
 
@@ -314,4 +315,4 @@ def fuse_lm_head(layer: nn.Module) -> None:
     state of its own and only overrides ``_forward_impl``. Other output layers (e.g. a value head) are left as
     they are. (The LM head stays in bf16 under fp8, as fp8 recipes keep it.)"""
     if type(layer) is ColumnParallelLinear:
-        layer.__class__ = FusedWgradLMHead
+        class_swap.swap_class(layer, FusedWgradLMHead)

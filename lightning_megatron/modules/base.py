@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Self, override
 import lightning as L
 from torch import Tensor, nn
 
-from lightning_megatron.contract import Batch, ChunkSpec, LossFn, MegatronRuntime, OptimizerSpec
+from lightning_megatron.compat import lightning_internals
+from lightning_megatron.contract import Batch, ChunkSpec, LossFn, MegatronRuntime, ModelHooks, OptimizerSpec
 from lightning_megatron.modules.metrics import TokenPerplexity
 
 if TYPE_CHECKING:
@@ -97,6 +98,12 @@ class MegatronLightningModule(L.LightningModule):
         """Turn the last stage's output of one micro-batch into what ``trainer.predict`` returns (on every rank)."""
         return output
 
+    def model_hooks(self) -> ModelHooks:
+        """What the model family needs of the strategy around the step
+        (:class:`~lightning_megatron.contract.ModelHooks`: process-wide patches, after each optimizer update, at fit
+        start, on offload, at the run's end); asked once per run, in ``setup_environment``. Default: nothing."""
+        return ModelHooks()
+
     def validate_parallel(self, sizes: ParallelSizes) -> None:
         """Raise ``ValueError`` if this module cannot be split by ``sizes``. The strategy calls it in ``connect``,
         before any process group or model exists; the default accepts every layout."""
@@ -117,15 +124,17 @@ class MegatronLightningModule(L.LightningModule):
             return
         self.chunks = nn.ModuleList(self.build_chunk(spec) for spec in specs)
         self._built_for = specs
-        from lightning_megatron.checkpointing import module_state, sharded
+        from lightning_megatron.checkpointing import sharded
+        from lightning_megatron.checkpointing.format import module_state
+        from lightning_megatron.checkpointing.load import loading
 
         config = sharded.model_config_dict(self)
         if self.base_checkpoint is not None:
-            sharded.load(list(self.chunks), None, self.base_checkpoint, config, weights="frozen")
+            loading.load(list(self.chunks), None, self.base_checkpoint, config, weights="frozen")
         if self.weights_checkpoint is not None:
             path, frozen = self.weights_checkpoint, self.frozen_base()
             strict = self.weights_strict
-            common = sharded.load(list(self.chunks), None, path, config, frozen_base=frozen, strict=strict)
+            common = loading.load(list(self.chunks), None, path, config, frozen_base=frozen, strict=strict)
             module_state.restore(self, common.get("state_dict"), strict=strict)  # beside the chunks
             self.weights_checkpoint = None  # loaded once: a later fit continues from the trained weights
 
@@ -157,7 +166,8 @@ class MegatronLightningModule(L.LightningModule):
         * ``weights_only``: checkpoints are always read weights-only; ``False`` is refused (allow a trusted class
           with ``torch.serialization.add_safe_globals``).
         """
-        from lightning_megatron.checkpointing import opening, partial_load
+        from lightning_megatron.checkpointing import opening
+        from lightning_megatron.checkpointing.load import partial_load
 
         partial_load.check_load_arguments(map_location, weights_only, strict)
         common = opening.read_common_state(checkpoint_path)
@@ -340,8 +350,7 @@ def check_not_compiled(module: MegatronLightningModule) -> None:
     """Raise ``TypeError`` for ``trainer.fit(torch.compile(module))``: Lightning unwraps the compiled module and
     compiles its ``forward`` and ``*_step`` methods, which MegatronStrategy never calls (Megatron's schedule runs the
     chunks through ``forward_step``), so the run would be eager without a word."""
-    # Lightning's own marker of a module it unwrapped from torch.compile (lightning.pytorch.utilities.compile).
-    if getattr(module, "_compiler_ctx", None) is None:
+    if not lightning_internals.compiled_by_lightning(module):  # Lightning's own marker (its utilities.compile)
         return
     name = type(module).__name__
     raise TypeError(

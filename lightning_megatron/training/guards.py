@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_megatron.compat import lightning_internals
 from lightning_megatron.contract import IGNORE_INDEX, StepStats
 from lightning_megatron.training.host import HostScalar
 
@@ -275,8 +276,8 @@ def check_trainer(trainer: Any) -> None:
         )
     strategy = trainer.strategy
     # Lightning converts BatchNorm layers in DDPStrategy.setup, which MegatronStrategy replaces; it keeps the
-    # request only in this private attribute.
-    if getattr(strategy, "_layer_sync", None) is not None:
+    # request only in a private attribute.
+    if lightning_internals.syncs_batchnorm(strategy):
         raise ValueError(
             "Trainer(sync_batchnorm=True) is not supported by MegatronStrategy: Lightning converts BatchNorm layers in "
             "DDP's setup, which this strategy replaces, and would sync them over every rank rather than the "
@@ -348,7 +349,7 @@ def check_callbacks(callbacks: Iterable[object]) -> None:
                 kind = "" if type(callback) is refused else f" (a {refused.__name__})"
                 raise ValueError(f"{name}{kind} is not supported by MegatronStrategy: {why}")
         # Tuner.lr_find adds its own LearningRateFinder, marked to end the fit after the search (private flag).
-        if isinstance(callback, LearningRateFinder) and not getattr(callback, "_early_exit", False):
+        if isinstance(callback, LearningRateFinder) and not lightning_internals.lr_finder_ends_the_fit(callback):
             raise ValueError(
                 f"{name} inside trainer.fit is not supported by MegatronStrategy: after its search the model is put "
                 "back but Megatron's LR schedule keeps the search's step count, and a suggestion cannot reach the "

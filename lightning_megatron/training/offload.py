@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_megatron.compat.megatron_internals import torch_optimizers
 from lightning_megatron.training import graphs
-from lightning_megatron.training.optim import torch_optimizers
 
 
 @dataclass

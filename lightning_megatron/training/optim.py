@@ -11,13 +11,14 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_megatron.compat.megatron_internals import torch_adams, torch_optimizers
 from lightning_megatron.contract import OptimizerSpec, StepStats
 from lightning_megatron.parallel import ddp
 from lightning_megatron.parallel.precision import megatron_dtype_fields
 from lightning_megatron.training import guards
 
 if TYPE_CHECKING:
-    from lightning_megatron.patches import ForeachClipGrads
+    from lightning_megatron.compat.patches import ForeachClipGrads
 
 
 class LightningOptimizerAdapter(torch.optim.Optimizer):
@@ -159,19 +160,21 @@ def setup(
     spec: OptimizerSpec,
     ddp_chunks: list[Any],
     trainer: L.Trainer,
+    guard: guards.StepGuard,
+    clip: ForeachClipGrads,
     *,
     dtype: torch.dtype,
     distributed: bool,
-    fused: bool,
-    on_step: Callable[[StepStats], None],
-    nonfinite: guards.NonFinite,
-    clip: ForeachClipGrads,
     after_update: Callable[[], None] | None = None,
 ) -> tuple[Any, Any, LightningOptimizerAdapter]:
-    """Megatron's optimizer and LR schedule for ``spec`` (:func:`build`), the adapter Lightning steps
-    (:func:`lightning_adapter`, with the strategy's ``clip`` patch), and the schedule's hooks on the chunks' config
-    (``parallel/ddp.py``); ``after_update`` runs after each update. ``nonfinite="skip"`` decides before each update
-    whether to step, at one GPU synchronisation per step."""
+    """Megatron's optimizer and LR schedule for ``spec`` (:func:`build`; torch's fused Adam where the chunks are on
+    a GPU), the adapter Lightning steps (:func:`lightning_adapter`, with the strategy's ``clip`` patch), and the
+    schedule's hooks on the chunks' config (``parallel/ddp.py``). After each step ``guard`` records what it reported
+    (raising, under the "error" policy, before any save) and ``after_update`` runs after each update. ``guard``'s
+    "skip" policy decides before each update whether to step, at one GPU synchronisation per step."""
+    fused = next(ddp_chunks[0].parameters()).device.type == "cuda"
+    nonfinite = guard.policy
+    on_step = lambda stats: guard.record(stats, trainer.global_step)  # noqa: E731
     optimizer, scheduler = build(spec, ddp_chunks, trainer, dtype=dtype, distributed=distributed, fused=fused)
     should_step = None
     if nonfinite == "skip":  # with fp16, gradients are loss-scaled: Megatron's scaler handles their overflow
@@ -205,17 +208,6 @@ def lightning_adapter(
 def clips(optimizer: Any) -> bool:
     """Whether every part of a Megatron optimizer clips gradients by norm (``clip_grad > 0``)."""
     return all(part.config.clip_grad > 0 for part in getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside a Megatron optimizer: one per part of a ``ChainedOptimizer`` (e.g. the dense
-    and the expert-parallel parameters), else the one it wraps."""
-    return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
-def torch_adams(optimizer: Any) -> list[torch.optim.Adam | torch.optim.AdamW]:
-    """The torch Adam/AdamW optimizers among :func:`torch_optimizers` (those whose state the workarounds touch)."""
-    return [opt for opt in torch_optimizers(optimizer) if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))]
 
 
 def use_fused_adam(optimizer: Any | None, fused: bool) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_megatron import cpu
+from lightning_megatron.compat import cpu
 from lightning_megatron.parallel import state
 from lightning_megatron.parallel.state import Groups
 from lightning_megatron.training.offload import Offloaded, offload, reload

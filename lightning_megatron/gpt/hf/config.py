@@ -1,6 +1,6 @@
 """Hugging Face config.json for a :class:`~lightning_megatron.ModelConfig` (the other way:
 :mod:`lightning_megatron.gpt.hf.fields`): :func:`hf_config_dict` writes config.json for a model that was not loaded
-from HF; :func:`check_exportable` refuses what no HF Llama / Qwen2 / Qwen3 config can express, naming it.
+from HF; :func:`check_exportable` refuses what no supported HF family's config can express, naming it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """config.json for a model that was not loaded from HF, in the architecture of its family (Llama without
-    q/k/v biases or q/k norms, Qwen2 with the biases, Qwen3 with the norms)."""
+    q/k/v biases or q/k norms, Qwen2 with the biases, Qwen3 with the norms; with experts Qwen3-MoE with the norms,
+    Qwen2-MoE with the biases and a gated shared expert, Mixtral with neither)."""
     import transformers
 
     family = check_exportable(config)

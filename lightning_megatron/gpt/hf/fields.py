@@ -42,7 +42,7 @@ def _unsupported(what: str) -> str:
     except Exception as error:  # any import failure means the same: no bridge here
         bridge = (
             f"Megatron-Bridge's AutoBridge (more architectures) is not importable here ({type(error).__name__}: "
-            f"{error}); it needs Transformer Engine and `pip install lightning-megatron[bridge]`"
+            f"{error}); it needs Transformer Engine and `pip install megatron-bridge`"
         )
     else:
         bridge = (

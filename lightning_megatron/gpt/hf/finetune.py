@@ -8,8 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from lightning_megatron.gpt.hf.load import open_pretrained
-from lightning_megatron.gpt.hf.peft import with_adapter
+from lightning_megatron.gpt.hf.pretrained import open_hf
 from lightning_megatron.gpt.lm import MegatronLMModule
 
 
@@ -22,7 +21,8 @@ class MegatronLMFromHF(MegatronLMModule):
     here; each rank reads its shard of the weights when the strategy builds the model.
 
     Args:
-        hf_path: a local HF model directory (config.json + safetensors): Llama, Mistral, Qwen2 or Qwen3.
+        hf_path: a local HF model directory (config.json + safetensors): dense Llama, Mistral, Qwen2 or Qwen3;
+            mixture of experts Qwen3-MoE, Qwen2-MoE or Mixtral.
         seq_length: longest sequence to train on; default ``max_position_embeddings`` (capped by a sliding window).
         config_overrides: other ``ModelConfig`` fields to change (dropout, recompute, ...); architecture fields
             must keep matching the weights.
@@ -33,15 +33,26 @@ class MegatronLMFromHF(MegatronLMModule):
     """
 
     def __init__(
-        self, hf_path: str, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
-        allow_pickle: bool = False, adapter: str | None = None, **kwargs: Any,
-    ) -> None:  # fmt: skip
-        checkpoint, config = open_pretrained(
-            hf_path, seq_length=seq_length, config_overrides=config_overrides, allow_pickle=allow_pickle
+        self,
+        hf_path: str,
+        seq_length: int | None = None,
+        config_overrides: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+        adapter: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        hf = open_hf(
+            hf_path,
+            seq_length=seq_length,
+            config_overrides=config_overrides,
+            allow_pickle=allow_pickle,
+            adapter=adapter,
+            lora=kwargs.get("lora"),
         )
-        hf_adapter, kwargs["lora"] = with_adapter(adapter, config, kwargs.get("lora"))
-        super().__init__(config, **kwargs)
-        self.hf_checkpoint, self.hf_adapter = checkpoint, hf_adapter
+        # Replaced in kwargs, not passed apart: LightningCLI then types ``lora`` from MegatronLMModule's signature.
+        kwargs["lora"] = hf.lora
+        super().__init__(hf.config, **kwargs)
+        self.hf_checkpoint, self.hf_adapter = hf.checkpoint, hf.adapter
 
     @classmethod
     def init_args_from_checkpoint(cls, common: Mapping[str, Any]) -> dict[str, Any]:
@@ -50,11 +61,18 @@ class MegatronLMFromHF(MegatronLMModule):
 
     @classmethod
     def from_hf(
-        cls, path: str | Path, *, seq_length: int | None = None, config_overrides: dict[str, Any] | None = None,
-        allow_pickle: bool = False, adapter: str | Path | None = None, **module_kwargs: Any,
-    ) -> Self:  # fmt: skip
-        """The same as the constructor (the parent's classmethod would pass a ``ModelConfig`` as ``hf_path``)."""
-        return cls(
-            str(path), seq_length=seq_length, config_overrides=config_overrides, allow_pickle=allow_pickle,
-            adapter=None if adapter is None else str(adapter), **module_kwargs,
-        )  # fmt: skip
+        cls,
+        path: str | Path,
+        *,
+        seq_length: int | None = None,
+        config_overrides: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+        adapter: str | Path | None = None,
+        **module_kwargs: Any,
+    ) -> Self:
+        """The same as the constructor (the parent's classmethod would pass a ``ModelConfig`` as ``hf_path``): a
+        module of any family ``MegatronLMModule.from_hf`` reads (dense Llama, Mistral, Qwen2, Qwen3; mixture of
+        experts Qwen3-MoE, Qwen2-MoE, Mixtral)."""
+        adapter = None if adapter is None else str(adapter)
+        kwargs = {"seq_length": seq_length, "config_overrides": config_overrides, "allow_pickle": allow_pickle}
+        return cls(str(path), adapter=adapter, **kwargs, **module_kwargs)

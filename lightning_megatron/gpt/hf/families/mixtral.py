@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning_megatron.gpt.hf.families.moe import MoEFamily
 from lightning_megatron.gpt.hf.params import ModelShape
-from lightning_megatron.gpt.moe_config import moe_layer_pattern
+from lightning_megatron.gpt.moe.config import moe_layer_pattern
 
 
 class Mixtral(MoEFamily):

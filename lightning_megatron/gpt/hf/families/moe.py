@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_megatron.gpt.hf.families.base import Family, dense_mlp
 from lightning_megatron.gpt.hf.params import EXPERT_PIECE, Kind, ModelShape, Param
-from lightning_megatron.gpt.moe_config import moe_layer_pattern
+from lightning_megatron.gpt.moe.config import moe_layer_pattern
 
 
 class MoEFamily(Family):

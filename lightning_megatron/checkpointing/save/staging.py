@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_megatron.checkpointing.shared_memory import SharedSegments
+from lightning_megatron.checkpointing.save.shared_memory import SharedSegments
 
 
 class HostBuffers:

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from lightning_megatron.checkpointing import checksums
+from lightning_megatron.checkpointing.integrity import checksums
 
 if TYPE_CHECKING:
-    from lightning_megatron.checkpointing.background import BackgroundSaves
+    from lightning_megatron.checkpointing.save.background import BackgroundSaves
 
 PARTIAL_SUFFIX = ".partial"
 _WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"

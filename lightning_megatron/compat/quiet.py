@@ -82,7 +82,7 @@ def _records_dropped() -> Iterator[None]:
 @contextlib.contextmanager
 def run_filters(device_type: str) -> Iterator[None]:
     """The filters of one run on ``device_type`` (installed by the strategy as
-    :class:`lightning_megatron.patches.QuietRun`, from ``setup_environment`` to ``teardown``)."""
+    :class:`lightning_megatron.compat.patches.QuietRun`, from ``setup_environment`` to ``teardown``)."""
     with warnings.catch_warnings():
         _ignore(_EVERYWHERE + (_ON_CPU if device_type == "cpu" else ()))
         with _records_dropped():

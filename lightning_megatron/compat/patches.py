@@ -15,6 +15,8 @@ from typing import Any, Self
 
 import torch
 
+from lightning_megatron.contract import RunPatch
+
 
 class Patch:
     """A replacement of third-party attributes, undone by :meth:`remove` (idempotent)."""
@@ -82,35 +84,36 @@ class CpuMode(Patch):
     """Megatron-Core on CPU over gloo: ``torch.cuda`` stand-ins and a ``TorchFunctionMode`` mapping CUDA to CPU.
 
     Megatron-Core calls ``torch.cuda.current_device()`` in ~200 places, builds ``device="cuda"`` tensors, uses CUDA
-    streams, events and the CUDA RNG, and compares ``Tensor.type()`` to CUDA type names; :mod:`lightning_megatron.cpu`
-    has the stand-ins. Removes only what it installed (CPU mode already on, e.g. a test's ``cpu.cpu_mode()``, stays).
+    streams, events and the CUDA RNG, and compares ``Tensor.type()`` to CUDA type names;
+    :mod:`lightning_megatron.compat.cpu` has the stand-ins. Removes only what it installed (CPU mode already on, e.g.
+    a test's ``cpu.cpu_mode()``, stays).
 
     Droppable when: megatron-core runs on a CPU device itself; not fixed upstream as of megatron-core 0.19.2.
     """
 
     def install(self) -> None:
-        from lightning_megatron import cpu
+        from lightning_megatron.compat import cpu
 
         if not self.installed and not cpu.is_enabled():
             cpu.enable()
             self.installed = True
 
     def remove(self) -> None:
-        from lightning_megatron import cpu
+        from lightning_megatron.compat import cpu
 
         if self.installed:
             self.installed = False
             cpu.disable()
 
     def targets(self) -> list[tuple[Any, str]]:
-        from lightning_megatron import cpu
+        from lightning_megatron.compat import cpu
 
         return [(owner, name) for owner, name, _ in cpu.stand_ins()]
 
 
 class QuietRun(Patch):
     """Warning filters and log-record filters for the third-party notices the torch-native path always prints
-    (:mod:`lightning_megatron.quiet` lists them): about 60 lines per job that ask the user to do nothing.
+    (:mod:`lightning_megatron.compat.quiet` lists them): about 60 lines per job that ask the user to do nothing.
 
     Droppable when: megatron-core stops warning about missing Transformer Engine/apex and its deprecated GPTModel,
     torch about its deprecated collectives, Lightning about ``LeafSpec``; none of that is fixed as of megatron-core
@@ -122,7 +125,7 @@ class QuietRun(Patch):
         self._stack: contextlib.ExitStack | None = None
 
     def install(self) -> None:
-        from lightning_megatron import quiet
+        from lightning_megatron.compat import quiet
 
         if self._stack is None:
             with contextlib.ExitStack() as stack:
@@ -320,7 +323,7 @@ class UniformTokenPermutation(ModuleFunctions):
 
 class ThreadedShardReads(ModuleFunctions):
     """Megatron's ``torch_dist`` loads read through the reader ``make_reader(checkpoint_dir)`` builds: the package's
-    reader that reads a rank's tensors in several threads (:mod:`lightning_megatron.checkpointing.reading`).
+    reader that reads a rank's tensors in several threads (:mod:`lightning_megatron.checkpointing.load.reading`).
 
     ``TorchDistLoadShardedStrategy.load`` builds its storage reader itself (``_get_filesystem_reader`` in
     ``dist_checkpointing.strategies.torch``), a ``FileSystemReader`` that deserialises one tensor after the other:
@@ -362,38 +365,34 @@ class ThreadedShardReads(ModuleFunctions):
 
 
 RUN_PATCHES: tuple[type[Patch], ...] = (QuietRun, CpuMode, UniformTokenPermutation, ForeachClipGrads)
-"""The patches a run of the strategy installs (in this order; CPU mode only on CPU, clipping only for fit)."""
+"""The patches a run of the strategy installs (in this order; CPU mode only on CPU, the MoE permutation only for a
+model with experts -- the GPT family's ``gpt/hooks.py`` asks for it --, clipping only for fit)."""
 
 
-def run_patches(device_type: str, permute_kernels: Any) -> list[Patch]:
-    """The patches every run installs when it starts, in :data:`RUN_PATCHES` order: the quiet notices of the
-    torch-native path, CPU mode on ``"cpu"``, the MoE token permutation (``permute_kernels``:
-    :mod:`lightning_megatron.kernels.permute`, passed in as this module sits below the kernels)."""
-    return [
-        QuietRun(device_type),
-        *([CpuMode()] if device_type == "cpu" else []),
-        UniformTokenPermutation(permute_kernels),
-    ]
+def run_patches(device_type: str) -> list[Patch]:
+    """The patches every run installs when it starts, whatever its model: the quiet notices of the torch-native
+    path, and CPU mode on ``"cpu"``."""
+    return [QuietRun(device_type), *([CpuMode()] if device_type == "cpu" else [])]
 
 
 class PatchStack:
     """The patches of one run: :meth:`install` as the run needs them, :meth:`remove` all at its teardown."""
 
     def __init__(self) -> None:
-        self._patches: list[Patch] = []
+        self._patches: list[RunPatch] = []
 
     @property
-    def installed(self) -> list[Patch]:
+    def installed(self) -> list[RunPatch]:
         """The patches in place now, in installation order."""
         return [patch for patch in self._patches if patch.installed]
 
-    def install[P: Patch](self, patch: P) -> P:
+    def install[P: RunPatch](self, patch: P) -> P:
         """Install ``patch`` and keep it for :meth:`remove` (kept even if its install raises part-way)."""
         self._patches.append(patch)
         patch.install()
         return patch
 
-    def get[P: Patch](self, kind: type[P]) -> P | None:
+    def get[P: RunPatch](self, kind: type[P]) -> P | None:
         """The patch of type ``kind`` this stack holds (installed or declined), if any."""
         return next((p for p in self._patches if isinstance(p, kind)), None)
 

@@ -14,7 +14,7 @@ needs a GPU to be *correct*; it only needs to run. This module makes it run with
 
 The layer is process-wide and reversible: :func:`enable` installs it, :func:`disable` restores every original.
 :class:`~lightning_megatron.MegatronStrategy` installs it only for ``accelerator="cpu"`` (as
-:class:`lightning_megatron.patches.CpuMode`) and removes it at teardown. It is written against megatron-core 0.19
+:class:`lightning_megatron.compat.patches.CpuMode`) and removes it at teardown. It is written against megatron-core 0.19
 (see ``SUPPORTED_MEGATRON``); tests pin that.
 """
 

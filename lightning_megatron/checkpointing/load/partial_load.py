@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.checkpointing.optimizer_split import unchained
+from lightning_megatron.checkpointing.format.optimizer_split import unchained
 from lightning_megatron.training.averaging import KEY_PREFIX
 
 _SHOWN = 5  # names a warning lists of each kind

@@ -19,12 +19,22 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 # The MoE-only fields and their defaults: a dense model (num_moe_experts=None) must leave them so.
 MOE_DEFAULTS: dict[str, Any] = {
-    "moe_ffn_hidden_size": None, "moe_router_pre_softmax": False, "moe_router_score_function": "softmax",
-    "moe_router_enable_expert_bias": False, "moe_router_bias_update_rate": 1e-3, "moe_router_num_groups": None,
-    "moe_router_group_topk": None, "moe_router_topk_scaling_factor": None, "moe_router_load_balancing_type": "aux_loss",
-    "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None, "moe_shared_expert_intermediate_size": None,
-    "moe_shared_expert_gate": False, "moe_layer_freq": 1, "moe_grouped_gemm": None,
-}  # fmt: skip
+    "moe_ffn_hidden_size": None,
+    "moe_router_pre_softmax": False,
+    "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_bias_update_rate": 1e-3,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_shared_expert_gate": False,
+    "moe_layer_freq": 1,
+    "moe_grouped_gemm": None,
+}
 
 
 class MoERequest(Protocol):
@@ -214,8 +224,10 @@ def check_moe_parallel(config: MoEParallelRequest, ep: int, tp: int, sequence_pa
     if experts is not None and experts % ep != 0:
         raise ValueError(f"num_moe_experts={experts} must be divisible by ep={ep}; pick ep among {divisors(experts)}")
     # The experts (and a shared expert) are split over expert tensor parallelism, as large as tp.
-    sizes = {"moe_ffn_hidden_size": config.moe_ffn_hidden_size or config.effective_ffn_hidden_size,
-             "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size}  # fmt: skip
+    sizes = {
+        "moe_ffn_hidden_size": config.moe_ffn_hidden_size or config.effective_ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+    }
     for name, size in sizes.items() if experts is not None else ():
         if size is not None and size % tp != 0:
             raise ValueError(f"{name}={size} must be divisible by tp={tp}; pick tp among {divisors(size)}")

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_megatron.checkpointing.staging import HostBuffers, name_of, stage_state
+from lightning_megatron.checkpointing.save.staging import HostBuffers, name_of, stage_state
+from lightning_megatron.compat import megatron_internals
 
 SHARDING_TYPE = "fully_reshardable"
 _PREFIX = "optimizer.state"
@@ -44,7 +45,7 @@ def optimizer_state(
     if len(optimizer.chained_optimizers) == 1:
         return _one(optimizer.chained_optimizers[0], model_state, metadata, buffers, is_loading)
     # As ChainedOptimizer.sharded_state_dict: one entry per optimizer, its tensors' keys prefixed.
-    optimizer._synchronize_steps()  # Megatron's own step alignment (a no-op for torch's Adam)
+    megatron_internals.synchronize_steps(optimizer)  # Megatron's own step alignment (a no-op for torch's Adam)
     state = {}
     for index, member in enumerate(optimizer.chained_optimizers):
         state[index] = _one(member, model_state, metadata, buffers, is_loading)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_megatron.checkpointing.optimizer_split import unchained
-from lightning_megatron.checkpointing.optimizer_state import builds, renamed
+from lightning_megatron.checkpointing.format.optimizer_split import unchained
+from lightning_megatron.checkpointing.format.optimizer_state import builds, renamed
 
 _MAIN = "optimizer.state.param."
 
@@ -52,7 +52,7 @@ def leave_out_trained_weights(model_states: list[dict[str, Any]], optimizer: Any
 
     if not builds(optimizer):
         raise ValueError(
-            f"checkpoint_writer.save_model_weights=False needs the distributed optimizer over a torch optimizer "
+            f"CheckpointConfig(save_model_weights=False) needs the distributed optimizer over a torch optimizer "
             f"(MegatronStrategy(use_distributed_optimizer=True), without a precision-aware or CPU-offloading "
             f"optimizer); this run's {type(optimizer).__name__} is not: keep save_model_weights=True"
         )
@@ -63,7 +63,7 @@ def leave_out_trained_weights(model_states: list[dict[str, Any]], optimizer: Any
             if id(getattr(item, "data", None)) not in held:
                 continue
             if item.key not in stored:  # every trained parameter's state is saved under its key (.optimizer_state)
-                raise ValueError(f"checkpoint_writer.save_model_weights=False: no main weight saved for {item.key}")
+                raise ValueError(f"CheckpointConfig(save_model_weights=False): no main weight saved for {item.key}")
             del chunk_state[name]
 
 
@@ -81,7 +81,7 @@ def read_from_main_weights(
     if trained and not optimizer_reads and any(_missing(state, saved, mains) for state in model_states):
         raise ValueError(
             f"the checkpoint stores the trained weights only as the optimizer's fp32 main weights (saved with "
-            f"checkpoint_writer.save_model_weights=False), and this load reads the optimizer state without handing "
+            f"CheckpointConfig(save_model_weights=False)), and this load reads the optimizer state without handing "
             f"them to the model ({type(optimizer).__name__}); resume with the distributed optimizer over a torch "
             "optimizer (MegatronStrategy(use_distributed_optimizer=True)), or load the weights alone"
         )

@@ -73,9 +73,13 @@ class QueuedCountsMoELayer(MoELayer):
     same parameters, checkpoints and numbers."""
 
     def __init__(
-        self, config: Any, submodules: Any = None, layer_number: int | None = None, pg_collection: Any = None,
+        self,
+        config: Any,
+        submodules: Any = None,
+        layer_number: int | None = None,
+        pg_collection: Any = None,
         **kwargs: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
         pg_collection = pg_collection or get_default_pg_collection()  # as MoELayer resolves it

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.checkpointing.staging import HostBuffers
-from lightning_megatron.checkpointing.write_process import WriterProcess
+from lightning_megatron.checkpointing.save.staging import HostBuffers
+from lightning_megatron.checkpointing.save.write_process import WriterProcess
 
 
 class BackgroundSaves:

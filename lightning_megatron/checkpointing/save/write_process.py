@@ -1,11 +1,11 @@
 """The background writer of async saves: one process per rank, started when a fit starts and kept for it.
 
 A process forked per save (Megatron's async writer) faults the staged buffers' pages into itself again at every save
-(``benchmarks/writer_probe.py``). This writer is a fresh interpreter (``python .../checkpointing/writer_main.py``: it
-runs no user code, uses no GPU and imports only what writing needs), started once; it maps each
-shared memory segment of the host buffers (:mod:`.shared_memory`) once, when it first sees it, and writes each save
-with Megatron's own writer function (the same files as a synchronous save), recording the checksums as it goes (the
-function :mod:`.saving` hands over).
+(``benchmarks/writer_probe.py``). This writer is a fresh interpreter (``python .../save/writer_main.py``: it runs no
+user code, uses no GPU and imports only what writing needs), started once; it maps each shared memory segment of the
+host buffers (:mod:`.shared_memory`) once, when it first sees it, and writes each save with Megatron's own writer
+function (the same files as a synchronous save), recording the checksums as it goes (the function :mod:`.saving`
+hands over).
 
 The training process sends it, per save, the write plan with each tensor named by its segment and offset (from a
 thread, so that a writer still starting does not hold up the training step); the writer answers with Megatron's
@@ -38,13 +38,13 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.checkpointing.shared_memory import SharedSegments, map_segment, tensor_at
+from lightning_megatron.checkpointing.save.shared_memory import SharedSegments, map_segment, tensor_at
 
 _MAIN = Path(__file__).with_name("writer_main.py")
 COMMAND = (
     [sys.executable, "-P", str(_MAIN)]  # -P: the script's directory is not put on sys.path
     if _MAIN.is_file()
-    else [sys.executable, "-m", "lightning_megatron.checkpointing.writer_main"]  # a zipped install
+    else [sys.executable, "-m", "lightning_megatron.checkpointing.save.writer_main"]  # a zipped install
 )
 """How the writer process is started (the training process's pid and the connection's descriptor are appended)."""
 _EXIT_WAIT_S = 60.0  # for an idle writer to exit when asked, before it is killed

@@ -5,7 +5,7 @@ tensors one after the other in the calling thread: on an H100 host a 13.3 GB che
 cache, slower than that host's disk (2.28 GB/s: 5.9 s). :class:`ThreadedReader` hands disjoint parts of the same read
 plan, each a run of neighbouring entries of about equal bytes, to ``FileSystemReader.read_data`` in threads of its
 own (file reads and tensor copies release the GIL); every entry is read exactly as torch reads it. Megatron builds
-its reader inside its load strategy, so :class:`~lightning_megatron.patches.ThreadedShardReads` puts this one in
+its reader inside its load strategy, so :class:`~lightning_megatron.compat.patches.ThreadedShardReads` puts this one in
 its place for one load.
 
 With data-parallel ranks, Megatron's fully-parallel load reads each tensor on one rank and sends it to the others.
@@ -13,7 +13,7 @@ The reader then verifies the checksums of the entries it was asked to verify (th
 reading them, in the same threads, so each rank verifies only its share, and the disk is read once (the verification
 brings the blocks into the page cache). A damaged part is not read at all -- a read that broke on it would leave the
 other ranks waiting in Megatron's exchange -- and :meth:`ThreadedReader.raise_damage` raises it after the load, on
-every rank, before anything read is used (:func:`.sharded.load`).
+every rank, before anything read is used (:func:`.loading.load`).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from lightning_megatron.checkpointing import checksums
+from lightning_megatron.checkpointing.integrity import checksums
 
 if TYPE_CHECKING:
-    from lightning_megatron.checkpointing.staging import HostBuffers
+    from lightning_megatron.checkpointing.save.staging import HostBuffers
 
 
 def default_threads(processes_per_node: int = 1) -> int:

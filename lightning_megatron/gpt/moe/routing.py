@@ -56,8 +56,14 @@ def route_normally(chunk: nn.Module) -> None:
         replay_state.clear_router_replay_action()
 
 
-def assemble(parts: list[tuple[int, dict[int, Tensor]]], batch_size: int, num_layers: int, seq_length: int, topk: int,
-             device: torch.device) -> Tensor:  # fmt: skip
+def assemble(
+    parts: list[tuple[int, dict[int, Tensor]]],
+    batch_size: int,
+    num_layers: int,
+    seq_length: int,
+    topk: int,
+    device: torch.device,
+) -> Tensor:
     """[B, L, S, K] from (first sample, {layer: [b, S, K]}) parts, then summed over pipeline stages (each holds
     some layers; the others' rows are zero) so every rank returns the whole routing."""
     from megatron.core import parallel_state

@@ -40,8 +40,11 @@ if TYPE_CHECKING:
 __all__ = ["StepRouter", "router_losses", "tracked_names"]
 
 # The tracker's name of each load-balancing loss (Megatron's router.py).
-_TRACKED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
-            "global_aux_loss": "global_load_balancing_loss"}  # fmt: skip
+_TRACKED = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
 
 
 class StepRouter(TopKRouter):

@@ -1,7 +1,7 @@
 """megatron-core 0.19 workarounds for loading the distributed optimizer's torch-native Adam state (no Transformer
 Engine / apex), each a small documented function on our own optimizer's state (the one that replaces a Megatron
-method during a load is :class:`lightning_megatron.patches.KeepAdamStepOnLoad`). The layout tests fail when any of
-them stops being right (cross-layout resume must be exact).
+method during a load is :class:`~lightning_megatron.compat.patches.KeepAdamStepOnLoad`). The layout tests fail when
+any of them stops being right (cross-layout resume must be exact).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.training.optim import torch_adams, torch_optimizers
+from lightning_megatron.compat.megatron_internals import torch_adams, torch_optimizers
 
 
 def init_adam_state(optimizer: Any) -> None:
