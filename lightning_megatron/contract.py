@@ -163,8 +163,8 @@ class ModelHooks:
         state such as CUDA graphs to capture."""
 
     def weights_updated(self) -> None:
-        """An optimizer step changed the weights (called right after it, every step): e.g. mark cached weight
-        casts stale."""
+        """An optimizer step changed the weights (called right after every update; not for a skipped step, which
+        leaves them as they were): e.g. mark cached weight casts stale."""
 
     def weights_released(self, chunks: Sequence[nn.Module]) -> None:
         """The weights of ``chunks`` left the device (``MegatronStrategy.offload``): drop what was derived from them."""

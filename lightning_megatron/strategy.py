@@ -32,7 +32,7 @@ from lightning_megatron.parallel import precision as mixed
 from lightning_megatron.parallel.metrics import bind_metrics, metric_process_group, unbind_metrics
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.runstate import RunState
-from lightning_megatron.strategy_checkpoints import CheckpointHooks
+from lightning_megatron.strategy_checkpoints import ShardedCheckpointHooks
 from lightning_megatron.training import guards, optim
 from lightning_megatron.training.accumulation import GradientAccumulation
 from lightning_megatron.training.grad_norms import GradNormReads, grad_norms
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
 
 
-class MegatronStrategy(CheckpointHooks, DDPStrategy, MegatronRuntime):
+class MegatronStrategy(ShardedCheckpointHooks, DDPStrategy, MegatronRuntime):
     """Train a :class:`~lightning_megatron.MegatronLightningModule` with Megatron-Core.
 
     Args:
@@ -70,11 +70,11 @@ class MegatronStrategy(CheckpointHooks, DDPStrategy, MegatronRuntime):
             work): a rank that stops answering makes the others fail with an error after this long.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on GPU by default.
         async_save: ``CheckpointConfig.async_save`` (``None``: ``checkpoint``'s; the two differing: ``ValueError``).
-        checkpoint: the checkpoint writer's settings: :class:`~lightning_megatron.CheckpointConfig`.
         nonfinite: what a non-finite loss or gradient does: ``"error"`` (default) stops with an error naming the
             step, ``"skip"`` leaves the weights unchanged for that step and counts it in ``skipped_steps``.
         check_batches: compare a fingerprint of every batch over each model replica's ranks (tensor x pipeline x
             context parallel) before the step's first forward: ``ValueError`` when they differ.
+        checkpoint: the checkpoint writer's settings: :class:`~lightning_megatron.CheckpointConfig`.
     """
 
     strategy_name = "megatron"
@@ -95,9 +95,9 @@ class MegatronStrategy(CheckpointHooks, DDPStrategy, MegatronRuntime):
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         async_save: bool | None = None,
-        checkpoint: CheckpointConfig | None = None,
         nonfinite: guards.NonFinite = "error",
         check_batches: bool = True,
+        checkpoint: CheckpointConfig | None = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = ParallelSizes(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)

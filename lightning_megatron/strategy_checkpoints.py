@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 _PATH = str | os.PathLike
 
 
-class CheckpointHooks:
+class ShardedCheckpointHooks:
     """Lightning's checkpoint hooks on Megatron's sharded checkpoints (a base class of ``MegatronStrategy``)."""
 
     checkpoint_writer: CheckpointWriter

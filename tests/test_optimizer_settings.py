@@ -50,6 +50,12 @@ def test_bad_settings_are_named_with_their_value(overrides: dict, match: str) ->
 def test_settings_from_a_hparams_file_and_their_spec() -> None:
     settings = OptimizerSettings(betas=[0.8, 0.99])  # type: ignore[arg-type]  (YAML gives a list)
     assert settings.betas == (0.8, 0.99)
+    whole = OptimizerSettings(warmup_steps=100.0, decay_steps=1e3)  # type: ignore[arg-type]  (YAML's 1e3: a float)
+    assert (whole.warmup_steps, whole.decay_steps) == (100, 1000)
+    assert type(whole.warmup_steps) is int
+    assert settings["betas"] == (0.8, 0.99)  # read as the dict the settings were
+    with pytest.raises(KeyError, match="'learning_rate' is no optimizer setting"):
+        settings["learning_rate"]
     assert settings == OptimizerSettings(betas=(0.8, 0.99))
     updated = settings.updated({"lr": 1e-3, "prediction": "logits", "lora": None})  # other hparams are ignored
     assert (updated.lr, updated.betas) == (1e-3, (0.8, 0.99))

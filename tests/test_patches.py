@@ -1,4 +1,4 @@
-"""The process-wide patches (lightning_megatron/patches.py): which a run installs, that every one is undone after
+"""The process-wide patches (lightning_megatron/compat/patches.py): which a run installs, that every one is undone after
 its teardown -- also a teardown that raises -- and that each says which upstream version it was written against."""
 
 from __future__ import annotations

@@ -19,6 +19,12 @@ def compiled_by_lightning(module: Any) -> bool:
     return getattr(module, "_compiler_ctx", None) is not None
 
 
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or ``None`` (``LightningModule._trainer``: the public ``trainer``
+    property raises when there is none)."""
+    return module._trainer
+
+
 def summary_settings(callback: ModelSummary) -> tuple[int, dict[str, Any]]:
     """A ``ModelSummary`` callback's ``max_depth`` and summarize keyword arguments (``_max_depth``,
     ``_summarize_kwargs``)."""
@@ -57,6 +63,13 @@ def weight_averaging_settings(callback: Any) -> tuple[Any, bool, dict[str, Any]]
 def syncs_batchnorm(strategy: Any) -> bool:
     """Whether ``Trainer(sync_batchnorm=True)`` asked the strategy to convert BatchNorm layers (``_layer_sync``)."""
     return getattr(strategy, "_layer_sync", None) is not None
+
+
+def evaluate_without_inference_mode(trainer: Any) -> None:
+    """Run the Trainer's validate/test/predict loops under ``torch.no_grad`` instead of ``torch.inference_mode``
+    (``inference_mode``, an attribute of Lightning's private loop classes, which Lightning sets itself under FSDP)."""
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        loop.inference_mode = False
 
 
 def lr_finder_ends_the_fit(callback: Any) -> bool:

@@ -28,3 +28,9 @@ def synchronize_steps(chained: Any) -> None:
     its own ``sharded_state_dict`` runs first (a no-op for torch's Adam); a state built without that method runs it
     too."""
     chained._synchronize_steps()
+
+
+def experts_use_fused_ops(experts: Any) -> bool:
+    """Whether Megatron's ``TEGroupedMLP`` (or a subclass) runs through Transformer Engine's op fuser
+    (``_with_fused_impl``, set from ``config.use_transformer_engine_op_fuser`` when it is built)."""
+    return bool(experts._with_fused_impl)

@@ -173,9 +173,10 @@ REGISTER: tuple[Workaround, ...] = (
             "megatron.core.optimizer:ChainedOptimizer._synchronize_steps",
             "megatron.core.optimizer:ChainedOptimizer#chained_optimizers",
             "megatron.core.optimizer.optimizer:MegatronOptimizer#optimizer",
+            "megatron.core.transformer.moe.experts:TEGroupedMLP#_with_fused_impl",
         ),
-        why="the torch optimizers inside Megatron's (fixes, offload, the fused-Adam switch) and the chained steps' "
-        "alignment its own sharded_state_dict runs",
+        why="the torch optimizers inside Megatron's (fixes, offload, the fused-Adam switch), the chained steps' "
+        "alignment its own sharded_state_dict runs, and whether grouped experts run Transformer Engine's fused ops",
         droppable="megatron-core exposes its torch optimizers; internal as of megatron-core 0.19.2",
     ),
     Workaround(
@@ -212,6 +213,8 @@ REGISTER: tuple[Workaround, ...] = (
             "lightning.pytorch.strategies:DDPStrategy#_layer_sync",
             "lightning.pytorch.callbacks:LearningRateFinder#_early_exit",
             "lightning.pytorch.utilities.compile:from_compiled",
+            "lightning.pytorch.core.module:LightningModule#_compiler_ctx",
+            "lightning.pytorch.core.module:LightningModule#_trainer",
         ),
         why="Lightning keeps these settings only in private attributes: a summary or weight-averaging callback is "
         "replaced by one with the same settings, sync_batchnorm and an LR finder inside fit are refused, and a "
@@ -219,9 +222,9 @@ REGISTER: tuple[Workaround, ...] = (
         droppable=_LIGHTNING,
     ),
     Workaround(
-        name="evaluate_under_no_grad",
+        name="evaluate_without_inference_mode",
         kind="internals read",
-        where="lightning_megatron.training.guards:evaluate_under_no_grad",
+        where="lightning_megatron.compat.lightning_internals:evaluate_without_inference_mode",
         package="lightning",
         touches=(
             "lightning.pytorch.loops.evaluation_loop:_EvaluationLoop#inference_mode",

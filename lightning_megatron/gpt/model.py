@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_megatron.checkpointing.sharded import MODEL_CONFIG_KEY
+from lightning_megatron.compat import lightning_internals
 from lightning_megatron.contract import Batch, ChunkSpec, ModelHooks, OptimizerSpec
 from lightning_megatron.gpt import specs
 from lightning_megatron.gpt.config import ModelConfig
@@ -170,7 +171,8 @@ class GPTModule(MegatronLightningModule):
         self.config.validate_parallel(sizes)
         if self.lora is not None:
             check_lora_parallel(self.lora, self.config, sizes.tp)
-        fitting = self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING
+        trainer = lightning_internals.attached_trainer(self)  # connect may run before the module is attached
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and self.config.num_moe_experts is not None and sizes.tp > 1 and not sizes.sequence_parallel:
             # Megatron's MoE layer refuses to train so (its dispatcher would gather every token on every TP rank).
             replay = " (routing replay refuses sequence parallelism: use tp=1)"

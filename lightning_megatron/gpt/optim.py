@@ -61,10 +61,18 @@ class OptimizerSettings:
             _check_number(f"betas[{i}]", beta, "in [0, 1)", lambda b: 0 <= b < 1)
         _check_number("eps", self.eps, "positive", lambda eps: eps > 0)
         _check_number("clip_grad", self.clip_grad, ">= 0 (0 disables clipping)", lambda clip: clip >= 0)
-        _check_steps("warmup_steps", self.warmup_steps, minimum=0)
+        object.__setattr__(self, "warmup_steps", _check_steps("warmup_steps", self.warmup_steps, minimum=0))
         if self.decay_steps is not None:
-            _check_steps("decay_steps", self.decay_steps, minimum=1)
+            object.__setattr__(self, "decay_steps", _check_steps("decay_steps", self.decay_steps, minimum=1))
         check_choice("decay_style", self.decay_style, DECAY_STYLES)
+
+    def __getitem__(self, name: str) -> Any:
+        """``settings["lr"]``, as when the settings were a dict: the field of that name."""
+        if name not in {field.name for field in dataclasses.fields(self)}:
+            raise KeyError(
+                f"{name!r} is no optimizer setting; the fields: {[f.name for f in dataclasses.fields(self)]}"
+            )
+        return getattr(self, name)
 
     def updated(self, values: Mapping[str, Any]) -> OptimizerSettings:
         """These settings with the fields ``values`` names replaced (other keys ignored), checked again."""
@@ -103,10 +111,13 @@ def _check_number(name: str, value: Any, bound: str, within: Callable[[float], b
         raise ValueError(f"{name}={value!r} must be {bound}")
 
 
-def _check_steps(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+def _check_steps(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int (a whole float, e.g. from a YAML ``1e3``, included), or ``ValueError``."""
+    whole = isinstance(value, float) and value.is_integer()
+    if not (isinstance(value, int) or whole) or isinstance(value, bool) or value < minimum:  # type: ignore[operator]
         kind = "a positive integer" if minimum > 0 else "an integer >= 0"
         raise ValueError(f"{name}={value!r} must be {kind} of optimizer steps")
+    return int(value)  # type: ignore[arg-type]
 
 
 DEFAULT_OPTIMIZER = OptimizerSettings()

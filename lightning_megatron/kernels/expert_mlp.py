@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from torch import Tensor
 
+from lightning_megatron.compat import megatron_internals
 from lightning_megatron.kernels.expert_counts import ExpertCounts
 from lightning_megatron.kernels.experts import (
     FusedWgradGroupedColumnLinear,
@@ -66,7 +67,7 @@ class GroupedMLP(TEGroupedMLP):
             self.activation_recompute
             or self.offload_expert_fc1
             or self.offload_moe_act
-            or self._with_fused_impl
+            or megatron_internals.experts_use_fused_ops(self)
             or config.fp8
             or config.fp4
             or config.use_te_activation_func

@@ -299,8 +299,7 @@ def evaluate_under_no_grad(trainer: Any) -> None:
     itself does under FSDP, XLA and gloo): tensors made in inference mode and kept -- the attention's RoPE tables,
     the perplexity metric's states -- would make the next ``fit`` of the module fail ("Inference tensors cannot be
     saved for backward"). Results are the same; validation inside ``fit`` runs under ``no_grad`` already."""
-    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
-        loop.inference_mode = False
+    lightning_internals.evaluate_without_inference_mode(trainer)
 
 
 # Lightning callbacks whose documented effect MegatronStrategy cannot give: why, and what to use instead.

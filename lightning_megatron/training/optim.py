@@ -172,7 +172,7 @@ def setup(
     schedule's hooks on the chunks' config (``parallel/ddp.py``). After each step ``guard`` records what it reported
     (raising, under the "error" policy, before any save) and ``after_update`` runs after each update. ``guard``'s
     "skip" policy decides before each update whether to step, at one GPU synchronisation per step."""
-    fused = next(ddp_chunks[0].parameters()).device.type == "cuda"
+    fused = any(param.is_cuda for chunk in ddp_chunks for param in chunk.parameters())
     nonfinite = guard.policy
     on_step = lambda stats: guard.record(stats, trainer.global_step)  # noqa: E731
     optimizer, scheduler = build(spec, ddp_chunks, trainer, dtype=dtype, distributed=distributed, fused=fused)
