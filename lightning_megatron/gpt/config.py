@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, Self
 
 import torch.nn.functional as F
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from lightning_megatron.gpt.config_checks import check_cuda_graphs, check_recompute
+from lightning_megatron.gpt.mla import check_mla, check_mla_parallel, mla_fields
 from lightning_megatron.gpt.moe.config import check_moe, check_moe_parallel, moe_layer_pattern
 from lightning_megatron.gpt.plan import Kernels, Resolved
 from lightning_megatron.gpt.transformer import LOCAL_BACKEND, kernel_fields
@@ -189,6 +191,34 @@ class ModelConfig:
     GPU only; dense models without dropout or recompute, at pp=1 and cp=1; every micro-batch (inference too) of
     rows of exactly ``seq_length`` tokens, not packed. The same checkpoints as without; to run such a checkpoint
     elsewhere, ``load_from_checkpoint(path, config=dataclasses.replace(config, cuda_graphs=False))``."""
+    multi_latent_attention: bool = False
+    """Multi-Latent Attention (DeepSeek-V2/V3, Kimi-K2; Megatron's ``MLASelfAttention``): keys and values
+    up-projected per head from one latent of kv_lora_rank per token, plus a RoPE slice shared by the heads
+    (docs/huggingface.md, "Multi-Latent Attention"). The fields below to mscale_all_dim are its settings."""
+    q_lora_rank: int | None = None
+    """Rank of the query's down-projection (DeepSeek-V3: 1536); None: a direct query projection (V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Rank of the key/value latent (DeepSeek-V3: 512)."""
+    qk_head_dim: int = 128
+    """Per-head query/key size without RoPE (HF's qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head query/key size that RoPE rotates (HF's qk_rope_head_dim); the key's part is shared by the heads."""
+    v_head_dim: int = 128
+    """Per-head value size."""
+    rope_type: Literal["rope", "yarn"] = "yarn"
+    """MLA's RoPE: 'rope' (rotary_base, rotary_percent) or 'yarn' (the fields below, DeepSeek-V3's)."""
+    rotary_scaling_factor: float = 40.0
+    """YaRN scaling factor (HF rope_scaling 'factor')."""
+    original_max_position_embeddings: int = 4096
+    """YaRN's original context length."""
+    beta_fast: float = 32.0
+    """YaRN beta_fast."""
+    beta_slow: float = 1.0
+    """YaRN beta_slow."""
+    mscale: float = 1.0
+    """YaRN mscale (the RoPE cos/sin correction, with mscale_all_dim)."""
+    mscale_all_dim: float = 0.0
+    """YaRN mscale_all_dim: the softmax scale is 1/sqrt(qk_head_dim + qk_pos_emb_head_dim) times its mscale squared."""
     moe_enable_routing_replay: bool = False
     """Let batches carry the expert routing to use (``batch["routing"]``, e.g. recorded at rollout by
     ``MegatronLMModule.record_routing`` or an inference engine) instead of the router's own top-k (MoE only)."""
@@ -209,7 +239,7 @@ class ModelConfig:
                 f"fp8={self.fp8!r} is the torch-native fp8 path; with kernels='te' use Transformer Engine's own fp8 "
                 "(Trainer(precision='transformer-engine')) and leave fp8=None"
             )
-        self._check_cuda_graphs()
+        check_cuda_graphs(self)
         for name in ("norm_epsilon", "init_method_std", "rotary_base", "rope_scaling_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
@@ -236,8 +266,9 @@ class ModelConfig:
                 f"kv_channels is None; pick num_attention_heads among {divisors(self.hidden_size)} "
                 "or set kv_channels explicitly"
             )
-        self._check_recompute()
+        check_recompute(self)
         self._check_moe()
+        check_mla(self)
 
     @classmethod
     def from_hf(cls, hf_config: Any, **overrides: Any) -> Self:
@@ -252,49 +283,6 @@ class ModelConfig:
 
         fields = model_fields(hf_config, seq_length=overrides.pop("seq_length", None))
         return cls(**{**fields, **overrides})
-
-    def _check_recompute(self) -> None:
-        # Mirrors TransformerConfig.__post_init__, plus rejecting settings Megatron would ignore.
-        gran, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        check_choice("recompute_granularity", gran, ("full", "selective", None))
-        check_choice("recompute_method", method, ("uniform", "block", None))
-        if gran != "full":
-            for name, value in (("recompute_method", method), ("recompute_num_layers", n)):
-                if value is not None:
-                    raise ValueError(
-                        f"{name}={value!r} only applies with recompute_granularity='full' "
-                        f"(got recompute_granularity={gran!r}); set {name}=None or use 'full'"
-                    )
-            return
-        if method is None:
-            raise ValueError(
-                "recompute_method=None: recompute_granularity='full' needs recompute_method 'uniform' or 'block'"
-            )
-        if n is None or not 1 <= n <= self.num_layers:
-            raise ValueError(
-                f"recompute_num_layers={n!r}: recompute_granularity='full' needs recompute_num_layers "
-                f"between 1 and num_layers={self.num_layers}"
-            )
-
-    def _check_cuda_graphs(self) -> None:
-        if not self.cuda_graphs:
-            return
-        if self.num_moe_experts is not None:
-            raise ValueError(
-                f"cuda_graphs=True with num_moe_experts={self.num_moe_experts}: the routed token counts change the "
-                "experts' shapes every step, which fixed graphs cannot replay; use cuda_graphs=False for MoE models"
-            )
-        for name in ("hidden_dropout", "attention_dropout"):
-            if getattr(self, name) > 0:
-                raise ValueError(
-                    f"cuda_graphs=True with {name}={getattr(self, name)}: graphs captured in training replay their "
-                    f"dropout in validation too; use {name}=0.0 with cuda_graphs, or cuda_graphs=False"
-                )
-        if self.recompute_granularity is not None:
-            raise ValueError(
-                f"cuda_graphs=True with recompute_granularity={self.recompute_granularity!r}: Megatron's graphs of "
-                "whole layers do not recompute; use recompute_granularity=None with cuda_graphs, or cuda_graphs=False"
-            )
 
     def _check_moe(self) -> None:
         if isinstance(self.moe_layer_freq, list):  # YAML / JSON give lists
@@ -349,6 +337,7 @@ class ModelConfig:
         self._check_tensor_split(sizes.tp)
         self._check_stages(sizes.pp, sizes.vpp)
         check_moe_parallel(self, sizes.ep, sizes.tp, sizes.sequence_parallel)
+        check_mla_parallel(self, sizes.tp, sizes.cp)
         self._check_sequence(sizes.tp, sizes.cp, sizes.sequence_parallel)
         self._check_graph_layout(sizes.pp, sizes.cp)
 
@@ -442,10 +431,13 @@ class ModelConfig:
             # The experts module reads it: grouped GEMMs where the device has them (None, True) or the loop (False).
             model["moe_grouped_gemm"] = self.moe_grouped_gemm is not False
             # The token dispatcher is a parallel setting: the strategy picks it (lightning_megatron.gpt.moe.router).
+        model.update(mla_fields(self))
         clash = sorted(model.keys() & parallel.keys())
         if clash:
             raise ValueError(f"{clash} are model fields; set them on ModelConfig, not as parallel settings")
-        return TransformerConfig(**{**LOCAL_BACKEND, **model, **parallel})
+        # MLA's fields exist on Megatron's MLATransformerConfig only.
+        config_class = MLATransformerConfig if self.multi_latent_attention else TransformerConfig
+        return config_class(**{**LOCAL_BACKEND, **model, **parallel})
 
     def gpt_model_kwargs(self, kernels: Resolved = "local") -> dict[str, Any]:
         """Arguments of GPTModel(...) that live outside TransformerConfig.
@@ -473,8 +465,11 @@ class ModelConfig:
 
 
 def tiny_gpt(**overrides: Any) -> ModelConfig:
-    """A ~200k-parameter GPT for tests and CPU smoke runs; keyword arguments override any field."""
+    """A ~200k-parameter GPT for tests and CPU smoke runs; keyword arguments override any field. With
+    ``multi_latent_attention=True``, MLA sizes of its scale (q/k heads 16 + 8, v heads 16, latent 32)."""
     base: dict[str, Any] = dict(
         num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256, seq_length=32
     )
+    if overrides.get("multi_latent_attention"):
+        base.update(kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, rope_type="rope")
     return ModelConfig(**{**base, **overrides})

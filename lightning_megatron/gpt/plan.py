@@ -181,6 +181,8 @@ class KernelPlan:
                         "(Transformer Engine fuses the norms into its linear layers); use kernels='torch' or 'auto'"
                     )
                 kernels = "torch"
+        if config.multi_latent_attention and kernels == "te":  # 'auto' with TE: MLA's core attention is ours
+            kernels = "torch"
         check_grouped_gemm(config.moe_grouped_gemm, device_type)
         return cls(
             kernels=kernels,
@@ -203,3 +205,4 @@ class PlanRequest(Protocol):
     fp8: str | None
     cuda_graphs: bool
     moe_grouped_gemm: bool | None
+    multi_latent_attention: bool

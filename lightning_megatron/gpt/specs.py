@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
+from lightning_megatron.gpt.mla import with_mla_parts
 from lightning_megatron.gpt.moe.specs import with_moe_parts
 from lightning_megatron.gpt.plan import Resolved
 from lightning_megatron.kernels.attention import Rotary, SDPAttention
@@ -57,6 +58,7 @@ def layer_spec(
         moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm,
         normalization=config.normalization,
+        multi_latent_attention=config.multi_latent_attention,
     )
     spec = with_torch_norms(spec if experts is None else with_moe_parts(spec, fuse_wgrad))
     if kernels == "torch":
@@ -76,14 +78,17 @@ def layer_spec(
             else (linear.FusedWgradColumnParallelLinear, linear.FusedWgradRowParallelLinear)
         )
         spec = replace_modules(spec, {ColumnParallelLinear: column, RowParallelLinear: row})
+    if config.multi_latent_attention:
+        spec = with_mla_parts(spec)
     if lora is not None:
         spec = with_adapters(spec, lora, config)
     return spec
 
 
 def sdp_attention(config: ModelConfig) -> Any:
-    """The core attention of the ``'torch'`` kernels: :class:`SDPAttention`, with RoPE inside it for a rope model."""
-    if config.position_embedding_type != "rope":
+    """The core attention of the ``'torch'`` kernels: :class:`SDPAttention`, with RoPE inside it for a rope model
+    (not with MLA, which rotates its RoPE slice itself)."""
+    if config.position_embedding_type != "rope" or config.multi_latent_attention:
         return SDPAttention
     rotary = Rotary(
         rotary_percent=config.rotary_percent,

@@ -38,7 +38,9 @@ class SDPAttention(MegatronModule):
     """Megatron's core attention (the ``core_attention`` submodule of ``SelfAttention``) on SDPA.
 
     Takes Megatron's layout -- query ``[S, B, heads/tp, d]``, key/value ``[S, B, groups/tp, d]`` -- and returns
-    ``[S, B, heads/tp * d]``, like ``DotProductAttention``. Causal masking uses SDPA's ``is_causal`` (no mask
+    ``[S, B, heads/tp * d_v]``, like ``DotProductAttention``. Multi-Latent Attention builds it with ``k_channels``
+    (query/key head size, e.g. 128 + 64) unlike ``v_channels`` (value head size, e.g. 128), its own softmax scale and
+    no ``rotary`` (MLA rotates the RoPE slice itself). Causal masking uses SDPA's ``is_causal`` (no mask
     tensor); an explicit boolean mask (True = masked out, Megatron's convention) is honoured too. With ``rotary``
     the module applies RoPE to query and key first (positions 0..S-1, Megatron's ``RotaryEmbedding`` frequencies).
     """
@@ -54,6 +56,8 @@ class SDPAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
         rotary: Rotary | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         if config.softmax_type != "vanilla" or config.window_size is not None:
@@ -64,7 +68,8 @@ class SDPAttention(MegatronModule):
         from megatron.core.transformer.enums import AttnMaskType
 
         self.causal = attn_mask_type == AttnMaskType.causal
-        head_dim = config.kv_channels
+        # SDPA takes the value head size from the value tensor: only the query/key size sets the default scale.
+        head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         # Megatron's DotProductAttention draws dropout from the model-parallel RNG stream except under SP.

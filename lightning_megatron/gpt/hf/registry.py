@@ -32,6 +32,8 @@ def family_of_hf(architecture: str) -> Family:
 
 def family_of(config: ModelShape) -> Family | None:
     """The family whose HF architecture holds a model of ``config`` (None: no HF architecture here does)."""
+    if getattr(config, "multi_latent_attention", False):  # no family here maps MLA's projections
+        return None
     found = [family for family in FAMILIES if family.matches(config)]
     assert len(found) <= 1, f"families overlap: {found}"
     return found[0] if found else None
@@ -40,4 +42,6 @@ def family_of(config: ModelShape) -> Family | None:
 def described(config: Any) -> str:
     """The fields that decide the family, for error messages."""
     names = ("add_qkv_bias", "qk_layernorm", "num_moe_experts", "moe_shared_expert_intermediate_size")
+    if getattr(config, "multi_latent_attention", False):
+        names = ("multi_latent_attention", *names)
     return ", ".join(f"{name}={getattr(config, name)!r}" for name in names)

@@ -1,0 +1,180 @@
+"""Multi-Latent Attention on the torch-native stack: the core attention against a float64 reference (query/key heads
+of 16 + 8, value heads of 16), packed rows, the config's checks, and a tiny MLA model training at one process and
+continuing at TP=2 from its checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_megatron import tiny_gpt
+from lightning_megatron.gpt import specs
+from lightning_megatron.kernels.attention import SDPAttention
+from lightning_megatron.kernels.documents import SequenceLayout
+from tests.conftest import one_process_megatron, one_process_trainer, run_here, run_worker
+
+QK, ROPE, V = 16, 8, 16  # tiny_gpt's MLA head sizes: query/key 16 + 8, value 16
+MLA = {"multi_latent_attention": True}
+# YaRN with its softmax-scale correction (mscale_all_dim) and a latent query (q_lora_rank) with the latent norms.
+MLA_YARN = {
+    **MLA, "q_lora_rank": 16, "qk_layernorm": True, "rope_type": "yarn", "rotary_scaling_factor": 4.0,
+    "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 1.0,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def megatron_state() -> Iterator[None]:
+    with one_process_megatron(port=29597):
+        yield
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 attention of [S, B, n, d] tensors; ``allowed`` [B, S, S] True = attend; returns [S, B, n * d_v]."""
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))  # [B, n, S, d]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    out = scores.softmax(-1) @ v  # [B, n, S, d_v]
+    return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def _core_attention() -> SDPAttention:
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = tiny_gpt(**MLA).to_transformer_config(kernels="torch", params_dtype=torch.float32)
+    # MLA builds its core attention with these arguments (multi_latent_attention.py), its scale YaRN-corrected.
+    return SDPAttention(
+        config, 1, AttnMaskType.causal, "self", softmax_scale=0.3, k_channels=QK + ROPE, v_channels=V
+    )  # fmt: skip
+
+
+def _packed_layout(seq: int) -> tuple[SequenceLayout, torch.Tensor]:
+    """Two rows: one of documents of 5, 7 and 4 tokens, one a single document; the layout and the allowed mask."""
+    positions = torch.stack([torch.cat([torch.arange(n) for n in (5, 7, 4)]), torch.arange(seq)])
+    documents = (positions == 0).cumsum(1, dtype=torch.int32)
+    layout = SequenceLayout(positions=positions, documents=documents, seq_length=seq)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    allowed = causal & (documents[:, :, None] == documents[:, None, :])
+    return layout, allowed
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_mla_core_attention_equals_float64_reference(megatron_state: None, packed: bool) -> None:
+    seq, batch, heads = 16, 2, 4
+    torch.manual_seed(0)
+    q, k = (torch.randn(seq, batch, heads, QK + ROPE, requires_grad=True) for _ in range(2))
+    v = torch.randn(seq, batch, heads, V, requires_grad=True)
+    layout, allowed = _packed_layout(seq) if packed else (None, torch.ones(seq, seq, dtype=torch.bool).tril()[None])
+    out = _core_attention()(q, k, v, None, packed_seq_params=layout)
+    want = _reference(q, k, v, allowed.expand(batch, -1, -1), 0.3)
+    assert out.shape == (seq, batch, heads * V)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+    wanted = torch.autograd.grad(want, (q, k, v), grad_out.double())
+    for name, a, b in zip("qkv", got, wanted, strict=True):
+        torch.testing.assert_close(
+            a.double(), b.double(), rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"d{name}: {m}"
+        )
+
+
+def _gpt(config: object) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+
+    tc = config.to_transformer_config(kernels="torch", params_dtype=torch.float32)
+    spec = specs.block_spec(config, tc, None, "torch")
+    return GPTModel(config=tc, transformer_layer_spec=spec, **config.gpt_model_kwargs("torch"))
+
+
+@pytest.mark.parametrize("overrides", [MLA, MLA_YARN], ids=["direct_q", "q_lora_yarn"])
+def test_packed_mla_rows_equal_their_documents_alone(megatron_state: None, overrides: dict) -> None:
+    # Megatron's MLA rotates at positions within the row; attention inside each document makes that the documents'
+    # own positions (RoPE scores depend on differences only): a packed row's logits are each document's alone.
+    torch.manual_seed(0)
+    model = _gpt(tiny_gpt(**overrides)).eval()
+    lengths = (5, 7, 4)
+    tokens = torch.randint(0, 256, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    documents = (positions == 0).cumsum(1, dtype=torch.int32)
+    layout = SequenceLayout(positions=positions, documents=documents, seq_length=tokens.shape[1])
+    with torch.no_grad():
+        packed = model(tokens, positions, None, packed_seq_params=layout)
+        alone = [model(part, torch.arange(part.shape[1])[None], None) for part in tokens.split(lengths, dim=1)]
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({**MLA, "kv_lora_rank": 0}, "kv_lora_rank=0"),
+        ({**MLA, "q_lora_rank": -1}, "q_lora_rank=-1"),
+        ({**MLA, "qk_pos_emb_head_dim": 7}, "qk_pos_emb_head_dim=7"),
+        ({**MLA, "rope_type": "llama3"}, "rope_type='llama3'"),
+        ({**MLA, "mscale_all_dim": -1.0}, "mscale_all_dim=-1.0"),
+        ({**MLA, "kernels": "local"}, "kernels='local' with multi_latent_attention=True"),
+        ({**MLA, "num_query_groups": 2}, "num_query_groups=2 with multi_latent_attention=True"),
+        ({**MLA, "position_embedding_type": "none"}, "position_embedding_type='none'"),
+        ({**MLA, "rope_scaling": True}, "rope_scaling=True with multi_latent_attention=True"),
+        ({"kv_lora_rank": 64}, "kv_lora_rank=64 is a Multi-Latent Attention setting"),
+    ],
+)
+def test_bad_mla_configs_are_named(overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace("[", r"\[")):
+        tiny_gpt(**overrides)
+
+
+def test_mla_layouts_not_supported_are_refused_before_building() -> None:
+    from lightning_megatron.parallel.sizes import ParallelSizes
+
+    config = tiny_gpt(**MLA, kv_lora_rank=30)  # + 8 = 38: not split by tp=4
+    with pytest.raises(ValueError, match=r"kv_lora_rank \+ qk_pos_emb_head_dim=38 must be divisible by tp=4"):
+        config.validate_parallel(ParallelSizes(tp=4))
+    with pytest.raises(ValueError, match="cp=2 with multi_latent_attention=True"):
+        tiny_gpt(**MLA).validate_parallel(ParallelSizes(cp=2))
+
+
+@pytest.mark.parametrize("overrides", [MLA, MLA_YARN], ids=["direct_q", "q_lora_yarn"])
+def test_tiny_mla_model_trains_at_one_process(overrides: dict) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronLMModule
+
+    losses: list[float] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    torch.manual_seed(0)
+    rows = torch.randint(0, 16, (48, 32), generator=torch.Generator().manual_seed(0))  # 16 of 256 tokens: learnable
+    one_process_trainer(12, callbacks=[Record()]).fit(MegatronLMModule(tiny_gpt(**overrides), lr=3e-3), DataLoader(
+        list(rows), batch_size=4))  # fmt: skip
+    assert len(losses) == 12
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+@pytest.mark.multiprocess
+def test_mla_model_continues_at_tp2(tmp_path: Path) -> None:
+    # One process trains 4 steps, checkpointing at step 2; TP=2 resumes that checkpoint and must follow the
+    # one-process curve and validation (the heads, the up-projections and the latent down-projections split).
+    model = {"model": {**MLA_YARN, "kernels": "torch"}}
+    val = {"limit_val_batches": 2, "val_check_interval": 4}
+    saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}
+    full = run_here({**model, "devices": 1, "max_steps": 4, **val, **saves}, tmp_path)
+    resume = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    tp2 = run_worker({**model, "devices": 2, "tp": 2, "max_steps": 4, "resume": resume, **val}, tmp_path)
+    assert set(tp2["train"]) == {"3", "4"}, tp2["train"]
+    assert full["train"]["3"] != full["train"]["4"]
+    for step in ("3", "4"):
+        assert tp2["train"][step] == pytest.approx(full["train"][step], rel=2e-4), step
+    assert tp2["val"]["4"] == pytest.approx(full["val"]["4"], rel=2e-4)
+
+
+def test_no_hf_family_holds_an_mla_model_yet() -> None:
+    from lightning_megatron.gpt.hf.mapping import family
+
+    with pytest.raises(ValueError, match="no supported HF architecture holds a model with multi_latent_attention=True"):
+        family(tiny_gpt(**MLA))
