@@ -56,6 +56,7 @@ class MLARequest(Protocol):
     rope_scaling: bool
     seq_len_interpolation_factor: float | None
     position_embedding_type: str
+    rotary_base: int
     kernels: str
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -139,7 +140,9 @@ def mla_fields(config: MLARequest) -> dict[str, Any]:
     """The ``MLATransformerConfig`` fields of an MLA model (empty for a model without MLA)."""
     if not config.multi_latent_attention:
         return {}
-    return {"multi_latent_attention": True, **{name: getattr(config, name) for name in MLA_DEFAULTS}}
+    # MLA builds its RoPE from the transformer config's rotary_base (GPTModel's own argument does not reach it).
+    fields = {name: getattr(config, name) for name in MLA_DEFAULTS}
+    return {"multi_latent_attention": True, "rotary_base": config.rotary_base, **fields}
 
 
 def with_mla_parts(spec: Any) -> Any:

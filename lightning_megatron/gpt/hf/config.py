@@ -41,8 +41,8 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
         num_key_value_heads=config.effective_num_query_groups, head_dim=config.effective_kv_channels,
         hidden_act=config.activation, max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_epsilon,
         tie_word_embeddings=config.share_embeddings_and_output_weights, attention_dropout=config.attention_dropout,
-        initializer_range=config.init_method_std, architectures=[arch], dtype=dtype, **rope_kwargs,
-        **family.hf_config_kwargs(config),
+        initializer_range=config.init_method_std, architectures=[arch], dtype=dtype,
+        **{**rope_kwargs, **family.hf_config_kwargs(config)},
     )  # fmt: skip
     return hf.to_dict()
 
@@ -57,12 +57,16 @@ def check_exportable(config: ModelConfig) -> Family:
         "gated_linear_unit": not config.gated_linear_unit,
         "apply_residual_connection_post_layernorm": config.apply_residual_connection_post_layernorm,
         "seq_len_interpolation_factor": config.rope_scaling and config.seq_len_interpolation_factor is not None,
-        # Routers no supported HF MoE architecture has (DeepSeek-V3 style).
-        "moe_router_score_function": config.moe_router_score_function != "softmax",
-        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
-        "moe_router_num_groups": config.moe_router_num_groups is not None,
-        "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor is not None,
     }
+    if not config.multi_latent_attention:  # DeepSeek-V3's routers: only its (MLA) architecture has them
+        unsupported.update(
+            {
+                "moe_router_score_function": config.moe_router_score_function != "softmax",
+                "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+                "moe_router_num_groups": config.moe_router_num_groups is not None,
+                "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor is not None,
+            }
+        )
     bad = [name for name, is_bad in unsupported.items() if is_bad]
     if bad:
         values = ", ".join(f"{name}={getattr(config, name)!r}" for name in bad)

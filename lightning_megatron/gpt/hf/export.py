@@ -211,10 +211,10 @@ def _local(chunk: nn.Module, p: Param, merged: bool) -> Tensor:
     """This rank's tensor of p; a LoRA-adapted weight with its adapters' product added when ``merged``."""
     from lightning_megatron.gpt.lora.layers import is_adapter
 
-    local = chunk.get_parameter(p.megatron).detach()
+    owner, _, leaf = p.megatron.rpartition(".")
+    local = getattr(chunk.get_submodule(owner), leaf).detach()  # a parameter, or a buffer (a router's bias)
     if p.expert is not None:
         local = local[p.expert]
-    owner, _, leaf = p.megatron.rpartition(".")
     if merged and leaf == "weight" and is_adapter(module := chunk.get_submodule(owner)):
         delta = module.delta_weight() if p.expert is None else module.delta_weight(p.expert)  # type: ignore[operator]
         local = local + delta.detach().to(local.dtype)

@@ -75,7 +75,7 @@ def model_fields(hf_config: Any, *, seq_length: int | None = None) -> dict[str, 
             raise ValueError(f"{arch} with {flag}=True is not supported (only Qwen2's q/k/v biases are)")
     if cfg.hidden_act not in ("silu", "gelu"):
         raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported; 'silu' or 'gelu'")
-    heads = cfg.num_attention_heads
+    heads, family = cfg.num_attention_heads, family_of_hf(arch)
     return {
         "num_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
@@ -93,8 +93,8 @@ def model_fields(hf_config: Any, *, seq_length: int | None = None) -> dict[str, 
         "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings),
         "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0)),
         "init_method_std": float(getattr(cfg, "initializer_range", 0.02)),
-        **_rope_fields(cfg),
-        **family_of_hf(arch).fields(cfg),
+        **({} if family.own_rope else _rope_fields(cfg)),
+        **family.fields(cfg),
     }
 
 

@@ -29,6 +29,7 @@ from lightning_megatron.gpt.hf import pickled
 from lightning_megatron.gpt.hf.fields import architecture
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, expert_ranges, hf_weight_shapes
 from lightning_megatron.gpt.hf.params import SPLIT_DIM, Kind, Param, combine, expert_piece, expert_slice, rank_block
+from lightning_megatron.gpt.hf.registry import family_of_hf
 from lightning_megatron.gpt.lora.config import LoRAConfig, is_adapter_param
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -101,7 +102,12 @@ class HFCheckpoint:
                 f"from {self.path / where}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
             )
         # Tied checkpoints may still store lm_head; rotary caches are recomputed.
-        extra = [n for n in self.files if n not in want and n != "lm_head.weight" and not n.endswith("inv_freq")]
+        skipped = family_of_hf(architecture(self.config)).skipped
+        extra = [
+            n
+            for n in self.files
+            if n not in want and n != "lm_head.weight" and not n.endswith("inv_freq") and not skipped(n, self.config)
+        ]
         if extra:
             raise ValueError(
                 f"{self.path} has tensors this config.json does not explain: {', '.join(sorted(extra)[:4])}; "
@@ -227,6 +233,9 @@ def load_chunk(chunk: nn.Module, checkpoint: HFCheckpoint, config: ModelConfig, 
     params = chunk_params(config, pre=chunk.pre_process, post=chunk.post_process, **layers, experts=experts)
     # LoRA adapters are not HF weights: they start from their own seeded init (lightning_megatron.gpt.lora).
     own = {name: p for name, p in chunk.named_parameters() if not is_adapter_param(name)}
+    # Buffers an HF tensor maps to (DeepSeek-V3's router bias) are loaded too; the others are computed.
+    mapped = {p.megatron for p in params}
+    own.update({name: b for name, b in chunk.named_buffers() if name in mapped})
     unmapped = sorted(set(own) - {p.megatron for p in params})
     if unmapped:  # a parameter left at its random init would silently break parity
         raise RuntimeError(f"no HF tensor maps to {unmapped}; the HF mapping does not cover this model")

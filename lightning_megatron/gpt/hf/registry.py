@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_megatron.gpt.hf.families.base import Family
+from lightning_megatron.gpt.hf.families.deepseek_v3 import DeepseekV3
 from lightning_megatron.gpt.hf.families.llama import Llama
 from lightning_megatron.gpt.hf.families.mixtral import Mixtral
 from lightning_megatron.gpt.hf.families.qwen2 import Qwen2
@@ -15,7 +16,7 @@ from lightning_megatron.gpt.hf.families.qwen3 import Qwen3
 from lightning_megatron.gpt.hf.families.qwen3_moe import Qwen3MoE
 from lightning_megatron.gpt.hf.params import ModelShape
 
-FAMILIES: tuple[Family, ...] = (Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral())
+FAMILIES: tuple[Family, ...] = (Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral(), DeepseekV3())
 ARCHITECTURES: tuple[str, ...] = tuple(arch for family in FAMILIES for arch in family.architectures)
 BY_ARCHITECTURE: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 BY_MODEL_TYPE: dict[str, str] = {
@@ -32,9 +33,8 @@ def family_of_hf(architecture: str) -> Family:
 
 def family_of(config: ModelShape) -> Family | None:
     """The family whose HF architecture holds a model of ``config`` (None: no HF architecture here does)."""
-    if getattr(config, "multi_latent_attention", False):  # no family here maps MLA's projections
-        return None
-    found = [family for family in FAMILIES if family.matches(config)]
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    found = [family for family in FAMILIES if family.latent_attention == mla and family.matches(config)]
     assert len(found) <= 1, f"families overlap: {found}"
     return found[0] if found else None
 

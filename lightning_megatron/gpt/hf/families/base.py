@@ -28,6 +28,10 @@ class Family:
     """The architecture written into a generated config.json (a model that was not loaded from HF)."""
     config_class: ClassVar[str]
     """The transformers config class of :attr:`export_architecture`."""
+    latent_attention: ClassVar[bool] = False
+    """Whether the family's attention is Multi-Latent Attention (its models have ``multi_latent_attention=True``)."""
+    own_rope: ClassVar[bool] = False
+    """Whether :meth:`fields` maps the RoPE settings itself (MLA's), instead of the shared mapping."""
 
     # ------------------------------------------------------------------------------------------- config
     def fields(self, hf: Any) -> dict[str, Any]:
@@ -39,6 +43,10 @@ class Family:
     def matches(self, c: ModelShape) -> bool:
         """Whether this family's HF architecture can hold a model of config ``c`` (export picks the one that does)."""
         return not c.add_qkv_bias and not c.qk_layernorm and c.num_moe_experts is None
+
+    def skipped(self, name: str, hf: Any) -> bool:
+        """Whether import leaves out checkpoint tensor ``name`` that the model has no place for (HF config ``hf``)."""
+        return False
 
     def hf_config_kwargs(self, c: ModelShape) -> dict[str, Any]:
         """Keyword arguments of :attr:`config_class` specific to this family (export of a generated config)."""

@@ -1,0 +1,158 @@
+"""Hugging Face DeepSeek-V3 in and out (tiny random ``DeepseekV3ForCausalLM`` written with ``save_pretrained``;
+nothing is downloaded): Multi-Latent Attention with ``q_lora_rank``, YaRN with DeepSeek's mscale pair, a
+dense first layer, shared experts and the sigmoid router with its correction bias, groups and scaling factor.
+
+Against ``transformers`` in float32 with eager attention at one process: validation loss and logits; the export
+loads in ``transformers`` with our logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronLMModule, ModelConfig
+from lightning_megatron.gpt.hf.mapping import family
+from tests.test_hf_moe import Export, _trainer, hf_forward
+
+SEQ = 16
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 5000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "mscale": 0.8,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+BASE = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 64,
+    "initializer_range": 0.1,
+    "rms_norm_eps": 1e-6,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "q_lora_yarn": {"q_lora_rank": 24, "rope_parameters": YARN},
+    # Plain RoPE of another base (rotary_base must reach MLA's own rotary embedding).
+    "q_lora_rope": {"q_lora_rank": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 2000.0}},
+}
+
+
+def make_model(path: Path, **overrides: Any) -> Path:
+    config = transformers.DeepseekV3Config(**{**BASE, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms at 1, biases at 0, the router at 0: randomise them so that a wrong mapping shows
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.ndim == 1 and "inv_freq" not in name:
+                tensor.copy_(torch.randn_like(tensor) * 0.2 + (1.0 if "norm" in name else 0.0))
+            elif name.endswith("mlp.gate.weight"):
+                tensor.copy_(torch.randn_like(tensor))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_deepseek")
+    return {name: make_model(root / name, **overrides) for name, overrides in VARIANTS.items()}
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def one_process(models: dict[str, Path], tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    results = {}
+    for name, path in models.items():
+        module = MegatronLMModule.from_hf(path, seq_length=SEQ)
+        export = Export(tmp_path_factory.mktemp("saved") / name)
+        loader = DataLoader(tokens, batch_size=4)
+        logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
+        val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+        results[name] = {"logits": logits, "val_loss": val_loss, "export": export, "module": module}
+    return results
+
+
+def test_config_from_hf_maps_mla_and_the_router(models: dict[str, Path]) -> None:
+    config = ModelConfig.from_hf(models["q_lora_yarn"])
+    assert type(family(config)).__name__ == "DeepseekV3"
+    assert config.multi_latent_attention
+    assert config.qk_layernorm
+    mla = (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim)
+    assert mla == (24, 32, 16, 8, 12)
+    yarn = (config.rope_type, config.rotary_base, config.rotary_scaling_factor, config.mscale, config.mscale_all_dim)
+    assert yarn == ("yarn", 5000, 4.0, 0.8, 1.0)
+    router = (config.moe_router_score_function, config.moe_router_enable_expert_bias, config.moe_router_num_groups)
+    assert router == ("sigmoid", True, 4)
+    assert (config.moe_router_group_topk, config.moe_router_topk_scaling_factor) == (2, 2.5)
+    assert (config.moe_shared_expert_intermediate_size, config.moe_layer_freq) == (64, (0, 1, 1))
+    plain = ModelConfig.from_hf(models["q_lora_rope"])
+    assert (plain.q_lora_rank, plain.rope_type, plain.rotary_base) == (16, "rope", 2000)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"}, "DeepseekV32ForCausalLM"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}}, "rope_type='linear'"),
+        ({"rope_parameters": {**YARN, "mscale": None}}, "mscale=None and mscale_all_dim=1.0"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=False and num_experts_per_tok=4"),
+        ({"topk_group": 1}, "num_experts_per_tok=4 and topk_group=1"),
+        ({"rope_interleave": False}, "rope_interleave=False"),
+        ({"q_lora_rank": None}, "q_lora_rank=None is not supported yet"),
+    ],
+)
+def test_unsupported_deepseek_settings_are_named(models: dict[str, Path], change: dict, match: str) -> None:
+    config = json.loads((models["q_lora_yarn"] / "config.json").read_text())
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**config, **change})
+
+
+def test_mtp_layers_are_skipped_with_a_notice(models: dict[str, Path]) -> None:
+    config = json.loads((models["q_lora_yarn"] / "config.json").read_text())
+    with pytest.warns(UserWarning, match=r"skipping num_nextn_predict_layers=2 .* model.layers.3..4"):
+        ModelConfig.from_hf({**config, "num_nextn_predict_layers": 2})
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_one_process_matches_transformers(name: str, one_process: dict, models: dict, tokens: torch.Tensor) -> None:
+    logits, loss, _ = hf_forward(models[name], tokens)
+    got = one_process[name]
+    torch.testing.assert_close(got["logits"], logits, rtol=1e-4, atol=1e-4)
+    assert got["val_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_export_loads_in_transformers_with_our_logits(name: str, one_process: dict, tokens: torch.Tensor) -> None:
+    export = one_process[name]["export"]
+    logits, _, _ = hf_forward(export.path, tokens)
+    torch.testing.assert_close(one_process[name]["logits"], logits, rtol=1e-4, atol=1e-4)
+    assert any(n.endswith("mlp.gate.e_score_correction_bias") for n in export.tensors)
