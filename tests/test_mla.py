@@ -173,7 +173,7 @@ def test_mla_model_continues_at_tp2(tmp_path: Path) -> None:
     assert tp2["val"]["4"] == pytest.approx(full["val"]["4"], rel=2e-4)
 
 
-def test_no_hf_family_holds_an_mla_model_yet() -> None:
+def test_an_mla_model_without_experts_has_no_hf_family() -> None:
     from lightning_megatron.gpt.hf.mapping import family
 
     with pytest.raises(ValueError, match="no supported HF architecture holds a model with multi_latent_attention=True"):

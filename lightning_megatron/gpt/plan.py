@@ -139,7 +139,7 @@ def check_grouped_gemm(requested: bool | None, device_type: str) -> None:
 
 
 _DESCRIPTIONS = {
-    "torch": "torch (SDPA attention with RoPE inside, fused vocab-parallel cross entropy)",
+    "torch": "torch (SDPA attention with RoPE inside, or MLA's own; fused vocab-parallel cross entropy)",
     "local": "local (Megatron's reference torch spec: unfused attention)",
     "te": "te (Transformer Engine)",
 }
