@@ -20,6 +20,9 @@
 #             speed (checkpoints under ./ckbench, ~40 GB at most; ~7 min)
 #   checkpoint_lean  the same with CheckpointConfig(save_model_weights=False) (no bf16 weights; ~6 min)
 #   ema       1B, variant a without and with MegatronEMA(decay=0.999) updated every step, in turn, twice (~6 min)
+#   headline  the README's headline rows from the checked-out (clean) commit: 1B variants a,b,a,b, then fp8 e4m3 with
+#             CUDA graphs against bf16 with CUDA graphs (~7 min)
+#   ema_update  the EMA update alone (eager, compiled, offloaded) and the GPU weight-averaging tests (~2 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -53,6 +56,16 @@ versus_hf)
     tp --shape 3b --micro-batch-size 2 --micro-batches 4 --variants a,d
     tp --shape 3b --micro-batch-size 1 --micro-batches 4 --variants a,c
     tp --shape 125m --variants a,c,d --cuda-graphs
+    ;;
+headline)
+    tp --variants a,b,a,b
+    tp --variants a --cuda-graphs
+    tp --variants a --fp8 e4m3 --cuda-graphs
+    ;;
+ema_update)
+    timeout 100 python3 benchmarks/ema_update.py | tee -a "$log"
+    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_weight_averaging.py >"$out/$section.log" 2>&1
+    tail -3 "$out/$section.log"
     ;;
 ema)
     for _ in 1 2; do
