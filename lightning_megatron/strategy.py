@@ -264,7 +264,8 @@ class MegatronStrategy(ShardedCheckpointHooks, DDPStrategy, MegatronRuntime):
         if self._retained is not None:  # an earlier fit's optimizer, kept for save_checkpoint, is replaced
             self._retained.forget_optimizer()
         clip = run.patches.get(patches.ForeachClipGrads) or run.patches.install(patches.ForeachClipGrads())
-        setup = partial(optim.setup, dtype=self.compute_dtype, distributed=self.use_distributed_optimizer)
+        fused = self.root_device.type == "cuda"  # as after a load (strategy_checkpoints.py)
+        setup = partial(optim.setup, dtype=self.compute_dtype, distributed=self.use_distributed_optimizer, fused=fused)
         built = setup(spec, run.ddp_chunks, trainer, self._guard, clip, after_update=run.hooks.weights_updated)
         self._megatron_optimizer, self._scheduler, adapter = built
         self.optimizers, self.lr_scheduler_configs = [adapter], []

@@ -165,14 +165,14 @@ def setup(
     *,
     dtype: torch.dtype,
     distributed: bool,
+    fused: bool,
     after_update: Callable[[], None] | None = None,
 ) -> tuple[Any, Any, LightningOptimizerAdapter]:
-    """Megatron's optimizer and LR schedule for ``spec`` (:func:`build`; torch's fused Adam where the chunks are on
-    a GPU), the adapter Lightning steps (:func:`lightning_adapter`, with the strategy's ``clip`` patch), and the
+    """Megatron's optimizer and LR schedule for ``spec`` (:func:`build`; torch's fused Adam if ``fused``), the
+    adapter Lightning steps (:func:`lightning_adapter`, with the strategy's ``clip`` patch), and the
     schedule's hooks on the chunks' config (``parallel/ddp.py``). After each step ``guard`` records what it reported
     (raising, under the "error" policy, before any save) and ``after_update`` runs after each update. ``guard``'s
     "skip" policy decides before each update whether to step, at one GPU synchronisation per step."""
-    fused = any(param.is_cuda for chunk in ddp_chunks for param in chunk.parameters())
     nonfinite = guard.policy
     on_step = lambda stats: guard.record(stats, trainer.global_step)  # noqa: E731
     optimizer, scheduler = build(spec, ddp_chunks, trainer, dtype=dtype, distributed=distributed, fused=fused)
