@@ -9,7 +9,9 @@ note; ``-`` where the row records none) and the device (the GPU the row names, e
 
 Throughput rows (benchmarks/throughput.py's JSON lines): the latest row of each configuration and chip (variant, shape,
 layout, sequence length, micro-batches and the options that change the step: fp8, CUDA graphs, LoRA, recompute,
-kernels); "latest" by the date in the file name, then file name, then line. MFU is the standard count
+kernels); "latest" by the date in the file name, then file name, then line. A file may name the UTC time its run
+ended after the date (``2026-12-07T1507-h100-headline.jsonl``): it then sorts after that date's files without a time,
+and in time order among those with one. MFU is the standard count
 (lightning_megatron/parallel/counts.py:model_flops_per_token) recomputed from the row's own fields: N from
 ``flops_params``/``flops_frozen_params`` where the row records them, else ``params`` less the input embedding
 table (V x H; every shape of throughput.py has untied embeddings), else from the shape's dimensions
@@ -107,7 +109,7 @@ class Row:
                 return chip.group(0)
             if value.lower() == "cpu":
                 return "CPU"
-        match = re.match(r"\d{4}-\d{2}-\d{2}-(h[12]00|cpu)", self.file)
+        match = re.match(r"\d{4}-\d{2}-\d{2}(?:T\d{4})?-(h[12]00|cpu)", self.file)
         return match.group(1).upper() if match else "?"
 
     @property
@@ -170,22 +172,29 @@ def kernels(data: dict[str, Any]) -> str:
     return "hf_sdpa" if value == "sdpa" else value  # the HF variants' early rows wrote "sdpa"
 
 
+def left_out(data: dict[str, Any]) -> str | None:
+    """Why a throughput row is left out of the tables, or ``None`` where it is shown."""
+    if "timing" in data:
+        return "timed with --sync-debug"
+    if any(word in str(data.get("code", "")) for word in NOT_COMPARABLE):
+        return "timed under a profiler, beside other jobs, or discarded (their `code` note)"
+    if not all(key in data for key in ("seq", "micro_batch")) or data.get("shape") not in SHAPES:
+        return "without the sequence length, micro-batches or a known shape (the MFU cannot be recomputed)"
+    return None
+
+
+def is_throughput(row: Row) -> bool:
+    return "tokens_per_s" in row.data and "variant" in row.data
+
+
 def throughput(all_rows: list[Row]) -> Throughput:
     table = Throughput()
-    for row in all_rows:
-        data = row.data
-        if "tokens_per_s" not in data or "variant" not in data:
+    for row in filter(is_throughput, all_rows):
+        why = left_out(row.data)
+        if why:
+            table.skip(why)
             continue
-        if "timing" in data:
-            table.skip("timed with --sync-debug")
-            continue
-        if any(word in str(data.get("code", "")) for word in NOT_COMPARABLE):
-            table.skip("timed under a profiler, beside other jobs, or discarded (their `code` note)")
-            continue
-        if not all(key in data for key in ("seq", "micro_batch")) or data.get("shape") not in SHAPES:
-            table.skip("without the sequence length, micro-batches or a known shape (the MFU cannot be recomputed)")
-            continue
-        table.latest[(*configuration(data), row.device)] = row  # H100 and H200 rows side by side, each chip's latest
+        table.latest[(*configuration(row.data), row.device)] = row  # each chip's latest, H100 and H200 side by side
     return table
 
 
@@ -534,10 +543,11 @@ def fp8_loss_table(all_rows: list[Row]) -> list[str]:
 
 
 def ema_tables(all_rows: list[Row]) -> list[str]:
-    """The EMA runs (files named ``...-ema...``) of the newest date: the training steps without and with
+    """The newest EMA run (files named ``...-ema...``): the training steps without and with
     ``MegatronEMA``, in their order, and one update timed alone (``benchmarks/ema_update.py``)."""
     files = [r for r in all_rows if re.search(r"-ema[-.]", r.file)]
-    steps = newest([r for r in files if "tokens_per_s" in r.data and "variant" in r.data])
+    steps = [r for r in files if "tokens_per_s" in r.data and "variant" in r.data]
+    steps = [r for r in steps if r.file == max(r.file for r in steps)]  # the newest run only (rows sort by file)
     updates = newest([r for r in all_rows if r.data.get("bench") == "ema_update"])
     out: list[str] = []
     if steps:
@@ -574,6 +584,40 @@ def ema_tables(all_rows: list[Row]) -> list[str]:
             )
         out.append("")
     return out
+
+
+def moe_against_dense_table(all_rows: list[Row]) -> list[str]:
+    """Each MoE throughput row beside the dense 1B row of the same file (one call, one machine) with as many layers and
+    the same variant, layout, sequence, micro-batches, fp8 and CUDA graphs: the ratio of their tokens/s, the newest
+    pair of each MoE configuration."""
+    shown = [r for r in all_rows if is_throughput(r) and left_out(r.data) is None]
+    same = ("variant", "devices", "tp", "pp", "seq", "micro_batch", "fp8", "cuda_graphs")
+    pairs: dict[tuple, tuple[Row, Row]] = {}
+    for moe in (r for r in shown if r.data.get("num_moe_experts")):
+        data = moe.data
+        dense = [
+            r for r in shown
+            if r.file == moe.file and not r.data.get("num_moe_experts")
+            and r.data["shape"] == "1b" and num_layers(r.data) == num_layers(data)
+            and all(r.data.get(key) == data.get(key) for key in same)
+        ]  # fmt: skip
+        if dense:
+            pairs[(*configuration(data), moe.device)] = (moe, dense[-1])
+    if not pairs:
+        return []
+    out = [
+        "#### Mixture of experts against the dense 1B in the same call",
+        "",
+        "| variant | MoE shape | MoE tokens/s | dense tokens/s | MoE / dense | date | commit | device |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for moe, dense in pairs.values():
+        ratio = moe.data["tokens_per_s"] / dense.data["tokens_per_s"]
+        out.append(
+            f"| {variant_label(moe.data)} | {shape_label(moe.data)} | {moe.data['tokens_per_s']:,} | "
+            f"{dense.data['tokens_per_s']:,} | {ratio:.2f}x | {cell(moe)}"
+        )
+    return [*out, ""]
 
 
 def moe_fp8_table(all_rows: list[Row]) -> list[str]:
@@ -718,13 +762,15 @@ def writer_memory_table(all_rows: list[Row]) -> list[str]:
 # The README's headline rows: (the variant's label in the throughput tables, shape, device), each the latest row of
 # its configuration at one GPU, 2,048 tokens per sequence and micro-batches 4x2.
 HEADLINE = (
+    ("(a) Trainer + MegatronStrategy", "1b", "H100"),
+    ("(b) raw Megatron-Core, the project's kernels", "1b", "H100"),
+    ("(a) Trainer + MegatronStrategy + fp8 e4m3, CUDA graphs", "1b", "H100"),
+    ("(a) Trainer + MegatronStrategy", "moe1b", "H100"),
     ("(a) Trainer + MegatronStrategy", "1b", "H200"),
     ("(b) raw Megatron-Core, the project's kernels", "1b", "H200"),
     ("(b0) raw Megatron-Core, stock local spec", "1b", "H200"),
     ("(d) HF Llama + FSDP2 + compile", "1b", "H200"),
     ("(a) Trainer + MegatronStrategy + fp8 e4m3, CUDA graphs", "1b", "H200"),
-    ("(a) Trainer + MegatronStrategy", "1b", "H100"),
-    ("(a) Trainer + MegatronStrategy", "moe1b", "H100"),
 )
 
 
@@ -815,6 +861,7 @@ def render(results: Path = RESULTS) -> str:
         *throughput_tables(throughput(all_rows)),
         *fp8_loss_table(all_rows),
         *ema_tables(all_rows),
+        *moe_against_dense_table(all_rows),
         *moe_fp8_table(all_rows),
         *packing_tables(all_rows),
         *checkpoint_table(all_rows),

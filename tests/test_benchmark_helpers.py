@@ -199,3 +199,28 @@ def test_the_checkpoint_benchmark_expects_the_bytes_the_1b_checkpoint_holds() ->
     full = argparse.Namespace(shape="1b", model_weights=True, cpu=False)
     assert checkpoint.expected_bytes(full) == 13_345_124_352
     assert checkpoint.expected_bytes(argparse.Namespace(shape="1b", model_weights=False, cpu=False)) == 11_438_678_016
+
+
+def test_a_file_with_a_time_is_the_latest_of_its_date_and_moe_rows_pair_with_their_calls_dense_row(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from benchmarks import tables
+
+    def line(shape: str, tokens: int, **extra: object) -> str:
+        data = {"variant": "lightning_megatron", "shape": shape, "seq": 2048, "micro_batch": "4x2", "kernels": "auto"}
+        return json.dumps({**data, "tokens_per_s": tokens, "gpu": "NVIDIA H100 80GB HBM3", **extra}) + "\n"
+
+    moe = {"num_moe_experts": 32, "moe_router_topk": 8, "flops_params": 1}
+    (tmp_path / "2026-01-01-h100-moe.jsonl").write_text(line("1b", 100) + line("moe1b", 60, **moe))
+    (tmp_path / "2026-01-01T0930-h100-headline.jsonl").write_text(line("1b", 110))
+    (tmp_path / "2026-01-01-h100-zzz.jsonl").write_text(line("qwen3moe", 90, num_layers=4, **moe))
+    found = list(tables.rows(tmp_path))
+    assert [row.device for row in found] == ["H100"] * 4
+    latest = tables.throughput(found).latest.values()
+    assert [r.data["tokens_per_s"] for r in latest if r.data["shape"] == "1b"] == [110]  # the timed file: after
+    table = tables.moe_against_dense_table(found)
+    assert "moe1b" in table[-2]
+    assert "| 60 | 100 | 0.60x |" in table[-2]
+    assert not [line for line in table if "qwen3moe" in line]  # 4 layers and no dense row of its call: no ratio
