@@ -1,5 +1,5 @@
-"""Hugging Face mixture-of-experts models in and out: Qwen3-MoE, Qwen2-MoE and Mixtral (tiny random models written
-with ``save_pretrained``; nothing is downloaded).
+"""Hugging Face mixture-of-experts models in and out: Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 (tiny
+random models written with ``save_pretrained``; nothing is downloaded).
 
 Against ``transformers`` in float32 with eager attention: logits, validation loss and log-probs at one process (in
 this process), at EP=2, TP=2 and PP=2 (two 2-process worker runs); three training steps follow ``transformers`` +
@@ -38,8 +38,16 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "shared_expert_intermediate_size": 48, "norm_topk_prob": False,
                                      "tie_word_embeddings": True}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    # Multi-Latent Attention with a q latent, layer 0 dense, then 8 experts in 4 groups (top-4 of the best 2 groups),
+    # one shared expert, the sigmoid router with its correction bias and scaling factor.
+    "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,
+                                         "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                         "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                                         "norm_topk_prob": True, "q_lora_rank": 24, "kv_lora_rank": 32,
+                                         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                                         "num_key_value_heads": 4}),
 }  # fmt: skip
-FAMILY = {"qwen3_moe": "Qwen3MoE", "qwen2_moe": "Qwen2MoE", "mixtral": "Mixtral"}
+FAMILY = {"qwen3_moe": "Qwen3MoE", "qwen2_moe": "Qwen2MoE", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3"}
 
 
 def make_hf_model(arch: str, path: Path, **extra: Any) -> Path:
@@ -48,9 +56,11 @@ def make_hf_model(arch: str, path: Path, **extra: Any) -> Path:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms start at 1 and biases at 0: randomise them so that a wrong mapping shows
-        for name, param in model.named_parameters():
-            if param.ndim == 1:
-                param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name else 0.0))
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:  # buffers: the correction bias
+            if tensor.ndim == 1 and "inv_freq" not in name:
+                tensor.copy_(torch.randn_like(tensor) * 0.2 + (1.0 if "norm" in name else 0.0))
+            elif name.endswith("mlp.gate.weight") and arch == "deepseek_v3":  # sigmoid scores far from ties
+                tensor.copy_(torch.randn_like(tensor))
     model.save_pretrained(path)
     return path
 
@@ -192,7 +202,8 @@ def test_export_is_the_hf_checkpoint(arch: str, one_process: dict, models: dict,
     assert written.keys() == original.keys()
     assert all(torch.equal(written[n], t) for n, t in original.items())
     module = one_process[arch]["module"]
-    params = {name: p.detach() for name, p in module.chunks[0].named_parameters()}
+    chunk = module.chunks[0]
+    params = {name: p.detach() for name, p in [*chunk.named_parameters(), *chunk.named_buffers()]}  # expert_bias
     adapter = family(module.config)
     assert all(torch.equal(t, params[n]) for n, t in adapter.from_hf(original, module.config).items())
     assert all(torch.equal(t, original[n]) for n, t in adapter.to_hf(params, module.config).items())
@@ -216,8 +227,11 @@ ONE_MOE_LAYER = {"qwen3_moe": {}, "qwen2_moe": {"mlp_only_layers": [1]}, "mixtra
 """Each family with one MoE layer, where Megatron's per-layer aux loss is HF's, pooled over the layers."""
 
 
-@pytest.mark.parametrize("aux", [False, True], ids=["aux_off", "aux_on"])
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize(
+    ("arch", "aux"),
+    [(arch, aux) for arch in ARCHS for aux in (False, True) if arch in ONE_MOE_LAYER or not aux],  # HF: aux of some
+    ids=lambda value: {False: "aux_off", True: "aux_on"}.get(value, value) if isinstance(value, bool) else value,
+)
 def test_training_follows_transformers_and_adamw(arch: str, aux: bool, models: dict, tmp_path: Path) -> None:
     """Three steps of full fine-tuning step for step: the aux loss off (HF without output_router_logits), and on
     with router_aux_loss_coef (each family with one MoE layer, where Megatron's per-layer loss is HF's pooled one).
@@ -225,7 +239,8 @@ def test_training_follows_transformers_and_adamw(arch: str, aux: bool, models: d
     With the aux loss on, the batch is one micro-batch (Megatron's "aux_loss" is each micro-batch's, HF's the
     batch's), and Megatron normalises the routers' loss gradient by the loss tokens of the batch, as the
     language-model loss, having weighted it by the routed tokens: S / (S - 1) more than HF's (the last token of a
-    row has no label), so HF runs with its coefficient times S / (S - 1)."""
+    row has no label), so HF runs with its coefficient times S / (S - 1). DeepSeek-V3 (no aux loss in transformers)
+    trains with its correction bias fixed, as transformers' step leaves it (``moe_router_bias_update_rate=0``)."""
     path = models[arch]
     if aux:
         extra = {**ONE_MOE_LAYER[arch], "output_router_logits": True, "router_aux_loss_coef": AUX_COEF}
@@ -245,8 +260,9 @@ def test_training_follows_transformers_and_adamw(arch: str, aux: bool, models: d
         lm_loss = out.loss - (model.router_aux_loss_coef * out.aux_loss if aux else 0.0)
         want.append(float(lm_loss))
         want_aux.append(float(AUX_COEF * out.aux_loss) if aux else None)
+    overrides = {"moe_router_bias_update_rate": 0.0} if arch == "deepseek_v3" else None
     module = MegatronLMModule.from_hf(path, seq_length=SEQ, clip_grad=0.0, warmup_steps=0, decay_style="constant",
-                                      **settings)  # fmt: skip
+                                      config_overrides=overrides, **settings)  # fmt: skip
     assert module.config.moe_aux_loss_coeff == (AUX_COEF * 2 if aux else 0.0)  # x top-k / one MoE layer
     got, got_aux = [], []
 
@@ -263,14 +279,15 @@ def test_training_follows_transformers_and_adamw(arch: str, aux: bool, models: d
     assert got_aux == (pytest.approx(want_aux, rel=1e-4) if aux else want_aux)  # the logged coefficient x loss
 
 
-def test_value_module_on_an_moe_checkpoint(models: dict, tokens: torch.Tensor) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_value_module_on_an_moe_checkpoint(arch: str, models: dict, tokens: torch.Tensor) -> None:
     """The critic imports the MoE body (not its LM head): values = head(final hidden states of transformers)."""
-    module = MegatronValueModule.from_hf(models["qwen3_moe"], seq_length=SEQ)
+    module = MegatronValueModule.from_hf(models[arch], seq_length=SEQ)
     values = torch.cat(_trainer().predict(module, DataLoader(tokens, batch_size=4)))
     assert values.shape == tokens.shape
     head = module.chunks[0].output_layer
     with torch.no_grad():
-        hidden = hf_model(models["qwen3_moe"]).model(input_ids=tokens).last_hidden_state  # after the final norm
+        hidden = hf_model(models[arch]).model(input_ids=tokens).last_hidden_state  # after the final norm
         want = (hidden @ head.weight.float().T + head.bias.float()).squeeze(-1)
     torch.testing.assert_close(values, want, rtol=1e-4, atol=1e-4)
 
@@ -281,7 +298,8 @@ LAYOUTS = {
     "qwen3_moe_ep2": {"arch": "qwen3_moe", "ep": 2}, "qwen3_moe_tp2": {"arch": "qwen3_moe", "tp": 2},
     "qwen3_moe_pp2": {"arch": "qwen3_moe", "pp": 2}, "qwen2_moe_ep2": {"arch": "qwen2_moe", "ep": 2},
     "qwen2_moe_pp2": {"arch": "qwen2_moe", "pp": 2}, "mixtral_tp2": {"arch": "mixtral", "tp": 2},
-    "mixtral_ep2": {"arch": "mixtral", "ep": 2},
+    "mixtral_ep2": {"arch": "mixtral", "ep": 2}, "deepseek_v3_ep2": {"arch": "deepseek_v3", "ep": 2},
+    "deepseek_v3_tp2": {"arch": "deepseek_v3", "tp": 2}, "deepseek_v3_pp2": {"arch": "deepseek_v3", "pp": 2},
     # LoRA on every linear: attention, the experts (one adapter per expert and projection), the shared expert
     "qwen2_moe_ep2_lora": {"arch": "qwen2_moe", "ep": 2, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0,
                                                                                     "seed": 3}, "peft": False},
@@ -347,14 +365,25 @@ def test_recorded_routing_is_what_transformers_chooses(arch: str, models: dict, 
             recorded.append(pl_module.record_routing(tokens))
 
     _trainer(callbacks=[Record()]).validate(module, DataLoader(tokens, batch_size=4))
-    with torch.no_grad():
-        router_logits = hf_model(models[arch])(input_ids=tokens, output_router_logits=True).router_logits
+    chosen = hf_routing(hf_model(models[arch]), tokens, module.config.moe_router_topk)
     sparse = [i for i, moe in enumerate(module.config.moe_layers) if moe]
-    assert len(router_logits) == len(sparse) > 0
-    topk = module.config.moe_router_topk
-    for layer, logits in zip(sparse, router_logits, strict=True):  # HF: [B * S, experts] per MoE layer
-        want = logits.topk(topk, dim=-1).indices.sort(dim=-1).values.view(tokens.shape[0], SEQ, topk)
+    assert len(chosen) == len(sparse) > 0
+    for layer, want in zip(sparse, chosen, strict=True):
         assert torch.equal(recorded[0][:, layer].sort(dim=-1).values, want), layer
+
+
+def hf_routing(model: Any, tokens: torch.Tensor, topk: int) -> list[torch.Tensor]:
+    """The experts transformers routes each token to, per MoE layer, sorted: [B, S, top-k]. Routers that return
+    their choice (DeepSeek-V3's sigmoid + correction bias + groups) are read; softmax routers' top-k logits taken."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+    picked: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda _m, _i, out: picked.append(out[2])) for r in routers]
+    with torch.no_grad():
+        router_logits = model(input_ids=tokens, output_router_logits=not routers).router_logits
+    for hook in hooks:
+        hook.remove()
+    chosen = picked or [logits.topk(topk, dim=-1).indices for logits in router_logits]  # [B * S, top-k] per layer
+    return [c.sort(dim=-1).values.view(tokens.shape[0], SEQ, topk) for c in chosen]
 
 
 def _trained_as_one_process(layout: dict, one: dict, one_logits: torch.Tensor, data_parallel: int) -> None:
@@ -511,3 +540,22 @@ def test_adapters_on_a_shared_expert_have_no_peft_form(models: dict, tmp_path: P
 
     with pytest.raises(ValueError, match=r"shared expert besides its experts.*no PEFT form.*save_hf\(path\)"):
         _trainer(callbacks=[Save()]).predict(module, DataLoader(torch.zeros(4, SEQ, dtype=torch.long), batch_size=4))
+
+
+def test_lora_on_deepseek_mlps_trains_and_merges(models: dict, tokens: torch.Tensor, tmp_path: Path) -> None:
+    """LoRA on a Multi-Latent Attention model adapts the MLPs (the dense layer, the shared expert and the experts):
+    two steps move the logits, and the merged export loads in transformers with the trained module's logits.
+    Adapters on MLA's attention projections are refused, naming the targets that work."""
+    from lightning_megatron import LoRAConfig
+
+    with pytest.raises(ValueError, match=r"adapts attention projections \['linear_qkv', 'linear_proj'\]"):
+        MegatronLMModule.from_hf(models["deepseek_v3"], seq_length=SEQ, lora=LoRAConfig(rank=4))
+    lora = LoRAConfig(rank=4, alpha=8.0, seed=1, target_modules=("linear_fc1", "linear_fc2"))
+    overrides = {"moe_router_bias_update_rate": 0.0}
+    module = MegatronLMModule.from_hf(models["deepseek_v3"], seq_length=SEQ, lora=lora, lr=1e-2, warmup_steps=0,
+                                      config_overrides=overrides)  # fmt: skip
+    _trainer(max_steps=2).fit(module, DataLoader(tokens, batch_size=4))
+    export = Export(tmp_path / "merged")
+    logits = torch.cat(_trainer(callbacks=[export]).predict(module, DataLoader(tokens, batch_size=4)))
+    torch.testing.assert_close(hf_forward(export.path, tokens)[0], logits, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits, hf_forward(models["deepseek_v3"], tokens)[0], atol=1e-3)  # the adapters moved

@@ -98,6 +98,13 @@ def check_lora(lora: LoRAConfig, model: ModelConfig) -> None:
             f"LoRAConfig with ModelConfig(fp8={model.fp8!r}): the adapted linears run in bf16, not fp8; use fp8=None "
             "with LoRA"
         )
+    attention = [t for t in lora.target_modules if HF_BLOCK[PROJECTIONS.get(t, t)] == "self_attn"]
+    if model.multi_latent_attention and attention:
+        raise ValueError(
+            f"LoRAConfig(target_modules={list(lora.target_modules)}) adapts attention projections {attention} of a "
+            "Multi-Latent Attention model, which LoRA does not support yet; target the MLP linears only: "
+            "target_modules=('linear_fc1', 'linear_fc2') (dense layers, shared experts and experts)"
+        )
     missing = [t for t in lora.target_modules if t in PROJECTIONS and t not in _names(PROJECTIONS[t], model)]
     if missing:
         raise ValueError(
