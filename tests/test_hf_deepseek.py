@@ -60,6 +60,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "q_lora_yarn": {"q_lora_rank": 24, "rope_parameters": YARN},
     # Plain RoPE of another base (rotary_base must reach MLA's own rotary embedding).
     "q_lora_rope": {"q_lora_rank": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 2000.0}},
+    # A direct query projection (DeepSeek-V2-Lite / Moonlight style): q_proj, no query latent or its norm.
+    "direct_q": {"q_lora_rank": None, "rope_parameters": YARN},
 }
 
 
@@ -127,7 +129,6 @@ def test_config_from_hf_maps_mla_and_the_router(models: dict[str, Path]) -> None
         ({"norm_topk_prob": False}, "norm_topk_prob=False and num_experts_per_tok=4"),
         ({"topk_group": 1}, "num_experts_per_tok=4 and topk_group=1"),
         ({"rope_interleave": False}, "rope_interleave=False"),
-        ({"q_lora_rank": None}, "q_lora_rank=None is not supported yet"),
     ],
 )
 def test_unsupported_deepseek_settings_are_named(models: dict[str, Path], change: dict, match: str) -> None:

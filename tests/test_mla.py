@@ -88,7 +88,11 @@ def _gpt(config: object) -> torch.nn.Module:
     return GPTModel(config=tc, transformer_layer_spec=spec, **config.gpt_model_kwargs("torch"))
 
 
-@pytest.mark.parametrize("overrides", [MLA, MLA_YARN], ids=["direct_q", "q_lora_yarn"])
+# A direct query projection with the key/value latent's norm (DeepSeek-V2-Lite / Moonlight), YaRN as above.
+MLA_DIRECT_NORM = {**MLA_YARN, "q_lora_rank": None}
+
+
+@pytest.mark.parametrize("overrides", [MLA, MLA_DIRECT_NORM, MLA_YARN], ids=["direct_q", "direct_q_norm", "q_lora"])
 def test_packed_mla_rows_equal_their_documents_alone(megatron_state: None, overrides: dict) -> None:
     # Megatron's MLA rotates at positions within the row; attention inside each document makes that the documents'
     # own positions (RoPE scores depend on differences only): a packed row's logits are each document's alone.
@@ -135,7 +139,11 @@ def test_mla_layouts_not_supported_are_refused_before_building() -> None:
         tiny_gpt(**MLA).validate_parallel(ParallelSizes(cp=2))
 
 
-@pytest.mark.parametrize("overrides", [MLA, MLA_YARN], ids=["direct_q", "q_lora_yarn"])
+# A direct query projection with the key/value latent's norm (DeepSeek-V2-Lite / Moonlight), YaRN as above.
+MLA_DIRECT_NORM = {**MLA_YARN, "q_lora_rank": None}
+
+
+@pytest.mark.parametrize("overrides", [MLA, MLA_DIRECT_NORM, MLA_YARN], ids=["direct_q", "direct_q_norm", "q_lora"])
 def test_tiny_mla_model_trains_at_one_process(overrides: dict) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
@@ -159,8 +167,9 @@ def test_tiny_mla_model_trains_at_one_process(overrides: dict) -> None:
 @pytest.mark.multiprocess
 def test_mla_model_continues_at_tp2(tmp_path: Path) -> None:
     # One process trains 4 steps, checkpointing at step 2; TP=2 resumes that checkpoint and must follow the
-    # one-process curve and validation (the heads, the up-projections and the latent down-projections split).
-    model = {"model": {**MLA_YARN, "kernels": "torch"}}
+    # one-process curve and validation (the heads, the query and up-projections and the latent down-projection
+    # split; a query latent at TP=2 is in tests/test_hf_moe.py's DeepSeek-V3 layouts).
+    model = {"model": {**MLA_DIRECT_NORM, "kernels": "torch"}}
     val = {"limit_val_batches": 2, "val_check_interval": 4}
     saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}
     full = run_here({**model, "devices": 1, "max_steps": 4, **val, **saves}, tmp_path)

@@ -198,6 +198,17 @@ REGISTER: tuple[Workaround, ...] = (
         droppable="megatron-core builds the fully_reshardable state without device-wide gathers; " + _MCORE,
     ),
     Workaround(
+        name="DirectQueryNorms",
+        kind="private read",
+        where="lightning_megatron.compat.mla_norms:DirectQueryNorms",
+        package="megatron-core",
+        touches=("megatron.core.transformer.multi_latent_attention:MLASelfAttention._resolve_qk_norm_config",),
+        why="with q_lora_rank=None and qk_layernorm=True Megatron's MLA asks for Transformer Engine's fused norm + "
+        "linear as the query projection and raises without it; overridden for that case only",
+        droppable="Megatron's resolver takes a standalone key/value latent norm for a direct query projection; "
+        + _MCORE,
+    ),
+    Workaround(
         name="lightning_internals",
         kind="private read",
         where="lightning_megatron.compat.lightning_internals",

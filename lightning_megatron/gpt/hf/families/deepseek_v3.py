@@ -33,11 +33,6 @@ class DeepseekV3(MoEFamily):
     def fields(self, hf: Any) -> dict[str, Any]:
         if not getattr(hf, "rope_interleave", True):
             raise ValueError(f"{ARCH} with rope_interleave=False is not supported (Megatron's MLA interleaves)")
-        if hf.q_lora_rank is None:  # Megatron's MLA then wants the kv latent's norm fused into a TE linear
-            raise ValueError(
-                f"{ARCH} with q_lora_rank=None is not supported yet: without Transformer Engine "
-                "Megatron's MLA builds no key/value latent norm for a direct query projection"
-            )
         mtp = int(getattr(hf, "num_nextn_predict_layers", None) or getattr(hf, "num_mtp_layers", 0) or 0)
         if mtp:  # layers past num_hidden_layers in the checkpoint; transformers does not build them either
             n = hf.num_hidden_layers
