@@ -114,6 +114,7 @@ class MegatronLMModule(GPTModule):
         dtype: torch.dtype | None = None,
         max_shard_size: int = 5 * 2**30,
         adapter: bool = False,
+        weight_format: Literal["float", "fp8_block"] = "float",
     ) -> None:
         """Collective: write an HF model directory that ``AutoModelForCausalLM.from_pretrained(path)`` loads.
 
@@ -124,6 +125,10 @@ class MegatronLMModule(GPTModule):
         is the dtype of the written tensors. With LoRA the weights are merged (base + adapters); ``adapter=True``
         writes the adapters alone as a PEFT adapter directory instead (``adapter_config.json`` +
         ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(base, path)`` loads.
+
+        A model loaded from an fp8 block-quantized checkpoint is written in ``dtype`` too, without the source's
+        ``quantization_config``; ``weight_format="fp8_block"`` writes the weights the source stored in fp8 in its
+        format again (fp8 e4m3 and a float32 ``_scale_inv`` per block; the other tensors in ``dtype``) and keeps it.
         """
         from lightning_megatron.gpt.hf.export import save_pretrained
 
@@ -134,7 +139,7 @@ class MegatronLMModule(GPTModule):
                 raise ValueError("save_hf(adapter=True) writes LoRA adapters; this module has none (lora=None)")
             save_adapter(self, path, dtype=dtype)
             return
-        save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size)
+        save_pretrained(self, path, dtype=dtype, max_shard_size=max_shard_size, weight_format=weight_format)
 
     def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]:
         tokens = self.rank_tokens(batch)

@@ -15,7 +15,7 @@ import secrets
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.gpt.config import ModelConfig
+from lightning_megatron.gpt.hf import quantized
 from lightning_megatron.gpt.hf.config import check_exportable, hf_config_dict
 from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, SIDE_FILES, HFCheckpoint
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, hf_weight_shapes
@@ -35,6 +36,10 @@ from lightning_megatron.gpt.hf.params import (
     split_local,
 )
 from lightning_megatron.gpt.lora.config import LoRAConfig
+
+WeightFormat = Literal["float", "fp8_block"]
+"""How ``save_hf`` writes the weights: all in ``dtype``, or the source's fp8 weights in its 128 x 128 (or other)
+blocks (:mod:`lightning_megatron.gpt.hf.quantized`)."""
 
 _NOT_RUNNING = (
     "HF export needs the built model and Megatron's parallel state: call it from a hook while the Trainer runs "
@@ -251,15 +256,19 @@ def _gather(chunks: Sequence[nn.Module], bucket: list[Owner], config: ModelConfi
 
 
 def save_pretrained(
-    module: Any, path: str | Path, *, dtype: torch.dtype | None = None, max_shard_size: int = 5 * 2**30
-) -> None:
-    """Collective: write ``module`` as an HF model directory (config.json + safetensors) with rank 0."""
-    check_running(module)  # both before anything is written
+    module: Any, path: str | Path, *, dtype: torch.dtype | None = None, max_shard_size: int = 5 * 2**30,
+    weight_format: WeightFormat = "float",
+) -> None:  # fmt: skip
+    """Collective: write ``module`` as an HF model directory (config.json + safetensors) with rank 0: ``dtype``
+    tensors, or with ``weight_format="fp8_block"`` the weights its block-quantized source stored in fp8 quantized
+    again in its blocks (the rest in ``dtype``)."""
+    check_running(module)  # all three before anything is written
     check_exportable(config := module.config)
+    fp8, block = _fp8_weights(module, weight_format)
     dtype = dtype or next(module.chunks[0].parameters()).dtype
     is_writer = torch.distributed.get_rank() == 0
-    shapes = hf_weight_shapes(config, include_tied=False)
-    shards = _plan_shards(shapes, dtype.itemsize, max_shard_size)
+    sizes = quantized.stored_sizes(hf_weight_shapes(config, include_tied=False), dtype.itemsize, fp8, block)
+    shards = _group(list(sizes), sizes.__getitem__, max_shard_size)  # files of at most max_shard_size bytes
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     names = names if len(shards) > 1 else [SAFETENSORS_FILE]
     path = Path(path)
@@ -272,23 +281,39 @@ def save_pretrained(
     for name, tensor in (pair for b in export_weights(list(module.chunks), config, include_tied=False) for pair in b):
         if not is_writer:
             continue
-        bucket[name] = tensor.detach().to("cpu", dtype).contiguous()
-        if len(bucket) == len(shards[shard]):
-            write_replacing(path / names[shard], functools.partial(save_file, bucket, metadata={"format": "pt"}))
-            shard, bucket = shard + 1, {}
+        for stored_name, stored in quantized.stored(name, tensor, dtype, fp8, block):  # (a weight, its scales)
+            bucket[stored_name] = stored
+            if len(bucket) == len(shards[shard]):
+                write_replacing(path / names[shard], functools.partial(save_file, bucket, metadata={"format": "pt"}))
+                shard, bucket = shard + 1, {}
     if is_writer:
-        _write_metadata(module, path, shards, names, shapes, dtype)
+        _write_metadata(module, path, shards, names, sizes, dtype, quantized_source=bool(fp8))
     torch.distributed.barrier()
 
 
-def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, max_bytes: int) -> list[list[str]]:
-    """Consecutive names grouped into files of at most ``max_bytes`` (a bigger single tensor gets its own)."""
-    return _group(list(shapes), lambda name: itemsize * int(torch.Size(shapes[name]).numel()), max_bytes)
+def _fp8_weights(module: Any, weight_format: WeightFormat) -> tuple[set[str], tuple[int, int]]:
+    """The weights to write in fp8 blocks, and the blocks: the source's (none for ``weight_format="float"``)."""
+    if weight_format == "float":
+        return set(), (1, 1)
+    if weight_format != "fp8_block":
+        raise ValueError(
+            f"save_hf(weight_format={weight_format!r}): 'float' writes dtype tensors, 'fp8_block' the weights of a "
+            "block-quantized HF source in its fp8 blocks"
+        )
+    source: HFCheckpoint | None = getattr(module, "hf_checkpoint", None)
+    if source is None or source.quantization is None:
+        raise ValueError(
+            "save_hf(weight_format='fp8_block') writes the weights that a block-quantized HF source (config.json "
+            "with quantization_config, quant_method='fp8') stored in fp8, in its blocks; this module's source is "
+            f"{'not block-quantized' if source else 'not an HF directory'}: write weight_format='float'"
+        )
+    return source.fp8_weights(), source.quantization.block
 
 
 def _write_metadata(
-    module: Any, path: Path, shards: list[list[str]], names: list[str], shapes: dict, dtype: torch.dtype
-) -> None:
+    module: Any, path: Path, shards: list[list[str]], names: list[str], sizes: dict[str, int], dtype: torch.dtype,
+    quantized_source: bool = False,
+) -> None:  # fmt: skip
     source: HFCheckpoint | None = getattr(module, "hf_checkpoint", None)
     dtype_name = str(dtype).removeprefix("torch.")
     if source is None:
@@ -298,13 +323,15 @@ def _write_metadata(
         # The files hold `dtype` tensors; say so, or from_pretrained(dtype="auto") would cast them.
         key = "torch_dtype" if "torch_dtype" in hf_config and "dtype" not in hf_config else "dtype"
         hf_config[key] = dtype_name
+        if not quantized_source:  # the files hold `dtype` tensors: transformers would look for fp8 and scales
+            hf_config.pop("quantization_config", None)
         for side in SIDE_FILES:  # (HFCheckpoint.open checked that they lie inside source.path)
             if (source.path / side).is_file() and source.path.resolve() != path.resolve():
                 write_replacing(path / side, functools.partial(shutil.copyfile, source.path / side))
     text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
     write_replacing(path / "config.json", lambda temporary: temporary.write_text(text))
     if len(shards) > 1:
-        total = sum(dtype.itemsize * int(torch.Size(s).numel()) for s in shapes.values())
+        total = sum(sizes.values())
         weight_map = {name: names[i] for i, shard in enumerate(shards) for name in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         text = json.dumps(index, indent=2) + "\n"

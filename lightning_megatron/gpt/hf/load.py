@@ -4,7 +4,8 @@
 turns it into a checked ``(HFCheckpoint, ModelConfig)`` pair, which is what every ``from_hf`` path builds on. When
 the strategy builds a chunk, :func:`load_chunk` reads from the safetensors files only the slices of each tensor that
 this rank's tensor-parallel shard and pipeline / virtual-pipeline layers need (``safe_open(...).get_slice``), so no
-rank materialises the full model.
+rank materialises the full model. An fp8 block-quantized checkpoint (``quantization_config`` with
+``quant_method: fp8``) is read the same way, each slice dequantized as it is read (:mod:`.quantized`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.checkpointing.contained import hf_roots, inside
 from lightning_megatron.gpt.config import ModelConfig
-from lightning_megatron.gpt.hf import pickled
+from lightning_megatron.gpt.hf import pickled, quantized
 from lightning_megatron.gpt.hf.fields import architecture
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, expert_ranges, hf_weight_shapes
 from lightning_megatron.gpt.hf.params import SPLIT_DIM, Kind, Param, combine, expert_piece, expert_slice, rank_block
@@ -89,10 +90,25 @@ class HFCheckpoint:
                 "are read by default (pickles can run code when loaded). Pass allow_pickle=True for a trusted "
                 "directory (read with torch.load(weights_only=True)), or convert it once with transformers"
             )
+        quantized.block_fp8(config)  # an unsupported quantization_config is refused here, before any rank reads
         return cls(path=path, config=config, files=files, allow_pickle=allow_pickle)
 
+    @functools.cached_property
+    def quantization(self) -> quantized.BlockFP8 | None:
+        """config.json's fp8 block quantization (None for float weights); ValueError for any other kind."""
+        return quantized.block_fp8(self.config)
+
+    def fp8_weights(self) -> set[str]:
+        """The names of the weights stored block-quantized (fp8 with a scale); none without quantization_config."""
+        if self.quantization is None:
+            return set()
+        with self.lazy_tensors(raw=True) as lazy:  # headers only
+            scaled = [n for n in self.files if n + quantized.SCALE_SUFFIX in self.files]
+            return {n for n in scaled if lazy(n).get_dtype() == quantized.FP8}
+
     def check(self, config: ModelConfig) -> None:
-        """Raise ValueError unless the files hold exactly the tensors ``config`` needs, with the right shapes."""
+        """Raise ValueError unless the files hold exactly the tensors ``config`` needs, with the right shapes (and,
+        block-quantized, exactly the fp8 weights' scales)."""
         want = hf_weight_shapes(config, include_tied=False)
         missing = [name for name in want if name not in self.files]
         if missing:
@@ -101,24 +117,31 @@ class HFCheckpoint:
                 f"{len(missing)} tensor(s) that {architecture(self.config)} with this config.json needs are missing "
                 f"from {self.path / where}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
             )
+        with self.lazy_tensors(raw=True) as lazy:  # headers only: nothing is read
+            scales = quantized.check_scales(self.quantization, want, self.files, lazy, self.path)
+            for name, expected in want.items():  # in model order: the first wrong tensor is the one reported
+                tensor, where = lazy(name), self.path / self.files[name]
+                if name + quantized.SCALE_SUFFIX not in scales:  # (an fp8 weight with its scale: checked above)
+                    check_floating(name, tensor.get_dtype(), where)
+                if (shape := tuple(tensor.get_shape())) != expected:
+                    raise ValueError(f"{name} in {where} has shape {shape}, but config.json implies {expected}")
+        self._check_explained(want.keys() | scales)
+
+    def _check_explained(self, expected: set[str]) -> None:
+        """Raise ValueError if the files hold a tensor outside ``expected`` that the model does not skip."""
         # Tied checkpoints may still store lm_head; rotary caches are recomputed.
         skipped = family_of_hf(architecture(self.config)).skipped
         extra = [
             n
             for n in self.files
-            if n not in want and n != "lm_head.weight" and not n.endswith("inv_freq") and not skipped(n, self.config)
-        ]
+            if n not in expected and n != "lm_head.weight" and not n.endswith("inv_freq")
+            and not skipped(n, self.config)
+        ]  # fmt: skip
         if extra:
             raise ValueError(
                 f"{self.path} has tensors this config.json does not explain: {', '.join(sorted(extra)[:4])}; "
                 "is config.json from another model?"
             )
-        with self.lazy_tensors() as lazy:
-            for name, expected in want.items():  # in model order: the first wrong tensor is the one reported
-                tensor, where = lazy(name), self.path / self.files[name]
-                check_floating(name, tensor.get_dtype(), where)  # from the header: nothing read
-                if (shape := tuple(tensor.get_shape())) != expected:
-                    raise ValueError(f"{name} in {where} has shape {shape}, but config.json implies {expected}")
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -132,12 +155,13 @@ class HFCheckpoint:
         return digest.hexdigest()[:16]
 
     @contextmanager
-    def lazy_tensors(self) -> Iterator[Callable[[str], Any]]:
-        """``lazy(name)``: a tensor's lazy safetensors slice (index it to read); each file is opened once."""
+    def lazy_tensors(self, raw: bool = False) -> Iterator[Callable[[str], Any]]:
+        """``lazy(name)``: a tensor's lazy safetensors slice (index it to read); each file is opened once. An fp8
+        weight of a block-quantized checkpoint reads as float32, dequantized slice by slice, unless ``raw``."""
         with ExitStack() as stack:
             handles: dict[str, tuple[Any, set[str]]] = {}  # file -> its handle, the names it holds
 
-            def lazy(name: str) -> Any:
+            def stored(name: str) -> Any:
                 file = self.files[name]
                 if file not in handles:
                     handles[file] = self._open_file(file, stack)
@@ -150,6 +174,14 @@ class HFCheckpoint:
                         "weight files are probably from different saves; fetch them again together"
                     )
                 return pickled.Slice(handle[name]) if isinstance(handle, dict) else handle.get_slice(name)
+
+            def lazy(name: str) -> Any:
+                tensor = stored(name)
+                if raw or self.quantization is None or tensor.get_dtype() != quantized.FP8:
+                    return tensor
+                if (scale := name + quantized.SCALE_SUFFIX) not in self.files:
+                    raise ValueError(f"{name} in {self.path / self.files[name]} is fp8 but has no {scale}")
+                return quantized.DequantizedSlice(tensor, stored(scale), self.quantization.block)
 
             yield lazy
 
@@ -203,6 +235,12 @@ def _pickle_files(path: Path, allow_pickle: bool, roots: Sequence[Path]) -> dict
 
 def check_floating(name: str, dtype: str, file: Path) -> None:
     """Raise ValueError unless ``dtype`` (safetensors' name, e.g. "BF16") is one a weight may have."""
+    if dtype == quantized.FP8:
+        raise ValueError(
+            f"{name} in {file} is {dtype} (fp8), but config.json has no quantization_config saying how it is scaled: "
+            "fp8 weights are read only from block-quantized checkpoints (quant_method='fp8', weight_block_size, "
+            "with each weight's _scale_inv)"
+        )
     if dtype not in FLOATING:
         raise ValueError(
             f"{name} in {file} is {dtype}; only floating-point weights ({', '.join(FLOATING)} in safetensors' names) "
@@ -277,7 +315,7 @@ def _copy_shards(own: dict[str, Tensor], params: list[Param], checkpoint: HFChec
         for p in params:
             rank, tp = dense if p.expert is None else expert
             read = [rank_block(p.kind, pieces.read(name), rank, tp) if pieces.is_piece(name)
-                    else _read_shard(lazy(name), p.kind, rank, tp) for name, _ in p.hf]  # fmt: skip
+                    else read_shard(lazy(name), p.kind, rank, tp) for name, _ in p.hf]  # fmt: skip
             local = combine(p, read, config, tp)
             target = own[p.megatron] if p.expert is None else own[p.megatron][p.expert]
             if local.shape != target.shape:
@@ -304,7 +342,7 @@ class _ExpertPieces:
         return expert_slice(self.read_tensors[whole], expert, self.num_experts, lora_a=".lora_A." in whole)
 
 
-def _read_shard(lazy: Any, kind: Kind, rank: int, tp: int) -> Tensor:
+def read_shard(lazy: Any, kind: Kind, rank: int, tp: int) -> Tensor:
     """Read only rank's block of a tensor of ``kind``: its contiguous 1/tp along the kind's split dimension (all of
     it for a replicated kind; a "halves" tensor is read whole, then cut)."""
     dim = SPLIT_DIM[kind]
