@@ -23,8 +23,7 @@ from lightning_megatron.checkpointing.config import CheckpointConfig
 from lightning_megatron.checkpointing.writer import CheckpointWriter
 from lightning_megatron.compat import patches
 from lightning_megatron.contract import ChunkSpec, MegatronRuntime, StepStats
-from lightning_megatron.data import consistency, sharding
-from lightning_megatron.data.resume import ResumableLoader
+from lightning_megatron.data import consistency
 from lightning_megatron.micro_batches import micro_batching
 from lightning_megatron.modules.base import MegatronLightningModule, check_overrides, megatron_module
 from lightning_megatron.parallel import ddp, state
@@ -33,9 +32,11 @@ from lightning_megatron.parallel.metrics import bind_metrics, metric_process_gro
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.runstate import RunState
 from lightning_megatron.strategy_checkpoints import ShardedCheckpointHooks
+from lightning_megatron.strategy_data import DataParallelHooks
+from lightning_megatron.strategy_params import ParameterOps
 from lightning_megatron.training import guards, optim
 from lightning_megatron.training.accumulation import GradientAccumulation
-from lightning_megatron.training.grad_norms import GradNormReads, grad_norms
+from lightning_megatron.training.grad_norms import GradNormReads
 from lightning_megatron.training.offload import Offloader
 from lightning_megatron.training.preemption import Preempted, SigtermStop
 from lightning_megatron.training.retained import Retained, keep_after_run, run_all, run_finished, run_started
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
 
 
-class MegatronStrategy(ShardedCheckpointHooks, DDPStrategy, MegatronRuntime):
+class MegatronStrategy(ShardedCheckpointHooks, DataParallelHooks, ParameterOps, DDPStrategy, MegatronRuntime):
     """Train a :class:`~lightning_megatron.MegatronLightningModule` with Megatron-Core.
 
     Args:
@@ -163,36 +164,6 @@ class MegatronStrategy(ShardedCheckpointHooks, DDPStrategy, MegatronRuntime):
         """Weights' and activations' dtype: bf16 (``"bf16-mixed"``), fp16 (``"16-mixed"``) or fp32 (``"32-true"``);
         Megatron's own mixed precision (Float16Module, fp32 main weights and gradient reduction, no autocast)."""
         return mixed.PRECISIONS[mixed.lightning_precision(self.precision_plugin)]
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """Megatron's data-parallel rank: shard data by it (a model replica's ranks share it); 0 before setup."""
-        return state.data_parallel_rank_and_size()[0]
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Megatron's data-parallel size: the number of model replicas reading different data; 1 before setup."""
-        return state.data_parallel_rank_and_size()[1]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Tensor-, pipeline- and context-parallel peers must see the same samples.
-        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        self._batching.check_loader(dataloader)
-        sharding.bind_data_parallel(dataloader, self.data_parallel_rank, self.data_parallel_size, self.num_nodes)
-        if not self.module.trainer.training:
-            return dataloader
-        guards.check_dataloader(dataloader, "training")
-        return ResumableLoader.of_training(dataloader, self.module.trainer, self.data_parallel_size)
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        moved = super().batch_to_device(batch, device, dataloader_idx)
-        return self._batches.record(batch, moved, self._groups)  # the host batch's fingerprint (data/consistency.py)
 
     @property
     @override
@@ -348,37 +319,6 @@ class MegatronStrategy(ShardedCheckpointHooks, DDPStrategy, MegatronRuntime):
         # Decisions (ModelCheckpoint's "is this the best?", EarlyStopping) bind every rank: all of the world votes.
         votes = super().reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum")
         return bool(votes == self.world_size) if all else bool(votes)
-
-    def grad_norms(self) -> dict[str, Tensor]:
-        """Collective, in ``on_before_optimizer_step``: the step's gradient norms, named as Lightning's
-        ``grad_norm(module, 2)`` does, from Megatron's gradient buffers (``p.grad`` is None under Megatron)."""
-        in_step = self._run.step is not None and not self._accumulation.deferring  # not between accumulated batches
-        return grad_norms(self._run.ddp_chunks if in_step else None, self.module, self._grad_reads)
-
-    @override
-    def sync_params(self) -> None:
-        """Finish a deferred parameter all-gather; first raise ``FloatingPointError`` for a non-finite update."""
-        self._guard.check_pending()
-        ddp.sync_params(self._run.ddp_chunks or [])
-
-    @property
-    @override
-    def params_deferred(self) -> bool:
-        return ddp.param_gather_deferred(self._run.ddp_chunks or [])
-
-    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
-        """Release (return the bytes) parameters and optimizer state to pinned host memory, gradients zeroed, what the
-        model keeps derived from its weights (e.g. fp8 casts; uncounted) dropped; after :meth:`reload` every tensor is
-        valid again and training goes on exactly as before."""
-        nbytes = self._offload.release(
-            lambda: self.module.chunks, self._megatron_optimizer, params=params, grads=grads, optimizer_state=optimizer
-        )  # (raises first under CUDA graphs, whose replays write into the casts: those must stay then)
-        self._run.hooks.weights_released(self.module.chunks)
-        return nbytes
-
-    def reload(self) -> None:
-        """Bring back what :meth:`offload` released."""
-        self._offload.reload()
 
     # ------------------------------------------------------------------ SIGTERM: every rank stops at one step
     @override
