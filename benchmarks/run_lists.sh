@@ -23,6 +23,7 @@
 #   headline  the README's headline rows from the checked-out (clean) commit: 1B variants a,b,a,b, then fp8 e4m3 with
 #             CUDA graphs against bf16 with CUDA graphs (~7 min)
 #   ema_update  the EMA update alone (eager, compiled, offloaded) and the GPU weight-averaging tests (~2 min)
+#   mla       moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's Multi-Latent Attention), variant a (~3 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -66,6 +67,10 @@ ema_update)
     timeout 100 python3 benchmarks/ema_update.py | tee -a "$log"
     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_weight_averaging.py >"$out/$section.log" 2>&1
     tail -3 "$out/$section.log"
+    ;;
+mla)
+    tp --shape moe1b --variants a
+    tp --shape mla_moe1b --variants a
     ;;
 ema)
     for _ in 1 2; do

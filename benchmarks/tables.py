@@ -46,6 +46,7 @@ SHAPES = {
     "3b": dict(num_layers=26, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=8192),
     # MoE shapes: their rows always record N (flops_params), so only the sizes the count reads are repeated here.
     "moe1b": dict(num_layers=16, hidden_size=2048),
+    "mla_moe1b": dict(num_layers=16, hidden_size=2048),
     "qwen3moe": dict(num_layers=8, hidden_size=2048),
 }
 VOCAB = 32000
