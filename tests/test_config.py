@@ -269,8 +269,8 @@ SIGMOID = {**MOE, "moe_router_score_function": "sigmoid"}
         ({**MOE, "moe_router_topk": 1}, r"moe_router_topk=1 .*moe_router_pre_softmax=True"),
         ({**MOE, "moe_router_enable_expert_bias": True}, r"moe_router_enable_expert_bias=True with .*'softmax'"),
         (
-            {**SIGMOID, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.0},
-            r"moe_router_bias_update_rate=0\.0 must be > 0",
+            {**SIGMOID, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": -0.001},
+            r"moe_router_bias_update_rate=-0\.001 must be >= 0",
         ),
         ({**SIGMOID, "moe_router_bias_update_rate": 0.01}, r"moe_router_bias_update_rate=0\.01 only applies with"),
         ({**MOE, "moe_router_group_topk": 1}, r"moe_router_group_topk=1 without moe_router_num_groups"),

@@ -129,7 +129,8 @@ class ModelConfig:
     top-k (not to the weights), moved after every optimizer step by moe_router_bias_update_rate towards the experts
     that got fewer tokens in the global batch; a buffer saved in checkpoints. Needs score function 'sigmoid'."""
     moe_router_bias_update_rate: float = 1e-3
-    """Step of the expert-bias update per global batch (DeepSeek-V3's 1e-3); with moe_router_enable_expert_bias."""
+    """Step of the expert-bias update per global batch (DeepSeek-V3's 1e-3); with moe_router_enable_expert_bias. 0
+    keeps the bias as it was loaded (transformers never moves an HF checkpoint's ``e_score_correction_bias``)."""
     moe_router_num_groups: int | None = None
     """Group-limited routing (DeepSeek-V2/V3): the experts form this many equal groups (e.g. the EP size, or the nodes
     of the EP group); each token picks moe_router_group_topk groups, by the sum of its top (moe_router_topk //
@@ -275,9 +276,9 @@ class ModelConfig:
         """The model of a Hugging Face config (a ``PretrainedConfig``, a config.json dict or a model directory).
 
         Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2 and Qwen3; mixture of experts
-        Qwen3-MoE, Qwen2-MoE and Mixtral (:func:`lightning_megatron.gpt.hf.fields.model_fields` says what maps to
-        what). Keyword arguments override fields; ``seq_length`` defaults to ``max_position_embeddings`` (capped by a
-        sliding attention window).
+        Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 (:func:`lightning_megatron.gpt.hf.fields.model_fields`
+        says what maps to what). Keyword arguments override fields; ``seq_length`` defaults to
+        ``max_position_embeddings`` (capped by a sliding attention window).
         """
         from lightning_megatron.gpt.hf.fields import model_fields
 

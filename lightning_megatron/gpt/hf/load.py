@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from lightning_megatron.checkpointing.contained import hf_roots, inside
 from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf import pickled
-from lightning_megatron.gpt.hf.fields import architecture
+from lightning_megatron.gpt.hf.fields import architecture, pretrained_config
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, expert_ranges, hf_weight_shapes
 from lightning_megatron.gpt.hf.params import SPLIT_DIM, Kind, Param, combine, expert_piece, expert_slice, rank_block
 from lightning_megatron.gpt.hf.registry import family_of_hf
@@ -102,11 +102,11 @@ class HFCheckpoint:
                 f"from {self.path / where}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
             )
         # Tied checkpoints may still store lm_head; rotary caches are recomputed.
-        skipped = family_of_hf(architecture(self.config)).skipped
+        skipped, hf = family_of_hf(architecture(self.config)).skipped, pretrained_config(self.config)
         extra = [
             n
             for n in self.files
-            if n not in want and n != "lm_head.weight" and not n.endswith("inv_freq") and not skipped(n, self.config)
+            if n not in want and n != "lm_head.weight" and not n.endswith("inv_freq") and not skipped(n, hf)
         ]
         if extra:
             raise ValueError(

@@ -118,8 +118,9 @@ def _check_scores(config: MoERequest) -> None:
             "expert bias works on sigmoid scores only (DeepSeek-V3); set moe_router_score_function='sigmoid'"
         )
     rate = config.moe_router_bias_update_rate
-    if config.moe_router_enable_expert_bias and not (isinstance(rate, int | float) and rate > 0):
-        raise ValueError(f"moe_router_bias_update_rate={rate!r} must be > 0 (DeepSeek-V3 uses 1e-3)")
+    # 0 keeps the bias as loaded (fine-tuning with a checkpoint's balance fixed, as transformers trains).
+    if config.moe_router_enable_expert_bias and not (isinstance(rate, int | float) and rate >= 0):
+        raise ValueError(f"moe_router_bias_update_rate={rate!r} must be >= 0 (DeepSeek-V3 uses 1e-3; 0 freezes it)")
     if not config.moe_router_enable_expert_bias and rate != MOE_DEFAULTS["moe_router_bias_update_rate"]:
         raise ValueError(
             f"moe_router_bias_update_rate={rate!r} only applies with moe_router_enable_expert_bias=True; "
