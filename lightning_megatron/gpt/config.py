@@ -276,8 +276,8 @@ class ModelConfig:
         """The model of a Hugging Face config (a ``PretrainedConfig``, a config.json dict or a model directory).
 
         Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2 and Qwen3; mixture of experts
-        Qwen3-MoE, Qwen2-MoE and Mixtral; DeepSeek-V3 (:func:`lightning_megatron.gpt.hf.fields.model_fields` says
-        what maps to what). Keyword arguments override fields; ``seq_length`` defaults to
+        Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 (:func:`lightning_megatron.gpt.hf.fields.model_fields`
+        says what maps to what). Keyword arguments override fields; ``seq_length`` defaults to
         ``max_position_embeddings`` (capped by a sliding attention window).
         """
         from lightning_megatron.gpt.hf.fields import model_fields

@@ -119,12 +119,13 @@ class MegatronLMModule(GPTModule):
         """Collective: write an HF model directory that ``AutoModelForCausalLM.from_pretrained(path)`` loads.
 
         Rank 0 writes config.json (the one :meth:`from_hf` read, with ``dtype`` updated; else generated in the family
-        that holds the model: Llama, Qwen2 for q/k/v biases, Qwen3 for q/k norms; with experts Qwen3-MoE, Qwen2-MoE
-        or Mixtral), the safetensors (``max_shard_size`` bytes per file, with an index when there are several) and,
-        from an HF source directory, its tokenizer and generation files. ``dtype`` (default: the parameters' dtype)
-        is the dtype of the written tensors. With LoRA the weights are merged (base + adapters); ``adapter=True``
-        writes the adapters alone as a PEFT adapter directory instead (``adapter_config.json`` +
-        ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(base, path)`` loads.
+        that holds the model: Llama, Qwen2 for q/k/v biases, Qwen3 for q/k norms; with experts Qwen3-MoE, Qwen2-MoE,
+        Mixtral, GLM-4.5 or DeepSeek-V3), the safetensors (``max_shard_size`` bytes per file, with an index when
+        there are several) and, from an HF source directory, its tokenizer and generation files. ``dtype`` (default:
+        the parameters' dtype) is the dtype of the written tensors. With LoRA the weights are merged (base +
+        adapters); ``adapter=True`` writes the adapters alone as a PEFT adapter directory instead
+        (``adapter_config.json`` + ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(base, path)``
+        loads.
 
         A model loaded from an fp8 block-quantized checkpoint is written in ``dtype`` too, without the source's
         ``quantization_config``; ``weight_format="fp8_block"`` writes the weights the source stored in fp8 in its

@@ -80,9 +80,9 @@ class GPTModule(MegatronLightningModule):
         """A module initialised from a local HF directory (config.json + safetensors, one file or sharded).
 
         Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2 and Qwen3; mixture of experts
-        Qwen3-MoE, Qwen2-MoE and Mixtral; DeepSeek-V3 (Multi-Latent Attention and its MoE layers). Only config.json and
-        the safetensors headers are read here (names and shapes are checked now, before any process starts); the weights
-        are read when the strategy builds the model, each rank reading only the slices of its tensor-/pipeline-/expert-
+        Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 (Multi-Latent Attention) and GLM-4.5. Only config.json and the
+        safetensors headers are read here (names and shapes are checked now, before any process starts); the weights are
+        read when the strategy builds the model, each rank reading only the slices of its tensor-/pipeline-/expert-
         parallel shard.
 
         Args:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """config.json for a model that was not loaded from HF, in the architecture of its family (Llama without
     q/k/v biases or q/k norms, Qwen2 with the biases, Qwen3 with the norms; with experts Qwen3-MoE with the norms,
-    Qwen2-MoE with the biases and a gated shared expert, Mixtral with neither)."""
+    Qwen2-MoE with the biases and a gated shared expert, Mixtral with neither; GLM-4.5 with an ungated shared
+    expert and the sigmoid router, DeepSeek-V3 with that and Multi-Latent Attention)."""
     import transformers
 
     family = check_exportable(config)
@@ -31,10 +32,14 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
         rope = {**rope, **MEGATRON_LLAMA3_ROPE, "rope_type": "llama3", "factor": config.rope_scaling_factor}
     elif config.seq_len_interpolation_factor is not None:
         rope = {**rope, "rope_type": "linear", "factor": config.seq_len_interpolation_factor}
+    if family.partial_rope:  # always written: GLM's config fills in 0.5 where it is left out
+        rope["partial_rotary_factor"] = config.rotary_percent
     rope_kwargs: dict[str, Any] = {"rope_parameters": rope}
     if "rope_parameters" not in inspect.signature(cls.__init__).parameters:  # transformers < 5
         scaling = None if rope["rope_type"] == "default" else rope
         rope_kwargs = {"rope_theta": rope["rope_theta"], "rope_scaling": scaling}
+        if family.partial_rope:
+            rope_kwargs["partial_rotary_factor"] = config.rotary_percent
     hf = cls(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
         intermediate_size=config.effective_ffn_hidden_size, num_attention_heads=config.num_attention_heads,
@@ -49,16 +54,17 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
 
 def check_exportable(config: ModelConfig) -> Family:
     """The family whose HF architecture holds this model; ValueError naming the fields if none does."""
+    family = family_of(config)
     unsupported = {
         "normalization": config.normalization != "RMSNorm",
         "position_embedding_type": config.position_embedding_type != "rope",
-        "rotary_percent": config.rotary_percent != 1.0,
+        "rotary_percent": config.rotary_percent != 1.0 and not (family and family.partial_rope),
         "add_bias_linear": config.add_bias_linear,
         "gated_linear_unit": not config.gated_linear_unit,
         "apply_residual_connection_post_layernorm": config.apply_residual_connection_post_layernorm,
         "seq_len_interpolation_factor": config.rope_scaling and config.seq_len_interpolation_factor is not None,
     }
-    if not config.multi_latent_attention:  # DeepSeek-V3's routers: only its (MLA) architecture has them
+    if not (family and family.sigmoid_router):  # DeepSeek-V3's router: only its and GLM-4.5's architectures have it
         unsupported.update(
             {
                 "moe_router_score_function": config.moe_router_score_function != "softmax",
@@ -71,7 +77,6 @@ def check_exportable(config: ModelConfig) -> Family:
     if bad:
         values = ", ".join(f"{name}={getattr(config, name)!r}" for name in bad)
         raise ValueError(f"{values}: no HF counterpart among {', '.join(ARCHITECTURES)}")
-    family = family_of(config)
     if family is None:
         raise ValueError(
             f"no HF architecture holds a model with {described(config)}; supported: {', '.join(ARCHITECTURES)}"

@@ -70,12 +70,13 @@ def model_fields(hf_config: Any, *, seq_length: int | None = None) -> dict[str, 
     """
     cfg = pretrained_config(hf_config)
     arch = architecture(cfg)
-    for flag in ("attention_bias", "mlp_bias"):  # biases on o_proj / the MLP have no Megatron counterpart here
+    heads, family = cfg.num_attention_heads, family_of_hf(arch)
+    # Biases on o_proj / the MLP have no Megatron counterpart here (GLM's attention_bias is q/k/v only).
+    for flag in ("mlp_bias",) if family.qkv_attention_bias else ("attention_bias", "mlp_bias"):
         if getattr(cfg, flag, False):
-            raise ValueError(f"{arch} with {flag}=True is not supported (only Qwen2's q/k/v biases are)")
+            raise ValueError(f"{arch} with {flag}=True is not supported (only q/k/v biases are)")
     if cfg.hidden_act not in ("silu", "gelu"):
         raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported; 'silu' or 'gelu'")
-    heads, family = cfg.num_attention_heads, family_of_hf(arch)
     return {
         "num_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
@@ -93,7 +94,7 @@ def model_fields(hf_config: Any, *, seq_length: int | None = None) -> dict[str, 
         "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings),
         "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0)),
         "init_method_std": float(getattr(cfg, "initializer_range", 0.02)),
-        **({} if family.own_rope else _rope_fields(cfg)),
+        **({} if family.own_rope else _rope_fields(cfg, partial=family.partial_rope)),
         **family.fields(cfg),
     }
 
@@ -113,16 +114,19 @@ def _seq_length(cfg: Any, requested: int | None) -> int:
     return requested
 
 
-def _rope_fields(cfg: Any) -> dict[str, Any]:
+def _rope_fields(cfg: Any, *, partial: bool) -> dict[str, Any]:
+    """RoPE fields; ``partial``: the family's attention rotates the first ``partial_rotary_factor`` of each head
+    (rotate-half, frequencies over those dims: Megatron's ``rotary_percent``), which others do not honour."""
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     if not params:  # transformers < 5: rope_theta and rope_scaling
         params = {**(getattr(cfg, "rope_scaling", None) or {}), "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
-    if params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported for HF import")
+    factor = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
+    if factor != 1.0 and not (partial and 0.0 < factor < 1.0):
+        raise ValueError(f"partial_rotary_factor={factor} is not supported for {type(cfg).__name__}")
     theta = float(params.get("rope_theta", 10000.0))
     if not theta.is_integer():
         raise ValueError(f"rope_theta={theta} is not an integer; ModelConfig.rotary_base is an int")
-    fields: dict[str, Any] = {"rotary_base": int(theta)}
+    fields: dict[str, Any] = {"rotary_base": int(theta), **({"rotary_percent": factor} if factor != 1.0 else {})}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return fields

@@ -22,7 +22,7 @@ class MegatronLMFromHF(MegatronLMModule):
 
     Args:
         hf_path: a local HF model directory (config.json + safetensors): dense Llama, Mistral, Qwen2 or Qwen3;
-            mixture of experts Qwen3-MoE, Qwen2-MoE or Mixtral.
+            mixture of experts Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 or GLM-4.5.
         seq_length: longest sequence to train on; default ``max_position_embeddings`` (capped by a sliding window).
         config_overrides: other ``ModelConfig`` fields to change (dropout, recompute, ...); architecture fields
             must keep matching the weights.
@@ -72,7 +72,7 @@ class MegatronLMFromHF(MegatronLMModule):
     ) -> Self:
         """The same as the constructor (the parent's classmethod would pass a ``ModelConfig`` as ``hf_path``): a
         module of any family ``MegatronLMModule.from_hf`` reads (dense Llama, Mistral, Qwen2, Qwen3; mixture of
-        experts Qwen3-MoE, Qwen2-MoE, Mixtral)."""
+        experts Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5)."""
         adapter = None if adapter is None else str(adapter)
         kwargs = {"seq_length": seq_length, "config_overrides": config_overrides, "allow_pickle": allow_pickle}
         return cls(str(path), adapter=adapter, **kwargs, **module_kwargs)

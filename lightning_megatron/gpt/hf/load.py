@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from lightning_megatron.checkpointing.contained import hf_roots, inside
 from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf import pickled, quantized
-from lightning_megatron.gpt.hf.fields import architecture
+from lightning_megatron.gpt.hf.fields import architecture, pretrained_config
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, expert_ranges, hf_weight_shapes
 from lightning_megatron.gpt.hf.params import SPLIT_DIM, Kind, Param, combine, expert_piece, expert_slice, rank_block
 from lightning_megatron.gpt.hf.registry import family_of_hf
@@ -130,12 +130,12 @@ class HFCheckpoint:
     def _check_explained(self, expected: set[str]) -> None:
         """Raise ValueError if the files hold a tensor outside ``expected`` that the model does not skip."""
         # Tied checkpoints may still store lm_head; rotary caches are recomputed.
-        skipped = family_of_hf(architecture(self.config)).skipped
+        skipped, hf = family_of_hf(architecture(self.config)).skipped, pretrained_config(self.config)
         extra = [
             n
             for n in self.files
             if n not in expected and n != "lm_head.weight" and not n.endswith("inv_freq")
-            and not skipped(n, self.config)
+            and not skipped(n, hf)
         ]  # fmt: skip
         if extra:
             raise ValueError(

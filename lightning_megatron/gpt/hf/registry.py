@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_megatron.gpt.hf.families.base import Family
 from lightning_megatron.gpt.hf.families.deepseek_v3 import DeepseekV3
+from lightning_megatron.gpt.hf.families.glm4_moe import Glm4Moe
 from lightning_megatron.gpt.hf.families.llama import Llama
 from lightning_megatron.gpt.hf.families.mixtral import Mixtral
 from lightning_megatron.gpt.hf.families.qwen2 import Qwen2
@@ -16,7 +17,9 @@ from lightning_megatron.gpt.hf.families.qwen3 import Qwen3
 from lightning_megatron.gpt.hf.families.qwen3_moe import Qwen3MoE
 from lightning_megatron.gpt.hf.params import ModelShape
 
-FAMILIES: tuple[Family, ...] = (Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral(), DeepseekV3())
+FAMILIES: tuple[Family, ...] = (
+    Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral(), DeepseekV3(), Glm4Moe()
+)  # fmt: skip
 ARCHITECTURES: tuple[str, ...] = tuple(arch for family in FAMILIES for arch in family.architectures)
 BY_ARCHITECTURE: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 BY_MODEL_TYPE: dict[str, str] = {
@@ -41,7 +44,9 @@ def family_of(config: ModelShape) -> Family | None:
 
 def described(config: Any) -> str:
     """The fields that decide the family, for error messages."""
-    names = ("add_qkv_bias", "qk_layernorm", "num_moe_experts", "moe_shared_expert_intermediate_size")
+    names: tuple[str, ...] = ("add_qkv_bias", "qk_layernorm", "num_moe_experts")
+    if getattr(config, "num_moe_experts", None) is not None:  # what tells the MoE families apart
+        names += ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_score_function")
     if getattr(config, "multi_latent_attention", False):
         names = ("multi_latent_attention", *names)
     return ", ".join(f"{name}={getattr(config, name)!r}" for name in names)

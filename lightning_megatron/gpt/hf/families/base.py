@@ -32,6 +32,15 @@ class Family:
     """Whether the family's attention is Multi-Latent Attention (its models have ``multi_latent_attention=True``)."""
     own_rope: ClassVar[bool] = False
     """Whether :meth:`fields` maps the RoPE settings itself (MLA's), instead of the shared mapping."""
+    partial_rope: ClassVar[bool] = False
+    """Whether the family's HF attention rotates only the first ``partial_rotary_factor`` of each head (rotate-half,
+    as Megatron's ``rotary_percent``); elsewhere HF's factor is refused, and so is ``rotary_percent`` on export."""
+    qkv_attention_bias: ClassVar[bool] = False
+    """Whether HF's ``attention_bias`` means q/k/v biases only (mapped by :meth:`fields`); elsewhere it also puts a
+    bias on ``o_proj``, which Megatron's attention does not have, and is refused."""
+    sigmoid_router: ClassVar[bool] = False
+    """Whether the family's router is DeepSeek-V3's sigmoid router (expert bias, groups, scaling factor); elsewhere
+    those router settings are refused on export."""
 
     # ------------------------------------------------------------------------------------------- config
     def fields(self, hf: Any) -> dict[str, Any]:

@@ -9,19 +9,21 @@ value]; HF's interleaved RoPE (``rope_interleave=True``) is what Megatron's MLA 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-from lightning_megatron.gpt.hf.families.base import dense_mlp
-from lightning_megatron.gpt.hf.families.moe import MoEFamily
-from lightning_megatron.gpt.hf.params import ModelShape, Param
+from lightning_megatron.gpt.hf.families.sigmoid_moe import (
+    SigmoidMoEFamily,
+    router_config_kwargs,
+    router_fields,
+    warn_mtp_skipped,
+)
+from lightning_megatron.gpt.hf.params import Param
 
 ARCH = "DeepseekV3ForCausalLM"
 
 
-class DeepseekV3(MoEFamily):
-    """DeepSeek-V3: router ``mlp.gate`` (its ``e_score_correction_bias`` is Megatron's ``router.expert_bias``),
-    experts ``mlp.experts.{e}.*_proj``, shared experts ``mlp.shared_experts.*_proj``."""
+class DeepseekV3(SigmoidMoEFamily):
+    """DeepSeek-V3: Multi-Latent Attention, then :class:`SigmoidMoEFamily`'s router, experts and shared experts."""
 
     architectures = (ARCH,)
     model_types = ("deepseek_v3",)
@@ -33,14 +35,7 @@ class DeepseekV3(MoEFamily):
     def fields(self, hf: Any) -> dict[str, Any]:
         if not getattr(hf, "rope_interleave", True):
             raise ValueError(f"{ARCH} with rope_interleave=False is not supported (Megatron's MLA interleaves)")
-        mtp = int(getattr(hf, "num_nextn_predict_layers", None) or getattr(hf, "num_mtp_layers", 0) or 0)
-        if mtp:  # layers past num_hidden_layers in the checkpoint; transformers does not build them either
-            n = hf.num_hidden_layers
-            warnings.warn(
-                f"{ARCH}: skipping num_nextn_predict_layers={mtp} multi-token-prediction layer(s) "
-                f"model.layers.{n}..{n + mtp - 1} (next-token loss only)",
-                stacklevel=2,
-            )
+        warn_mtp_skipped(hf, ARCH)
         mla = {
             "multi_latent_attention": True,
             "num_query_groups": None,
@@ -52,12 +47,10 @@ class DeepseekV3(MoEFamily):
             "qk_pos_emb_head_dim": hf.qk_rope_head_dim,
             "v_head_dim": hf.v_head_dim,
         }
-        return {"add_qkv_bias": False, **mla, **mla_rope_fields(hf), **router_fields(hf)}
+        return {"add_qkv_bias": False, **mla, **mla_rope_fields(hf), **router_fields(hf, ARCH)}
 
     def matches(self, c: Any) -> bool:
-        shared = c.moe_shared_expert_intermediate_size is not None and not c.moe_shared_expert_gate
-        sigmoid = c.moe_router_score_function == "sigmoid" and c.moe_router_enable_expert_bias
-        return c.multi_latent_attention and c.num_moe_experts is not None and shared and sigmoid and c.qk_layernorm
+        return super().matches(c) and c.multi_latent_attention and c.qk_layernorm
 
     def attention_params(self, c: Any, m: str, att: str) -> list[Param]:
         """MLA's projections and latent norms (all split over TP by rows but the output projection)."""
@@ -80,26 +73,7 @@ class DeepseekV3(MoEFamily):
             Param(m + "linear_proj.weight", ((att + "o_proj.weight", (hidden, heads * c.v_head_dim)),), "cols"),
         ]
 
-    def mlp_params(self, c: ModelShape, m: str, h: str, layer: int, experts: range | None) -> list[Param]:
-        params = super().mlp_params(c, m, h, layer, experts)
-        if params and params[0].megatron == m + "mlp.router.weight":  # an MoE layer: the router's bias follows it
-            bias = ((f"{h}{self.block}.gate.e_score_correction_bias", (c.num_moe_experts or 0,)),)
-            params.insert(1, Param(m + "mlp.router.expert_bias", bias, "copy"))
-        return params
-
-    def shared_expert_params(self, c: ModelShape, m: str, hb: str) -> list[Param]:
-        ffn = c.moe_shared_expert_intermediate_size or 0
-        return dense_mlp(m + "mlp.shared_experts.", hb + "shared_experts.", c.hidden_size, ffn)
-
-    def skipped(self, name: str, hf: Any) -> bool:
-        """The MTP layers' tensors (``model.layers.{i}.`` for ``i >= num_hidden_layers``), which import skips."""
-        parts = name.split(".")
-        return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= hf.num_hidden_layers
-
     def hf_config_kwargs(self, c: Any) -> dict[str, Any]:
-        ffn = c.moe_ffn_hidden_size or c.effective_ffn_hidden_size
-        pattern = c.moe_layer_freq if isinstance(c.moe_layer_freq, tuple) else (1,) * c.num_layers
-        groups = c.moe_router_num_groups or 1
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(c.rotary_base)}
         if c.rope_type == "yarn":
             rope = {
@@ -113,15 +87,7 @@ class DeepseekV3(MoEFamily):
                 "original_max_position_embeddings": c.original_max_position_embeddings,
             }
         return {
-            "n_routed_experts": c.num_moe_experts,
-            "num_experts_per_tok": c.moe_router_topk,
-            "moe_intermediate_size": ffn,
-            "n_shared_experts": (c.moe_shared_expert_intermediate_size or 0) // ffn,
-            "first_k_dense_replace": pattern.index(1) if 1 in pattern else c.num_layers,
-            "n_group": groups,
-            "topk_group": c.moe_router_group_topk or groups,
-            "norm_topk_prob": c.moe_router_topk > 1,
-            "routed_scaling_factor": c.moe_router_topk_scaling_factor or 1.0,
+            **router_config_kwargs(c),
             "q_lora_rank": c.q_lora_rank,
             "kv_lora_rank": c.kv_lora_rank,
             "qk_nope_head_dim": c.qk_head_dim,
@@ -129,45 +95,7 @@ class DeepseekV3(MoEFamily):
             "v_head_dim": c.v_head_dim,
             "rope_parameters": rope,
             "rope_interleave": True,
-            "num_nextn_predict_layers": 0,
         }
-
-
-def router_fields(hf: Any) -> dict[str, Any]:
-    """The MoE fields: Megatron's sigmoid router divides the k chosen scores by their sum exactly when k > 1, and
-    picks groups by the sum of each group's top ``k // topk_group`` scores, where transformers sums its top 2."""
-    experts, k, first = hf.n_routed_experts, hf.num_experts_per_tok, int(hf.first_k_dense_replace or 0)
-    if bool(hf.norm_topk_prob) != (k > 1):
-        raise ValueError(
-            f"{ARCH} with norm_topk_prob={hf.norm_topk_prob} and num_experts_per_tok={k} is not "
-            "supported: Megatron's sigmoid router renormalises the chosen scores iff top-k > 1"
-        )
-    if not hf.n_shared_experts:
-        raise ValueError(f"{ARCH} with n_shared_experts={hf.n_shared_experts!r} is not supported; at least 1")
-    groups, topk_group = int(hf.n_group or 1), int(hf.topk_group or 1)
-    grouped = topk_group < groups  # all groups kept: routing is plain top-k
-    if grouped and k // topk_group != 2:
-        raise ValueError(
-            f"{ARCH} with num_experts_per_tok={k} and topk_group={topk_group} is not supported: "
-            "Megatron ranks groups by their top (top-k // topk_group) scores, transformers by their "
-            "top 2; use top-k = 2 x topk_group"
-        )
-    if first >= hf.num_hidden_layers:
-        raise ValueError(f"{ARCH} with first_k_dense_replace={first} >= num_hidden_layers has no MoE layer")
-    scaling = float(hf.routed_scaling_factor)
-    return {
-        "num_moe_experts": experts,
-        "moe_router_topk": k,
-        "moe_ffn_hidden_size": hf.moe_intermediate_size,
-        "moe_router_score_function": "sigmoid",
-        "moe_router_enable_expert_bias": True,
-        "moe_router_num_groups": groups if grouped else None,
-        "moe_router_group_topk": topk_group if grouped else None,
-        "moe_router_topk_scaling_factor": None if scaling == 1.0 else scaling,
-        "moe_shared_expert_intermediate_size": hf.moe_intermediate_size * hf.n_shared_experts,
-        "moe_layer_freq": tuple(int(i >= first) for i in range(hf.num_hidden_layers)) if first else 1,
-        "moe_aux_loss_coeff": 0.0,
-    }
 
 
 def mla_rope_fields(hf: Any) -> dict[str, Any]:
