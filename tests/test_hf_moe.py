@@ -1,4 +1,4 @@
-"""Hugging Face mixture-of-experts models in and out: Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 (tiny
+"""Hugging Face mixture-of-experts models in and out: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 (tiny
 random models written with ``save_pretrained``; nothing is downloaded).
 
 Against ``transformers`` in float32 with eager attention: logits, validation loss and log-probs at one process (in
@@ -46,8 +46,15 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                          "norm_topk_prob": True, "q_lora_rank": 24, "kv_lora_rank": 32,
                                          "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
                                          "num_key_value_heads": 4}),
+    # GLM-4.5: the same MoE part on GQA attention with q/k/v biases, q/k norms and RoPE on half of each head.
+    "glm4_moe": ("Glm4MoeConfig", {"n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                                   "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                   "routed_scaling_factor": 2.5, "norm_topk_prob": True, "head_dim": 16,
+                                   "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True}),
 }  # fmt: skip
-FAMILY = {"qwen3_moe": "Qwen3MoE", "qwen2_moe": "Qwen2MoE", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3"}
+FAMILY = {"qwen3_moe": "Qwen3MoE", "qwen2_moe": "Qwen2MoE", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3",
+          "glm4_moe": "Glm4Moe"}  # fmt: skip
+SIGMOID_ROUTER = ("deepseek_v3", "glm4_moe")  # the correction bias, which transformers' training leaves as loaded
 
 
 def make_hf_model(arch: str, path: Path, **extra: Any) -> Path:
@@ -59,7 +66,7 @@ def make_hf_model(arch: str, path: Path, **extra: Any) -> Path:
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:  # buffers: the correction bias
             if tensor.ndim == 1 and "inv_freq" not in name:
                 tensor.copy_(torch.randn_like(tensor) * 0.2 + (1.0 if "norm" in name else 0.0))
-            elif name.endswith("mlp.gate.weight") and arch == "deepseek_v3":  # sigmoid scores far from ties
+            elif name.endswith("mlp.gate.weight") and arch in SIGMOID_ROUTER:  # sigmoid scores far from ties
                 tensor.copy_(torch.randn_like(tensor))
     model.save_pretrained(path)
     return path
@@ -239,8 +246,9 @@ def test_training_follows_transformers_and_adamw(arch: str, aux: bool, models: d
     With the aux loss on, the batch is one micro-batch (Megatron's "aux_loss" is each micro-batch's, HF's the
     batch's), and Megatron normalises the routers' loss gradient by the loss tokens of the batch, as the
     language-model loss, having weighted it by the routed tokens: S / (S - 1) more than HF's (the last token of a
-    row has no label), so HF runs with its coefficient times S / (S - 1). DeepSeek-V3 (no aux loss in transformers)
-    trains with its correction bias fixed, as transformers' step leaves it (``moe_router_bias_update_rate=0``)."""
+    row has no label), so HF runs with its coefficient times S / (S - 1). DeepSeek-V3 and GLM-4.5 (no aux loss in
+    transformers) train with their correction bias fixed, as transformers' step leaves it
+    (``moe_router_bias_update_rate=0``)."""
     path = models[arch]
     if aux:
         extra = {**ONE_MOE_LAYER[arch], "output_router_logits": True, "router_aux_loss_coef": AUX_COEF}
@@ -260,7 +268,7 @@ def test_training_follows_transformers_and_adamw(arch: str, aux: bool, models: d
         lm_loss = out.loss - (model.router_aux_loss_coef * out.aux_loss if aux else 0.0)
         want.append(float(lm_loss))
         want_aux.append(float(AUX_COEF * out.aux_loss) if aux else None)
-    overrides = {"moe_router_bias_update_rate": 0.0} if arch == "deepseek_v3" else None
+    overrides = {"moe_router_bias_update_rate": 0.0} if arch in SIGMOID_ROUTER else None
     module = MegatronLMModule.from_hf(path, seq_length=SEQ, clip_grad=0.0, warmup_steps=0, decay_style="constant",
                                       config_overrides=overrides, **settings)  # fmt: skip
     assert module.config.moe_aux_loss_coeff == (AUX_COEF * 2 if aux else 0.0)  # x top-k / one MoE layer
@@ -300,6 +308,8 @@ LAYOUTS = {
     "qwen2_moe_pp2": {"arch": "qwen2_moe", "pp": 2}, "mixtral_tp2": {"arch": "mixtral", "tp": 2},
     "mixtral_ep2": {"arch": "mixtral", "ep": 2}, "deepseek_v3_ep2": {"arch": "deepseek_v3", "ep": 2},
     "deepseek_v3_tp2": {"arch": "deepseek_v3", "tp": 2}, "deepseek_v3_pp2": {"arch": "deepseek_v3", "pp": 2},
+    "glm4_moe_ep2": {"arch": "glm4_moe", "ep": 2}, "glm4_moe_tp2": {"arch": "glm4_moe", "tp": 2},
+    "glm4_moe_pp2": {"arch": "glm4_moe", "pp": 2},
     # LoRA on every linear: attention, the experts (one adapter per expert and projection), the shared expert
     "qwen2_moe_ep2_lora": {"arch": "qwen2_moe", "ep": 2, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0,
                                                                                     "seed": 3}, "peft": False},
