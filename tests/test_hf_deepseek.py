@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, ModelConfig
@@ -157,3 +158,39 @@ def test_export_loads_in_transformers_with_our_logits(name: str, one_process: di
     logits, _, _ = hf_forward(export.path, tokens)
     torch.testing.assert_close(one_process[name]["logits"], logits, rtol=1e-4, atol=1e-4)
     assert any(n.endswith("mlp.gate.e_score_correction_bias") for n in export.tensors)
+
+
+def test_a_kimi_k2_style_directory_imports_without_remote_code(
+    models: dict[str, Path], one_process: dict, tokens: torch.Tensor, tmp_path: Path
+) -> None:
+    """Kimi-K2's config.json names remote code (``model_type: "kimi_k2"``, an ``auto_map``) and the legacy
+    ``rope_scaling`` form on the DeepSeek-V3 architecture: read with transformers' DeepseekV3Config (no remote code
+    runs), it is the same model; the export keeps that config.json and copies the remote code files beside it."""
+    import shutil
+
+    source = models["q_lora_yarn"]
+    kimi = tmp_path / "kimi"
+    shutil.copytree(source, kimi)
+    config = json.loads((kimi / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(
+        model_type="kimi_k2",
+        auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+        rope_theta=rope.pop("rope_theta"),
+        rope_scaling={**{k: v for k, v in rope.items() if k != "rope_type"}, "type": "yarn"},
+    )  # fmt: skip
+    (kimi / "config.json").write_text(json.dumps(config))
+    for module in ("configuration_deepseek.py", "modeling_deepseek.py"):
+        (kimi / module).write_text("raise RuntimeError('remote code must not run')\n")
+    assert ModelConfig.from_hf(kimi) == ModelConfig.from_hf(source)
+    module = MegatronLMModule.from_hf(kimi, seq_length=SEQ)
+    export = Export(tmp_path / "out")
+    logits = torch.cat(_trainer(callbacks=[export]).predict(module, DataLoader(tokens, batch_size=4)))
+    torch.testing.assert_close(logits, one_process["q_lora_yarn"]["logits"], rtol=1e-5, atol=1e-5)
+    written = json.loads((export.path / "config.json").read_text())
+    assert (written["model_type"], written["auto_map"]) == ("kimi_k2", config["auto_map"])
+    assert (export.path / "configuration_deepseek.py").read_text() == (kimi / "configuration_deepseek.py").read_text()
+    original, written_tensors = (load_file(path / "model.safetensors") for path in (source, export.path))
+    assert written_tensors.keys() == original.keys()
+    assert all(torch.equal(written_tensors[name], tensor) for name, tensor in original.items())

@@ -25,7 +25,7 @@ from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf import quantized
 from lightning_megatron.gpt.hf.config import check_exportable, hf_config_dict
-from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, SIDE_FILES, HFCheckpoint
+from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint, side_files
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, hf_weight_shapes
 from lightning_megatron.gpt.hf.params import (
     SPLIT_DIM,
@@ -325,8 +325,8 @@ def _write_metadata(
         hf_config[key] = dtype_name
         if not quantized_source:  # the files hold `dtype` tensors: transformers would look for fp8 and scales
             hf_config.pop("quantization_config", None)
-        for side in SIDE_FILES:  # (HFCheckpoint.open checked that they lie inside source.path)
-            if (source.path / side).is_file() and source.path.resolve() != path.resolve():
+        for side in side_files(source.path, source.config):  # (HFCheckpoint.open checked they lie inside it)
+            if source.path.resolve() != path.resolve():
                 write_replacing(path / side, functools.partial(shutil.copyfile, source.path / side))
     text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
     write_replacing(path / "config.json", lambda temporary: temporary.write_text(text))

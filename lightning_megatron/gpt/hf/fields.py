@@ -8,6 +8,7 @@ config class imports this module, so neither it nor the family adapters import m
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,23 @@ def pretrained_config(hf_config: Any) -> Any:
     if isinstance(hf_config, PretrainedConfig):
         return hf_config
     if isinstance(hf_config, str | Path):
+        config_file = Path(hf_config) / "config.json"
+        if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") not in CONFIG_MAPPING:
+            return pretrained_config(json.loads(config_file.read_text()))  # e.g. Kimi-K2: remote code's model_type
         return AutoConfig.from_pretrained(str(hf_config))
     if isinstance(hf_config, Mapping):
         model_type = hf_config.get("model_type")
-        if model_type not in CONFIG_MAPPING:
+        if model_type in CONFIG_MAPPING:
+            # from_dict fills what config.json leaves out with the architecture's defaults, as transformers does.
+            return CONFIG_MAPPING[model_type].from_dict(dict(hf_config))
+        # A model_type of remote code (Kimi-K2's "kimi_k2") on a supported architecture: read with that
+        # architecture's config class, as its remote code subclasses it; no remote code runs.
+        names = list(hf_config.get("architectures") or [])
+        if not names or names[0] not in ARCHITECTURES:
             raise ValueError(_unsupported(f"model_type={model_type!r}"))
-        # from_dict fills what config.json leaves out with the architecture's defaults, as transformers does.
-        return CONFIG_MAPPING[model_type].from_dict(dict(hf_config))
+        import transformers
+
+        return getattr(transformers, family_of_hf(names[0]).config_class).from_dict(dict(hf_config))
     raise TypeError(f"hf_config must be a PretrainedConfig, a config.json dict or a directory, got {type(hf_config)}")
 
 

@@ -45,6 +45,19 @@ SIDE_FILES = (
 FLOATING = ("F32", "F16", "BF16")
 
 
+def side_files(path: Path, config: dict[str, Any]) -> list[str]:
+    """The files beside the weights that ``save_hf`` carries over: :data:`SIDE_FILES` and the remote code modules
+    config.json's ``auto_map`` names (``configuration_deepseek.DeepseekV3Config`` -> ``configuration_deepseek.py``;
+    Kimi-K2), as ``save_pretrained`` copies them; those present in ``path``. Copied, never imported or run here."""
+    modules = []
+    for value in (config.get("auto_map") or {}).values():
+        for reference in value if isinstance(value, list) else [value]:
+            if isinstance(reference, str) and "--" not in reference and "." in reference:  # "--": another repo's
+                modules.append(reference.rpartition(".")[0] + ".py")
+    names = [*SIDE_FILES, *dict.fromkeys(modules)]
+    return [name for name in names if "/" not in name and (path / name).is_file()]
+
+
 @dataclass(frozen=True)
 class HFCheckpoint:
     """A local HF model directory: its config.json and which safetensors file holds each tensor."""
@@ -74,9 +87,8 @@ class HFCheckpoint:
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no config.json")
         roots = hf_roots(path)
         config = json.loads(inside(path, "config.json", "the model directory", roots).read_text())
-        for side in SIDE_FILES:
-            if (path / side).is_file():
-                inside(path, side, "the model directory", roots)
+        for side in side_files(path, config):
+            inside(path, side, "the model directory", roots)
         if (path / SAFETENSORS_INDEX).is_file():
             files = index_files(path, SAFETENSORS_INDEX, roots)
         elif (path / SAFETENSORS_FILE).is_file():
