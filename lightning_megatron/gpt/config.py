@@ -14,6 +14,7 @@ from typing import Any, Literal, Self
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from lightning_megatron.gpt import attention_variants as variants
 from lightning_megatron.gpt.config_checks import check_cuda_graphs, check_recompute
 from lightning_megatron.gpt.mla import check_mla, check_mla_parallel, mla_fields
 from lightning_megatron.gpt.moe.config import check_moe, check_moe_parallel, moe_layer_pattern
@@ -220,6 +221,19 @@ class ModelConfig:
     """YaRN mscale (the RoPE cos/sin correction, with mscale_all_dim)."""
     mscale_all_dim: float = 0.0
     """YaRN mscale_all_dim: the softmax scale is 1/sqrt(qk_head_dim + qk_pos_emb_head_dim) times its mscale squared."""
+    window_size: tuple[int, int] | None = None
+    """Sliding-window causal attention (Megatron's field): ``(W, 0)`` attends a query to itself and the W tokens before
+    it (HF's ``sliding_window`` is W + 1); None: off (docs/layouts-and-speed.md, "Attention variants")."""
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
+    """Which layers have the window (Megatron's field): None all; an int N: layers N, 2N, ... (1-based) full, the
+    others windowed (Gemma 3: 6, GPT-OSS: 2); a tuple of 0/1 per layer, 1 = windowed (HF's ``layer_types``)."""
+    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
+    """Attention sinks (Megatron's field): 'learnable' a trained logit per head in every softmax, its column dropped
+    (GPT-OSS; parameter ``core_attention.softmax_offset``); 'off-by-one' a logit of 0; 'vanilla' none."""
+    softmax_scale: float | None = None
+    """Attention score scale (Megatron's field); None: 1/sqrt(kv_channels). Gemma's query_pre_attn_scalar q: q**-0.5."""
+    attn_logit_softcapping: float | None = None
+    """``c * tanh(scores / c)`` on the scaled scores (Gemma 2; no Megatron field); None: off. Kernels 'torch' only."""
     moe_enable_routing_replay: bool = False
     """Let batches carry the expert routing to use (``batch["routing"]``, e.g. recorded at rollout by
     ``MegatronLMModule.record_routing`` or an inference engine) instead of the router's own top-k (MoE only)."""
@@ -270,6 +284,7 @@ class ModelConfig:
         check_recompute(self)
         self._check_moe()
         check_mla(self)
+        variants.check_variants(self)
 
     @classmethod
     def from_hf(cls, hf_config: Any, **overrides: Any) -> Self:
@@ -313,6 +328,11 @@ class ModelConfig:
         return moe_layer_pattern(self.num_layers, self.moe_layer_freq)
 
     @property
+    def attention_variants(self) -> bool:
+        """Whether some layer runs a sliding window, sinks or soft-capping (the 'torch' kernels' variant path)."""
+        return variants.has_variants(self)
+
+    @property
     def activation_fusable(self) -> bool:
         """Whether Megatron has a fused kernel for this MLP activation: SwiGLU, GeGLU and bias+GeLU (plain GeLU
         without a bias has none)."""
@@ -339,6 +359,7 @@ class ModelConfig:
         self._check_stages(sizes.pp, sizes.vpp)
         check_moe_parallel(self, sizes.ep, sizes.tp, sizes.sequence_parallel)
         check_mla_parallel(self, sizes.tp, sizes.cp)
+        variants.check_variants_parallel(self, sizes.cp)
         self._check_sequence(sizes.tp, sizes.cp, sizes.sequence_parallel)
         self._check_graph_layout(sizes.pp, sizes.cp)
 
@@ -433,6 +454,7 @@ class ModelConfig:
             model["moe_grouped_gemm"] = self.moe_grouped_gemm is not False
             # The token dispatcher is a parallel setting: the strategy picks it (lightning_megatron.gpt.moe.router).
         model.update(mla_fields(self))
+        model.update(variants.variant_fields(self))
         clash = sorted(model.keys() & parallel.keys())
         if clash:
             raise ValueError(f"{clash} are model fields; set them on ModelConfig, not as parallel settings")

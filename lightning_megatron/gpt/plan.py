@@ -183,6 +183,8 @@ class KernelPlan:
                 kernels = "torch"
         if config.multi_latent_attention and kernels == "te":  # 'auto' with TE: MLA's core attention is ours
             kernels = "torch"
+        if config.attention_variants and config.kernels == "auto":  # our block-sparse windows, sinks, soft-capping
+            kernels = "torch"
         check_grouped_gemm(config.moe_grouped_gemm, device_type)
         return cls(
             kernels=kernels,
@@ -206,3 +208,4 @@ class PlanRequest(Protocol):
     cuda_graphs: bool
     moe_grouped_gemm: bool | None
     multi_latent_attention: bool
+    attention_variants: bool

@@ -87,17 +87,19 @@ def layer_spec(
 
 def sdp_attention(config: ModelConfig) -> Any:
     """The core attention of the ``'torch'`` kernels: :class:`SDPAttention`, with RoPE inside it for a rope model
-    (not with MLA, which rotates its RoPE slice itself)."""
-    if config.position_embedding_type != "rope" or config.multi_latent_attention:
-        return SDPAttention
-    rotary = Rotary(
-        rotary_percent=config.rotary_percent,
-        rotary_base=config.rotary_base,
-        rope_scaling=config.rope_scaling,
-        rope_scaling_factor=config.rope_scaling_factor,
-        seq_len_interpolation_factor=config.seq_len_interpolation_factor,
-    )
-    return functools.partial(SDPAttention, rotary=rotary)
+    (not with MLA, which rotates its RoPE slice itself) and the soft-cap of ``attn_logit_softcapping``."""
+    extra: dict[str, Any] = {}
+    if config.attn_logit_softcapping is not None:  # no TransformerConfig field: an argument of our module
+        extra["softcap"] = config.attn_logit_softcapping
+    if config.position_embedding_type == "rope" and not config.multi_latent_attention:
+        extra["rotary"] = Rotary(
+            rotary_percent=config.rotary_percent,
+            rotary_base=config.rotary_base,
+            rope_scaling=config.rope_scaling,
+            rope_scaling_factor=config.rope_scaling_factor,
+            seq_len_interpolation_factor=config.seq_len_interpolation_factor,
+        )
+    return functools.partial(SDPAttention, **extra) if extra else SDPAttention
 
 
 def with_adapters(spec: Any, lora: LoRAConfig, config: ModelConfig) -> Any:

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lightning_megatron.kernels.compile import for_device
 from lightning_megatron.kernels.documents import SequenceLayout, attend, gather_keys_values
+from lightning_megatron.kernels.variants import Variant, attend_variant, layer_variant, sink_logits
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class SDPAttention(MegatronModule):
     no ``rotary`` (MLA rotates the RoPE slice itself). Causal masking uses SDPA's ``is_causal`` (no mask
     tensor); an explicit boolean mask (True = masked out, Megatron's convention) is honoured too. With ``rotary``
     the module applies RoPE to query and key first (positions 0..S-1, Megatron's ``RotaryEmbedding`` frequencies).
+    Sliding windows (``config.window_size`` on the layers ``window_attn_skip_freq`` picks), attention sinks
+    (``config.softmax_type``; the ``softmax_offset`` parameter of Megatron's DotProductAttention) and ``softcap``
+    run through :mod:`lightning_megatron.kernels.variants`.
     """
 
     def __init__(
@@ -58,16 +62,26 @@ class SDPAttention(MegatronModule):
         rotary: Rotary | None = None,
         k_channels: int | None = None,
         v_channels: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.softmax_type != "vanilla" or config.window_size is not None:
-            raise ValueError(
-                f"SDPAttention supports softmax_type='vanilla' without window_size (got {config.softmax_type!r}, "
-                f"{config.window_size}); use kernels='local'"
-            )
+        from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.enums import AttnMaskType
 
         self.causal = attn_mask_type == AttnMaskType.causal
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.tp_group = pg_collection.tp
+        # Sliding window / soft-capping of this layer (None: plain attention) and the sink logits, Megatron's
+        # ``softmax_offset`` (a parameter for softmax_type='learnable', zeros for 'off-by-one').
+        self.variant = layer_variant(config, layer_number, softcap)
+        sinks = sink_logits(config, self.tp_group)
+        if isinstance(sinks, torch.nn.Parameter):
+            self.register_parameter("softmax_offset", sinks)
+        else:  # no state: kept out of checkpoints, moved with the module
+            self.register_buffer("softmax_offset", sinks, persistent=False)
+        if (self.variant is not None or sinks is not None) and not self.causal:
+            raise ValueError(f"SDPAttention runs attention variants for causal attention only (got {attn_mask_type})")
         # SDPA takes the value head size from the value tensor: only the query/key size sets the default scale.
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
@@ -100,8 +114,15 @@ class SDPAttention(MegatronModule):
             query, key = rope(query, cos, sin), rope(key, cos, sin)
         # [S, B, n, d] -> [B, n, S, d]: SDPA's layout (a strided view; the kernels accept it)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         dropout = self.dropout if self.training else 0.0
+        if self._has_variant:
+            if attention_mask is not None:
+                raise ValueError(
+                    "SDPAttention's attention variants build their own causal mask: pass no attention_mask"
+                )
+            context = self._variant(q, k, v, None, dropout)
+            return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         context = _sdpa(q, k, v, mask, dropout, self.causal and mask is None, self.softmax_scale, self.fork_rng)
         # [B, n, S, d] -> [S, B, n * d]
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
@@ -124,12 +145,37 @@ class SDPAttention(MegatronModule):
             key, value = gather_keys_values(key, value, layout)  # [S, B, g, d]: the full rows
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [S, B, n, d] -> [B, n, S, d]
         dropout = self.dropout if self.training else 0.0
+        if self._has_variant:
+            context = self._variant(q, k, v, layout, dropout)
+            return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
         def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Any, causal: bool) -> Tensor:
             return _sdpa(q, k, v, mask, dropout, causal, self.softmax_scale, self.fork_rng)
 
         context = attend(q, k, v, layout, sdpa, dropout, self.softmax_scale)
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # [B, n, S_local, d] -> [S_local, B, n * d]
+
+    @property
+    def _has_variant(self) -> bool:
+        return self.variant is not None or self.softmax_offset is not None
+
+    def _variant(self, q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout | None, dropout: float) -> Tensor:
+        """Sliding window, soft-capping and/or sinks (:mod:`lightning_megatron.kernels.variants`)."""
+        variant = self.variant or Variant()
+        return attend_variant(q, k, v, layout, variant, self.softmax_offset, self.softmax_scale, dropout, self.fork_rng)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """As Megatron's DotProductAttention: a learnable ``softmax_offset`` is saved split over TP by heads."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, {"softmax_offset": 0}, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )  # fmt: skip
 
 
 def _sdpa(

@@ -71,7 +71,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, sdpa: Any, d
         block_mask = layout.cache.get("block_mask")
         if block_mask is None:
             block_mask = layout.cache["block_mask"] = _block_mask(layout, q.shape[0], q.shape[2], q.device)
-        return _flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     mask = layout.cache.get("mask")
     if mask is None:
         mask = layout.cache["mask"] = document_mask(layout, q.device)
@@ -132,7 +132,7 @@ def _block_mask(layout: SequenceLayout, batch: int, queries: int, device: torch.
 
 
 @functools.cache
-def _flex() -> Any:
+def compiled_flex() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention)  # dynamic after a second shape: no recompile per row length
