@@ -123,7 +123,8 @@ def _trainer(devices: int, job: dict, **kwargs: Any) -> L.Trainer:
 
 def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tuple[dict, torch.Tensor]:
     CountingSafeOpen.elements = 0
-    overrides = {"kernels": "torch"} if job.get("packed") else None  # packed rows need SDPAttention on CPU
+    overrides = {"kernels": "torch"} if job.get("packed") else {}  # packed rows need SDPAttention on CPU
+    overrides = {**overrides, **job.get("overrides", {})} or None  # ModelConfig fields a job sets
     lora = job.get("lora")  # LoRAConfig fields: adapters trained on the frozen HF weights
     module = MegatronLMModule.from_hf(
         job["model"], seq_length=tokens.shape[1], lr=1e-2, warmup_steps=0, config_overrides=overrides, lora=lora,

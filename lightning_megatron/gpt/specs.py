@@ -106,22 +106,25 @@ def with_adapters(spec: Any, lora: LoRAConfig, config: ModelConfig) -> Any:
     """Copy of a layer spec whose ``lora.target_modules`` linears are LoRA-adapted (lightning_megatron.gpt.lora)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from lightning_megatron.gpt.lora.config import COLUMN_TARGETS, adapter_parts
+    from lightning_megatron.gpt.lora.config import adapter_parts, is_column, layer_linears
     from lightning_megatron.gpt.lora.experts import LoRAGroupedColumnLinear, LoRAGroupedRowLinear
     from lightning_megatron.gpt.lora.layers import LoRAColumnParallelLinear, LoRARowParallelLinear
     from lightning_megatron.kernels.experts import GroupedColumnLinear, GroupedRowLinear
 
+    linears = layer_linears(config)  # an MLA spec also names the query projection it does not build: skipped
+
     def swap(value: Any, name: str) -> Any:
         adapted_already = value in (LoRAColumnParallelLinear, LoRARowParallelLinear)  # the new spec's own module
-        if not lora.adapts(name) or not isinstance(value, type) or adapted_already:
+        if name not in linears or not lora.adapts(name) or not isinstance(value, type) or adapted_already:
             return value
         if issubclass(value, GroupedColumnLinear | GroupedRowLinear):  # MoE experts: called as a builder
             adapted = LoRAGroupedColumnLinear if issubclass(value, GroupedColumnLinear) else LoRAGroupedRowLinear
             return functools.partial(adapted, lora=lora)
         parts = adapter_parts(name, config)
-        if name not in COLUMN_TARGETS:
+        if not is_column(name):
             return ModuleSpec(module=LoRARowParallelLinear, params={"lora": lora, "part": parts[0][0]})
-        # linear_fc1's gate/up halves: sized from the base (a dense layer's or a shared expert's hidden size)
+        # linear_fc1's gate/up halves: sized from the base (a dense layer's or a shared expert's hidden size); an MLA
+        # projection's one part: the whole base
         sizes = [out if name == "linear_qkv" else None for _, _, out in parts]
         params = {
             "lora": lora,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from lightning_megatron.gpt.hf.families.base import Family
 from lightning_megatron.gpt.hf.params import Param, expert_piece, lora_pair
 from lightning_megatron.gpt.hf.registry import described, family_of
-from lightning_megatron.gpt.lora.config import COLUMN_TARGETS
+from lightning_megatron.gpt.lora.config import HF_BLOCK, is_column, layer_linears
 
 if TYPE_CHECKING:
     from lightning_megatron.gpt.config import ModelConfig
@@ -51,12 +51,13 @@ def adapter_params(c: ModelConfig, lora: LoRAConfig, *, offset: int, num_layers:
     q_proj.lora_A.weight``), in PEFT's state-dict order. A column-parallel base's B is split like its rows and A
     replicated; a row-parallel base's A is split like its columns and B replicated (lightning_megatron.gpt.lora)."""
     params = []
+    attention = [target for target in layer_linears(c) if HF_BLOCK[target] == "self_attn"]  # HF order: q, k, v, o
     for i in range(num_layers):
         h = f"{PEFT_PREFIX}model.layers.{offset + i}."
-        for target in ("linear_qkv", "linear_proj"):  # HF order: q, k, v, o
+        for target in attention:
             for part, n_in, n_out in lora.adapted_parts(target, c):
                 pair = lora_pair(f"decoder.layers.{i}.self_attention.{target}.", f"{h}self_attn.{part}.", part,
-                                 lora.rank, (n_in, n_out), target in COLUMN_TARGETS)  # fmt: skip
+                                 lora.rank, (n_in, n_out), is_column(target))  # fmt: skip
                 params += pair
         params += family(c).mlp_adapter_params(c, lora, f"decoder.layers.{i}.mlp.", f"{h}mlp.", offset + i)
     return params

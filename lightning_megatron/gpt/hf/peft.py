@@ -19,7 +19,17 @@ from lightning_megatron.checkpointing.contained import hf_roots, inside
 from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf.load import HFCheckpoint, check_floating, open_safetensors
 from lightning_megatron.gpt.hf.mapping import adapter_shapes
-from lightning_megatron.gpt.lora.config import HF_BLOCK, PROJECTIONS, TARGETS, LoRAConfig, adapter_parts
+from lightning_megatron.gpt.lora.config import (
+    HF_BLOCK,
+    MLA_DOWN_PROJECTIONS,
+    MLA_PROJECTIONS,
+    PROJECTIONS,
+    LoRAConfig,
+    adapter_parts,
+    check_lora,
+    is_column,
+    layer_linears,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -55,7 +65,7 @@ def _check_plain(peft_config: dict[str, Any], path: Path) -> None:
 def hf_targets(lora: LoRAConfig, config: ModelConfig) -> list[str]:
     """PEFT's ``target_modules`` for our adapters: the HF projections that have one (of an MoE model, attention's:
     its experts' are ``target_parameters``)."""
-    blocks = [t for t in HF_BLOCK if config.num_moe_experts is None or HF_BLOCK[t] == "self_attn"]
+    blocks = [t for t in layer_linears(config) if config.num_moe_experts is None or HF_BLOCK[t] == "self_attn"]
     return [part for target in blocks for part, _, _ in lora.adapted_parts(target, config)]
 
 
@@ -90,13 +100,15 @@ def _targets(peft_targets: Any, config: ModelConfig, path: Path) -> tuple[str, .
             "(q_proj, ...; adapted in every layer) are read here"
         )
     leaves = set(peft_targets)
-    if unknown := sorted(leaves - set(PROJECTIONS)):
+    if unknown := sorted(leaves - {*PROJECTIONS, *MLA_PROJECTIONS, *MLA_DOWN_PROJECTIONS.values()}):
         raise ValueError(f"{path / ADAPTER_CONFIG}: target_modules {unknown} are not projections of a decoder layer")
     targets: list[str] = []
-    for target in TARGETS:
+    # Column-parallel linears first: TARGETS' order, which the targets of every linear read back keep.
+    for target in sorted(layer_linears(config), key=is_column, reverse=True):
         parts = [part for part, _, _ in adapter_parts(target, config)]
         targets += [target] if set(parts) <= leaves else [part for part in parts if part in leaves]
-    return tuple(targets)
+        leaves -= set(parts)
+    return (*targets, *sorted(leaves))  # projections this model lacks: LoRAConfig and check_lora name them
 
 
 def _expert_targets(names: Any, config: ModelConfig, path: Path, targets: tuple[str, ...]) -> tuple[str, ...]:
@@ -138,6 +150,7 @@ def open_adapter(
         target_modules=targets,
     )  # fmt: skip
     found = dataclasses.replace(found, **{k: v for k, v in given.items() if k in ("dropout", "seed")})
+    check_lora(found, config)
     for field in (f for f in ("rank", "alpha", "target_modules") if f in given):
         wanted = dataclasses.replace(found, **{field: given[field]})
         if _compared(field, wanted, config) != _compared(field, found, config):

@@ -36,7 +36,10 @@ from megatron.core.tensor_parallel.layers import (
 )
 from torch import Tensor, nn
 
-from lightning_megatron.gpt.lora.config import TARGETS, LoRAConfig
+from lightning_megatron.gpt.lora.config import MLA_TARGETS, TARGETS, LoRAConfig
+
+# Each linear's index in its adapters' seed (the MLA ones after the rest: GQA models keep their draws).
+SEED_ORDER = TARGETS + MLA_TARGETS
 
 
 def _kaiming_uniform(rows: int, cols: int, generator: torch.Generator) -> Tensor:
@@ -257,7 +260,7 @@ def init_adapters(chunk: nn.Module, lora: LoRAConfig) -> None:
         for name, module in layer.named_modules():
             if is_adapter(module):
                 leaf = name.rsplit(".", 1)[-1]
-                seed = (lora.seed * 1_000_003 + layer.layer_number) * 10 + TARGETS.index(leaf)
+                seed = (lora.seed * 1_000_003 + layer.layer_number) * 10 + SEED_ORDER.index(leaf)
                 # An MoE layer's shared expert and experts both have linear_fc1/fc2: seeds of their own
                 where = 1 if ".shared_experts." in f".{name}" else 2 if ".experts." in f".{name}" else 0
                 module.reset_adapter(seed if where == 0 else -(seed * 3 + where))
