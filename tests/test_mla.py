@@ -174,7 +174,7 @@ def test_mla_model_continues_at_tp2(tmp_path: Path) -> None:
     saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}
     full = run_here({**model, "devices": 1, "max_steps": 4, **val, **saves}, tmp_path)
     resume = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
-    tp2 = run_worker({**model, "devices": 2, "tp": 2, "max_steps": 4, "resume": resume, **val}, tmp_path)
+    tp2 = run_worker({**model, "devices": 2, "tp": 2, "sp": True, "max_steps": 4, "resume": resume, **val}, tmp_path)
     assert set(tp2["train"]) == {"3", "4"}, tp2["train"]
     assert full["train"]["3"] != full["train"]["4"]
     for step in ("3", "4"):

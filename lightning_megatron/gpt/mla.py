@@ -11,6 +11,7 @@ imports no config).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 from lightning_megatron.validation import check_choice, check_positive_int, divisors
@@ -152,10 +153,25 @@ def with_mla_parts(spec: Any) -> Any:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     from lightning_megatron.kernels.mla import TorchMLASelfAttention
+    from lightning_megatron.kernels.norms import TorchNorm
 
     attention = spec.submodules.self_attention
+    # Under sequence parallelism MLA scatters both latents back over the sequence before their norms (unlike the
+    # per-head q/k norms of GQA, which see whole sequences): each rank's norm weights get a partial gradient, which
+    # the `sequence_parallel` mark of a TorchNorm in the sequence-parallel region sums over TP.
     parts = dataclasses.replace(
-        attention.submodules, linear_q_down_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear
+        attention.submodules,
+        linear_q_down_proj=ColumnParallelLinear,
+        linear_kv_down_proj=ColumnParallelLinear,
+        q_layernorm=sequence_parallel_norm(attention.submodules.q_layernorm, TorchNorm),
+        kv_layernorm=sequence_parallel_norm(attention.submodules.kv_layernorm, TorchNorm),
     )
     attention = dataclasses.replace(attention, module=TorchMLASelfAttention, submodules=parts)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
+
+
+def sequence_parallel_norm(norm: Any, torch_norm: type) -> Any:
+    """A latent norm of the spec as a :class:`TorchNorm` in the sequence-parallel region (``with_torch_norms``
+    builds q/k norms outside it); anything else (``IdentityOp`` without ``qk_layernorm``) as it is."""
+    is_torch_norm = norm is torch_norm or (isinstance(norm, functools.partial) and norm.func is torch_norm)
+    return torch_norm if is_torch_norm else norm
