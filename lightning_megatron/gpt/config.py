@@ -7,7 +7,7 @@ follow Megatron's `TransformerConfig` so that configs read the same as Megatron-
 `norm_epsilon` (Megatron-LM's CLI name, `layernorm_epsilon` on `TransformerConfig`).
 """
 
-import math
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from lightning_megatron.gpt import attention_variants as variants
-from lightning_megatron.gpt.config_checks import check_cuda_graphs, check_recompute
+from lightning_megatron.gpt.config_checks import check_cuda_graphs, check_graph_layout, check_recompute, check_sequence
+from lightning_megatron.gpt.gemma import check_gemma
 from lightning_megatron.gpt.mla import check_mla, check_mla_parallel, mla_fields
 from lightning_megatron.gpt.moe.config import check_moe, check_moe_parallel, moe_layer_pattern
 from lightning_megatron.gpt.plan import Kernels, Resolved
@@ -25,7 +26,7 @@ from lightning_megatron.validation import check_choice, check_positive_int, divi
 
 __all__ = ["ModelConfig", "tiny_gpt"]
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 # ModelConfig fields that TransformerConfig has under the same name. vocab_size, seq_length, position
 # embedding, rotary and tied-embedding settings are GPTModel arguments instead (see gpt_model_kwargs).
@@ -34,7 +35,7 @@ _SAME_NAME_FIELDS = (
     "normalization", "apply_residual_connection_post_layernorm", "hidden_dropout", "attention_dropout",
     "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "qk_layernorm", "init_method_std",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "num_moe_experts", "moe_router_topk",
-    "moe_enable_routing_replay",
+    "moe_enable_routing_replay", "layernorm_zero_centered_gamma",
 )  # fmt: skip
 # MoE fields passed to TransformerConfig under the same name (MoE models only; moe_layer_freq and moe_grouped_gemm
 # are converted).
@@ -96,8 +97,8 @@ class ModelConfig:
     """Add a bias to the QKV projection only (e.g. Qwen2)."""
     gated_linear_unit: bool = True
     """Gated MLP (GLU); with activation='silu' this is SwiGLU, with 'gelu' GeGLU."""
-    activation: Literal["silu", "gelu"] = "silu"
-    """MLP non-linearity."""
+    activation: Literal["silu", "gelu", "gelu_tanh"] = "silu"
+    """MLP non-linearity ('gelu_tanh': GELU's tanh approximation, Gemma's ``gelu_pytorch_tanh``)."""
     qk_layernorm: bool = False
     """Normalize queries and keys per head before attention."""
     share_embeddings_and_output_weights: bool = False
@@ -234,6 +235,14 @@ class ModelConfig:
     """Attention score scale (Megatron's field); None: 1/sqrt(kv_channels). Gemma's query_pre_attn_scalar q: q**-0.5."""
     attn_logit_softcapping: float | None = None
     """``c * tanh(scores / c)`` on the scaled scores (Gemma 2; no Megatron field); None: off. Kernels 'torch' only."""
+    layernorm_zero_centered_gamma: bool = False
+    """RMSNorm gains stored as w and applied as 1 + w (Megatron's field; Gemma's RMSNorm). RMSNorm, not 'te'."""
+    post_sublayer_norms: bool = False
+    """A norm on the output of attention and of the MLP before each residual add (Gemma 2/3); dense layers."""
+    scale_embeddings: bool = False
+    """Multiply the embeddings by sqrt(hidden_size), rounded to their dtype (Gemma)."""
+    local_rotary_base: int | None = None
+    """RoPE base of the sliding-window layers (Gemma 3's rope_local_base_freq; no scaling); None: rotary_base."""
     moe_enable_routing_replay: bool = False
     """Let batches carry the expert routing to use (``batch["routing"]``, e.g. recorded at rollout by
     ``MegatronLMModule.record_routing`` or an inference engine) instead of the router's own top-k (MoE only)."""
@@ -285,15 +294,17 @@ class ModelConfig:
         self._check_moe()
         check_mla(self)
         variants.check_variants(self)
+        check_gemma(self)
 
     @classmethod
     def from_hf(cls, hf_config: Any, **overrides: Any) -> Self:
         """The model of a Hugging Face config (a ``PretrainedConfig``, a config.json dict or a model directory).
 
-        Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2 and Qwen3; mixture of experts
-        Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 (:func:`lightning_megatron.gpt.hf.fields.model_fields`
-        says what maps to what). Keyword arguments override fields; ``seq_length`` defaults to
-        ``max_position_embeddings`` (capped by a sliding attention window).
+        Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text);
+        mixture of experts Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5
+        (:func:`lightning_megatron.gpt.hf.fields.model_fields` says what maps to what). Keyword arguments override
+        fields; ``seq_length`` defaults to ``max_position_embeddings`` (capped by a sliding attention window the
+        family does not build).
         """
         from lightning_megatron.gpt.hf.fields import model_fields
 
@@ -336,6 +347,8 @@ class ModelConfig:
     def activation_fusable(self) -> bool:
         """Whether Megatron has a fused kernel for this MLP activation: SwiGLU, GeGLU and bias+GeLU (plain GeLU
         without a bias has none)."""
+        if self.activation == "gelu_tanh":  # Megatron fuses F.gelu and F.silu only
+            return False
         return self.gated_linear_unit or (self.activation == "gelu" and self.add_bias_linear)
 
     @property
@@ -360,18 +373,8 @@ class ModelConfig:
         check_moe_parallel(self, sizes.ep, sizes.tp, sizes.sequence_parallel)
         check_mla_parallel(self, sizes.tp, sizes.cp)
         variants.check_variants_parallel(self, sizes.cp)
-        self._check_sequence(sizes.tp, sizes.cp, sizes.sequence_parallel)
-        self._check_graph_layout(sizes.pp, sizes.cp)
-
-    def _check_graph_layout(self, pp: int, cp: int) -> None:
-        # Megatron's graphs support both, but with PP its runners rotate per in-flight micro-batch (validation runs
-        # other counts) and CP's document layout is per-batch state: refused until run on GPUs.
-        for name, size in (("pp", pp), ("cp", cp)):
-            if self.cuda_graphs and size > 1:
-                raise ValueError(
-                    f"ModelConfig(cuda_graphs=True) with {name}={size}: CUDA graphs are supported here without "
-                    f"pipeline and context parallelism only; use {name}=1 with cuda_graphs, or cuda_graphs=False"
-                )
+        check_sequence(self, sizes.tp, sizes.cp, sizes.sequence_parallel)
+        check_graph_layout(self, sizes.pp, sizes.cp)
 
     def _check_tensor_split(self, tp: int) -> None:
         heads, groups = self.num_attention_heads, self.effective_num_query_groups
@@ -407,25 +410,6 @@ class ModelConfig:
             raise ValueError(
                 f"recompute_num_layers={n} exceeds the {per_chunk} layers per model chunk with "
                 f"pp={pp}, vpp={vpp}; pick recompute_num_layers among 1..{per_chunk}"
-            )
-
-    def _check_sequence(self, tp: int, cp: int, sequence_parallel: bool) -> None:
-        # SP splits each CP shard over TP; CP load-balancing cuts the sequence into 2*cp chunks.
-        multiple = math.lcm(tp * cp if sequence_parallel else 1, 2 * cp if cp > 1 else 1)
-        if self.seq_length % multiple != 0:
-            raise ValueError(
-                f"seq_length={self.seq_length} must be divisible by {multiple} (tp={tp}, cp={cp}, "
-                f"sequence_parallel={sequence_parallel}); use seq_length={next_multiple(self.seq_length, multiple)}"
-            )
-        if cp > 1 and self.kernels == "local":
-            raise ValueError(
-                f"cp={cp} with kernels='local': Megatron's reference attention (DotProductAttention) asserts cp == 1; "
-                "use kernels='torch' (SDPA with K/V all-gathered over the CP group) or 'auto'"
-            )
-        if cp > 1 and self.moe_enable_routing_replay:
-            raise ValueError(
-                f"cp={cp} with moe_enable_routing_replay=True: recorded routing covers whole rows, and each CP rank "
-                "routes only its chunks of them; use cp=1 with routing replay"
             )
 
     def to_transformer_config(

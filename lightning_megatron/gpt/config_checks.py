@@ -4,9 +4,10 @@ value and what would work."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from lightning_megatron.validation import check_choice
+from lightning_megatron.validation import check_choice, next_multiple
 
 
 def check_recompute(config: Any) -> None:
@@ -53,4 +54,37 @@ def check_cuda_graphs(config: Any) -> None:
         raise ValueError(
             f"cuda_graphs=True with recompute_granularity={config.recompute_granularity!r}: Megatron's graphs of "
             "whole layers do not recompute; use recompute_granularity=None with cuda_graphs, or cuda_graphs=False"
+        )
+
+
+def check_graph_layout(config: Any, pp: int, cp: int) -> None:
+    """Raise ``ValueError`` for CUDA graphs with a layout they are not supported with."""
+    # Megatron's graphs support both, but with PP its runners rotate per in-flight micro-batch (validation runs
+    # other counts) and CP's document layout is per-batch state: refused until run on GPUs.
+    for name, size in (("pp", pp), ("cp", cp)):
+        if config.cuda_graphs and size > 1:
+            raise ValueError(
+                f"ModelConfig(cuda_graphs=True) with {name}={size}: CUDA graphs are supported here without "
+                f"pipeline and context parallelism only; use {name}=1 with cuda_graphs, or cuda_graphs=False"
+            )
+
+
+def check_sequence(config: Any, tp: int, cp: int, sequence_parallel: bool) -> None:
+    """Raise ``ValueError`` for a sequence length or kernel set the TP/CP layout cannot run."""
+    # SP splits each CP shard over TP; CP load-balancing cuts the sequence into 2*cp chunks.
+    multiple = math.lcm(tp * cp if sequence_parallel else 1, 2 * cp if cp > 1 else 1)
+    if config.seq_length % multiple != 0:
+        raise ValueError(
+            f"seq_length={config.seq_length} must be divisible by {multiple} (tp={tp}, cp={cp}, "
+            f"sequence_parallel={sequence_parallel}); use seq_length={next_multiple(config.seq_length, multiple)}"
+        )
+    if cp > 1 and config.kernels == "local":
+        raise ValueError(
+            f"cp={cp} with kernels='local': Megatron's reference attention (DotProductAttention) asserts cp == 1; "
+            "use kernels='torch' (SDPA with K/V all-gathered over the CP group) or 'auto'"
+        )
+    if cp > 1 and config.moe_enable_routing_replay:
+        raise ValueError(
+            f"cp={cp} with moe_enable_routing_replay=True: recorded routing covers whole rows, and each CP rank "
+            "routes only its chunks of them; use cp=1 with routing replay"
         )

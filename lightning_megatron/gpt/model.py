@@ -79,11 +79,11 @@ class GPTModule(MegatronLightningModule):
     ) -> Self:
         """A module initialised from a local HF directory (config.json + safetensors, one file or sharded).
 
-        Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2 and Qwen3; mixture of experts
-        Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 (Multi-Latent Attention) and GLM-4.5. Only config.json and the
-        safetensors headers are read here (names and shapes are checked now, before any process starts); the weights are
-        read when the strategy builds the model, each rank reading only the slices of its tensor-/pipeline-/expert-
-        parallel shard.
+        Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text);
+        mixture of experts Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 (Multi-Latent Attention) and GLM-4.5. Only
+        config.json and the safetensors headers are read here (names and shapes are checked now, before any process
+        starts); the weights are read when the strategy builds the model, each rank reading only the slices of its
+        tensor-/pipeline-/expert-parallel shard.
 
         Args:
             path: the model directory.
@@ -260,6 +260,10 @@ class GPTModule(MegatronLightningModule):
             vp_stage=spec.vp_stage,
             **self.config.gpt_model_kwargs(plan.kernels),
         )
+        if self.config.scale_embeddings and spec.pre_process:
+            from lightning_megatron.gpt.gemma_layers import scale_embeddings
+
+            scale_embeddings(chunk)
         if plan.fused_wgrad and spec.post_process:
             from lightning_megatron.kernels.linear import fuse_lm_head
 

@@ -61,6 +61,10 @@ def layer_spec(
         multi_latent_attention=config.multi_latent_attention,
     )
     spec = with_torch_norms(spec if experts is None else with_moe_parts(spec, fuse_wgrad))
+    if config.post_sublayer_norms:
+        from lightning_megatron.gpt.gemma_layers import POST_NORM_MODULES, with_post_norm_mlp
+
+        spec = with_post_norm_mlp(replace_modules(spec, POST_NORM_MODULES))
     if kernels == "torch":
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -87,7 +91,8 @@ def layer_spec(
 
 def sdp_attention(config: ModelConfig) -> Any:
     """The core attention of the ``'torch'`` kernels: :class:`SDPAttention`, with RoPE inside it for a rope model
-    (not with MLA, which rotates its RoPE slice itself) and the soft-cap of ``attn_logit_softcapping``."""
+    (not with MLA, which rotates its RoPE slice itself; the sliding-window layers with ``local_rotary_base``'s
+    unscaled RoPE when set) and the soft-cap of ``attn_logit_softcapping``."""
     extra: dict[str, Any] = {}
     if config.attn_logit_softcapping is not None:  # no TransformerConfig field: an argument of our module
         extra["softcap"] = config.attn_logit_softcapping
@@ -99,6 +104,8 @@ def sdp_attention(config: ModelConfig) -> Any:
             rope_scaling_factor=config.rope_scaling_factor,
             seq_len_interpolation_factor=config.seq_len_interpolation_factor,
         )
+        if config.local_rotary_base is not None:
+            extra["local_rotary"] = Rotary(rotary_percent=config.rotary_percent, rotary_base=config.local_rotary_base)
     return functools.partial(SDPAttention, **extra) if extra else SDPAttention
 
 

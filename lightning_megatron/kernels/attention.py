@@ -46,7 +46,8 @@ class SDPAttention(MegatronModule):
     the module applies RoPE to query and key first (positions 0..S-1, Megatron's ``RotaryEmbedding`` frequencies).
     Sliding windows (``config.window_size`` on the layers ``window_attn_skip_freq`` picks), attention sinks
     (``config.softmax_type``; the ``softmax_offset`` parameter of Megatron's DotProductAttention) and ``softcap``
-    run through :mod:`lightning_megatron.kernels.variants`.
+    run through :mod:`lightning_megatron.kernels.variants`; ``local_rotary`` replaces ``rotary`` on the
+    sliding-window layers.
     """
 
     def __init__(
@@ -63,6 +64,7 @@ class SDPAttention(MegatronModule):
         k_channels: int | None = None,
         v_channels: int | None = None,
         softcap: float | None = None,
+        local_rotary: Rotary | None = None,
     ) -> None:
         super().__init__(config=config)
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -89,6 +91,9 @@ class SDPAttention(MegatronModule):
         # Megatron's DotProductAttention draws dropout from the model-parallel RNG stream except under SP.
         self.fork_rng = not config.sequence_parallel
         # A plain attribute, not a submodule: no state, and one table for every layer with these settings.
+        # ``local_rotary``: the RoPE of sliding-window layers where it differs (Gemma 3's local base).
+        windowed = self.variant is not None and self.variant.window is not None
+        rotary = local_rotary if windowed and local_rotary is not None else rotary
         self.rope = None if rotary is None else _rope_table(rotary, head_dim)
 
     def forward(

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_megatron.gpt.hf.fields import MEGATRON_LLAMA3_ROPE
 from lightning_megatron.gpt.hf.registry import ARCHITECTURES, described, family_of
+from lightning_megatron.gpt.hf.rope import MEGATRON_LLAMA3_ROPE
 
 if TYPE_CHECKING:
     from lightning_megatron.gpt.config import ModelConfig
@@ -40,16 +40,16 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
         rope_kwargs = {"rope_theta": rope["rope_theta"], "rope_scaling": scaling}
         if family.partial_rope:
             rope_kwargs["partial_rotary_factor"] = config.rotary_percent
-    hf = cls(
+    hidden_act = {"gelu_tanh": "gelu_pytorch_tanh"}.get(config.activation, config.activation)
+    fields = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
         intermediate_size=config.effective_ffn_hidden_size, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.effective_num_query_groups, head_dim=config.effective_kv_channels,
-        hidden_act=config.activation, max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_epsilon,
+        hidden_act=hidden_act, max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_epsilon,
         tie_word_embeddings=config.share_embeddings_and_output_weights, attention_dropout=config.attention_dropout,
         initializer_range=config.init_method_std, architectures=[arch], dtype=dtype,
-        **{**rope_kwargs, **family.hf_config_kwargs(config)},
     )  # fmt: skip
-    return hf.to_dict()
+    return cls(**{**fields, **rope_kwargs, **family.hf_config_kwargs(config)}).to_dict()
 
 
 def check_exportable(config: ModelConfig) -> Family:

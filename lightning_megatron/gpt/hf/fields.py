@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_megatron.gpt.hf.registry import ARCHITECTURES, BY_MODEL_TYPE, family_of_hf
+from lightning_megatron.gpt.hf.rope import rope_fields
 
-# What Megatron's Llama-3 RoPE scaling hard-codes (RotaryEmbedding._apply_scaling); only its factor is a parameter.
-MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# Multimodal architectures whose text model is a supported one (refused with that said).
+TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# HF's hidden_act / hidden_activation -> ModelConfig.activation.
+HF_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def pretrained_config(hf_config: Any) -> Any:
@@ -68,6 +71,11 @@ def architecture(hf_config: Any) -> str:
     cfg = pretrained_config(hf_config)
     names = list(getattr(cfg, "architectures", None) or [])
     name = names[0] if names else BY_MODEL_TYPE.get(getattr(cfg, "model_type", ""), "")
+    if name in TEXT_ONLY:
+        raise ValueError(
+            f"architecture {name!r} (vision tower + language model) is not supported: import of its text model alone "
+            f"is not implemented yet; a {TEXT_ONLY[name]} checkpoint (text only) imports"
+        )
     if name not in ARCHITECTURES:
         raise ValueError(_unsupported(f"architecture {name or cfg.model_type!r}"))
     return name
@@ -86,8 +94,11 @@ def model_fields(hf_config: Any, *, seq_length: int | None = None) -> dict[str, 
     for flag in ("mlp_bias",) if family.qkv_attention_bias else ("attention_bias", "mlp_bias"):
         if getattr(cfg, flag, False):
             raise ValueError(f"{arch} with {flag}=True is not supported (only q/k/v biases are)")
-    if cfg.hidden_act not in ("silu", "gelu"):
-        raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported; 'silu' or 'gelu'")
+    # Gemma's configs name it hidden_activation (their hidden_act, if any, is not what the model runs).
+    act_name = "hidden_activation" if getattr(cfg, "hidden_activation", None) else "hidden_act"
+    act = getattr(cfg, act_name)
+    if act not in HF_ACTIVATIONS:
+        raise ValueError(f"{act_name}={act!r} is not supported; one of {', '.join(map(repr, HF_ACTIVATIONS))}")
     return {
         "num_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
@@ -96,22 +107,22 @@ def model_fields(hf_config: Any, *, seq_length: int | None = None) -> dict[str, 
         "kv_channels": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         "ffn_hidden_size": cfg.intermediate_size,
         "vocab_size": cfg.vocab_size,
-        "seq_length": _seq_length(cfg, seq_length),
+        "seq_length": _seq_length(cfg, seq_length, windowed=family.windowed),
         "normalization": "RMSNorm",
         "norm_epsilon": float(cfg.rms_norm_eps),
-        "activation": cfg.hidden_act,
+        "activation": HF_ACTIVATIONS[act],
         "gated_linear_unit": True,
         "add_bias_linear": False,
         "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings),
         "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0)),
         "init_method_std": float(getattr(cfg, "initializer_range", 0.02)),
-        **({} if family.own_rope else _rope_fields(cfg, partial=family.partial_rope)),
+        **({} if family.own_rope else rope_fields(cfg, partial=family.partial_rope)),
         **family.fields(cfg),
     }
 
 
-def _seq_length(cfg: Any, requested: int | None) -> int:
-    window = getattr(cfg, "sliding_window", None)
+def _seq_length(cfg: Any, requested: int | None, *, windowed: bool = False) -> int:
+    window = None if windowed else getattr(cfg, "sliding_window", None)  # windowed: built as window_size
     if cfg.model_type.startswith("qwen") and not getattr(cfg, "use_sliding_window", False):
         window = None  # Qwen configs carry a window size that only applies with use_sliding_window
     if requested is None:
@@ -123,32 +134,3 @@ def _seq_length(cfg: Any, requested: int | None) -> int:
             f"use seq_length <= {window}"
         )
     return requested
-
-
-def _rope_fields(cfg: Any, *, partial: bool) -> dict[str, Any]:
-    """RoPE fields; ``partial``: the family's attention rotates the first ``partial_rotary_factor`` of each head
-    (rotate-half, frequencies over those dims: Megatron's ``rotary_percent``), which others do not honour."""
-    params = dict(getattr(cfg, "rope_parameters", None) or {})
-    if not params:  # transformers < 5: rope_theta and rope_scaling
-        params = {**(getattr(cfg, "rope_scaling", None) or {}), "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
-    factor = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
-    if factor != 1.0 and not (partial and 0.0 < factor < 1.0):
-        raise ValueError(f"partial_rotary_factor={factor} is not supported for {type(cfg).__name__}")
-    theta = float(params.get("rope_theta", 10000.0))
-    if not theta.is_integer():
-        raise ValueError(f"rope_theta={theta} is not an integer; ModelConfig.rotary_base is an int")
-    fields: dict[str, Any] = {"rotary_base": int(theta), **({"rotary_percent": factor} if factor != 1.0 else {})}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return fields
-    if rope_type == "linear":
-        return {**fields, "seq_len_interpolation_factor": float(params["factor"])}
-    if rope_type == "llama3":
-        differ = {k: params.get(k) for k, v in MEGATRON_LLAMA3_ROPE.items() if float(params.get(k, v)) != v}
-        if differ:
-            raise ValueError(
-                f"llama3 RoPE scaling with {differ} is not supported: Megatron's implementation fixes "
-                f"{MEGATRON_LLAMA3_ROPE}"
-            )
-        return {**fields, "rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
-    raise ValueError(f"rope_type={rope_type!r} is not supported; supported: 'default', 'linear', 'llama3'")

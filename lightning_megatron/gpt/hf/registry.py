@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_megatron.gpt.hf.families.base import Family
 from lightning_megatron.gpt.hf.families.deepseek_v3 import DeepseekV3
+from lightning_megatron.gpt.hf.families.gemma3 import Gemma3
 from lightning_megatron.gpt.hf.families.glm4_moe import Glm4Moe
 from lightning_megatron.gpt.hf.families.llama import Llama
 from lightning_megatron.gpt.hf.families.mixtral import Mixtral
@@ -18,7 +19,7 @@ from lightning_megatron.gpt.hf.families.qwen3_moe import Qwen3MoE
 from lightning_megatron.gpt.hf.params import ModelShape
 
 FAMILIES: tuple[Family, ...] = (
-    Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral(), DeepseekV3(), Glm4Moe()
+    Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral(), DeepseekV3(), Glm4Moe(), Gemma3()
 )  # fmt: skip
 ARCHITECTURES: tuple[str, ...] = tuple(arch for family in FAMILIES for arch in family.architectures)
 BY_ARCHITECTURE: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
@@ -36,8 +37,14 @@ def family_of_hf(architecture: str) -> Family:
 
 def family_of(config: ModelShape) -> Family | None:
     """The family whose HF architecture holds a model of ``config`` (None: no HF architecture here does)."""
-    mla = bool(getattr(config, "multi_latent_attention", False))
-    found = [family for family in FAMILIES if family.latent_attention == mla and family.matches(config)]
+    from lightning_megatron.gpt.gemma import gemma_layout
+
+    mla, gemma = bool(getattr(config, "multi_latent_attention", False)), gemma_layout(config)
+    found = [
+        family
+        for family in FAMILIES
+        if family.latent_attention == mla and family.gemma_layout == gemma and family.matches(config)
+    ]
     assert len(found) <= 1, f"families overlap: {found}"
     return found[0] if found else None
 

@@ -38,6 +38,11 @@ class Family:
     qkv_attention_bias: ClassVar[bool] = False
     """Whether HF's ``attention_bias`` means q/k/v biases only (mapped by :meth:`fields`); elsewhere it also puts a
     bias on ``o_proj``, which Megatron's attention does not have, and is refused."""
+    windowed: ClassVar[bool] = False
+    """Whether :meth:`fields` maps HF's ``sliding_window`` to ``window_size``; elsewhere a window caps seq_length."""
+    gemma_layout: ClassVar[bool] = False
+    """Whether the family's models have Gemma's settings (:func:`lightning_megatron.gpt.gemma.gemma_layout`); only
+    such families hold such models."""
     sigmoid_router: ClassVar[bool] = False
     """Whether the family's router is DeepSeek-V3's sigmoid router (expert bias, groups, scaling factor); elsewhere
     those router settings are refused on export."""
