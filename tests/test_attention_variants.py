@@ -254,3 +254,14 @@ def test_flex_variants_match_the_reference(variant: str, packed: bool) -> None:
     grads = torch.autograd.grad(got.float().square().sum(), inputs)
     for g, w in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(g.float(), w.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_local_kernels_with_variants_are_refused_on_cpu() -> None:
+    """Megatron's local attention builds its window mask and sink parameter on the GPU: on CPU the plan refuses it,
+    naming the kernels that work there."""
+    from lightning_megatron.gpt.plan import KernelPlan
+
+    config = tiny_gpt(window_size=(3, 0), kernels="local")
+    with pytest.raises(ValueError, match=r"kernels='local'\) with attention variants .* use kernels='torch'"):
+        KernelPlan.resolve(config, "cpu")
+    assert KernelPlan.resolve(tiny_gpt(window_size=(3, 0)), "cpu").kernels == "torch"

@@ -134,7 +134,10 @@ CASES = [
         lambda: tiny_gpt(hidden_dropout=1.0), ValueError, r"hidden_dropout=1\.0 must be in \[0, 1\)", id="dropout"
     ),
     pytest.param(
-        lambda: tiny_gpt(activation="relu"), ValueError, r"activation='relu'.*\['silu', 'gelu'\]", id="activation"
+        lambda: tiny_gpt(activation="relu"),
+        ValueError,
+        r"activation='relu'.*\['silu', 'gelu', 'gelu_tanh'\]",
+        id="activation",
     ),
     pytest.param(
         lambda: tiny_gpt(num_moe_experts=4, moe_router_topk=8),

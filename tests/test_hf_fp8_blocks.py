@@ -288,3 +288,10 @@ KEPT = UNCONVERTED + ".weight"
 def test_inconsistent_fp8_files_are_refused(files: dict, match: str, models: dict, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=match):
         open_pretrained(_tampered(models, tmp_path, {}, **files))
+
+
+def test_adapters_take_no_weight_format() -> None:
+    from lightning_megatron import MegatronLMModule, tiny_gpt
+
+    with pytest.raises(ValueError, match=r"adapter=True, weight_format='fp8_block'\): adapters are written in dtype"):
+        MegatronLMModule(tiny_gpt()).save_hf("unused", adapter=True, weight_format="fp8_block")

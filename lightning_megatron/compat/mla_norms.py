@@ -24,7 +24,8 @@ class DirectQueryNorms:
     def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
         config = self.config
         standalone = submodules.kv_layernorm not in (None, IdentityOp)
-        if config.q_lora_rank is not None or not config.qk_layernorm or not standalone:
+        l2 = getattr(config, "qk_l2_norm", False)  # Megatron refuses it for MLA: its resolver says so
+        if config.q_lora_rank is not None or not config.qk_layernorm or not standalone or l2:
             return super()._resolve_qk_norm_config(submodules)  # type: ignore[misc]
         return {
             "linear_q_proj": submodules.linear_q_proj or ColumnParallelLinear,

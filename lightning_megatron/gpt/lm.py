@@ -119,10 +119,10 @@ class MegatronLMModule(GPTModule):
         """Collective: write an HF model directory that ``AutoModelForCausalLM.from_pretrained(path)`` loads.
 
         Rank 0 writes config.json (the one :meth:`from_hf` read, with ``dtype`` updated; else generated in the family
-        that holds the model: Llama, Qwen2 for q/k/v biases, Qwen3 for q/k norms; with experts Qwen3-MoE, Qwen2-MoE,
-        Mixtral, GLM-4.5 or DeepSeek-V3), the safetensors (``max_shard_size`` bytes per file, with an index when
-        there are several) and, from an HF source directory, its tokenizer and generation files. ``dtype`` (default:
-        the parameters' dtype) is the dtype of the written tensors. With LoRA the weights are merged (base +
+        that holds the model: Llama, Qwen2 for q/k/v biases, Qwen3 for q/k norms, Gemma 3; with experts Qwen3-MoE,
+        Qwen2-MoE, Mixtral, GLM-4.5 or DeepSeek-V3), the safetensors (``max_shard_size`` bytes per file, with an index
+        when there are several) and, from an HF source directory, its tokenizer and generation files. ``dtype``
+        (default: the parameters' dtype) is the dtype of the written tensors. With LoRA the weights are merged (base +
         adapters); ``adapter=True`` writes the adapters alone as a PEFT adapter directory instead
         (``adapter_config.json`` + ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(base, path)``
         loads.
@@ -133,6 +133,11 @@ class MegatronLMModule(GPTModule):
         """
         from lightning_megatron.gpt.hf.export import save_pretrained
 
+        if adapter and weight_format != "float":
+            raise ValueError(
+                f"save_hf(adapter=True, weight_format={weight_format!r}): adapters are written in dtype; "
+                "weight_format applies to the model's weights (adapter=False)"
+            )
         if adapter:
             from lightning_megatron.gpt.hf.peft import save_adapter
 

@@ -185,6 +185,11 @@ class KernelPlan:
             kernels = "torch"
         if config.attention_variants and config.kernels == "auto":  # our block-sparse windows, sinks, soft-capping
             kernels = "torch"
+        if config.attention_variants and kernels == "local" and device_type != "cuda":
+            raise ValueError(  # Megatron's local attention builds its window mask and sink parameter on the GPU
+                "ModelConfig(kernels='local') with attention variants (window_size, softmax_type, ...) needs a GPU; "
+                "use kernels='torch' or 'auto' on CPU"
+            )
         check_grouped_gemm(config.moe_grouped_gemm, device_type)
         return cls(
             kernels=kernels,
