@@ -23,7 +23,9 @@
 #   headline  the README's headline rows from the checked-out (clean) commit: 1B variants a,b,a,b, then fp8 e4m3 with
 #             CUDA graphs against bf16 with CUDA graphs (~7 min)
 #   ema_update  the EMA update alone (eager, compiled, offloaded) and the GPU weight-averaging tests (~2 min)
-#   mla       moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's Multi-Latent Attention), variant a (~3 min)
+#   mla       the GPU test of the attention variants (FlexAttention windows, sinks, soft-capping against the
+#             reference), then moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's Multi-Latent Attention),
+#             variant a (~4 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -69,6 +71,8 @@ ema_update)
     tail -3 "$out/$section.log"
     ;;
 mla)
+    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_attention_variants.py >"$out/$section.log" 2>&1
+    tail -3 "$out/$section.log"
     tp --shape moe1b --variants a
     tp --shape mla_moe1b --variants a
     ;;

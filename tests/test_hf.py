@@ -41,6 +41,13 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                                                              "rope_theta": 10000.0}}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),  # head_dim != hidden / heads
+    # Sliding (window 4 of the 16 tokens) and full layers, each with its RoPE base; post norms, (1 + w) gains.
+    "gemma3": ("Gemma3TextConfig", {"num_hidden_layers": 4, "head_dim": 16, "query_pre_attn_scalar": 24,
+                                    "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                                    "rope_parameters": {"sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10000.0},
+                                                        "full_attention": {"rope_type": "linear",
+                                                                           "rope_theta": 500.0, "factor": 2.0}}}),
 }  # fmt: skip
 
 
@@ -227,7 +234,8 @@ def test_family_adapter_converts_whole_state_dicts(arch: str, one_process: dict,
     that matches transformers' logits: from_hf of the HF file is its state dict, to_hf of its state dict the file."""
     module = one_process[arch]["module"]
     adapter = family(module.config)
-    assert type(adapter).__name__ == {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+    families = {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3": "Gemma3"}
+    assert type(adapter).__name__ == families[arch]
     original = load_file(models[arch] / "model.safetensors")
     params = {name: p.detach() for name, p in module.chunks[0].named_parameters()}
     converted = adapter.from_hf(original, module.config)
@@ -308,6 +316,8 @@ JOBS = {
     "mistral_pp2": {"arch": "mistral", "pp": 2},
     "qwen2_pp2": {"arch": "qwen2", "pp": 2},  # tied embeddings: the last stage holds a copy
     "qwen3_pp2": {"arch": "qwen3", "pp": 2},
+    "gemma3_tp2": {"arch": "gemma3", "tp": 2, "packed": True},  # windows inside documents, split over TP
+    "gemma3_pp2": {"arch": "gemma3", "pp": 2},  # tied embeddings, a sliding and a full layer per stage
     "llama_tp2_trained": {"arch": "llama", "tp": 2, "train_steps": 2},
     # LoRA on the frozen HF weights: the same adapters (seeded) and curve at every layout
     "llama_tp2_sp_lora_trained": {"arch": "llama", "tp": 2, "sp": True, "train_steps": 3, "lora": LORA},
