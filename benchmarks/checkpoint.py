@@ -40,7 +40,7 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: benchmarks.*
-from benchmarks.tables import VOCAB, llama_parameters  # noqa: E402
+from benchmarks.table_rows import VOCAB, llama_parameters  # noqa: E402
 
 SHAPES = {
     "tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128),

@@ -128,37 +128,37 @@ def test_every_table_names_date_commit_and_device() -> None:
 
 
 def test_a_row_names_its_device_and_commit() -> None:
-    from benchmarks import tables
+    from benchmarks import table_rows
 
-    assert tables.Row({"gpu": "NVIDIA H100 80GB HBM3"}, "2026-01-01-h200-x.jsonl", 1).device == "H100"
-    assert tables.Row({}, "2026-01-01-h200x2-x.jsonl", 1).device == "H200"
-    assert tables.Row({"device": "cpu"}, "2026-01-01-cpu-x.jsonl", 1).device == "CPU"
-    assert tables.Row({"commit": "abc1234+uncommitted"}, "f", 1).commit == "abc1234+uncommitted"
-    assert tables.Row({"code": "landed (ce9370d)"}, "f", 1).commit == "ce9370d"
-    assert tables.Row({}, "f", 1).commit == ""
+    assert table_rows.Row({"gpu": "NVIDIA H100 80GB HBM3"}, "2026-01-01-h200-x.jsonl", 1).device == "H100"
+    assert table_rows.Row({}, "2026-01-01-h200x2-x.jsonl", 1).device == "H200"
+    assert table_rows.Row({"device": "cpu"}, "2026-01-01-cpu-x.jsonl", 1).device == "CPU"
+    assert table_rows.Row({"commit": "abc1234+uncommitted"}, "f", 1).commit == "abc1234+uncommitted"
+    assert table_rows.Row({"code": "landed (ce9370d)"}, "f", 1).commit == "ce9370d"
+    assert table_rows.Row({}, "f", 1).commit == ""
 
 
 def test_tables_count_as_the_package() -> None:
-    from benchmarks import tables
+    from benchmarks import table_rows
     from lightning_megatron.parallel.counts import model_flops_per_token
 
-    assert tables.flops_per_token(900, 100, 16, 2048, 2048) == model_flops_per_token(900, 100, 16, 2048, 2048)
-    total, n = tables.llama_parameters(**tables.SHAPES["1b"])
+    assert table_rows.flops_per_token(900, 100, 16, 2048, 2048) == model_flops_per_token(900, 100, 16, 2048, 2048)
+    total, n = table_rows.llama_parameters(**table_rows.SHAPES["1b"])
     assert total == 953_223_168  # what throughput.py's 1.0B rows record as params
     assert n == total - 32000 * 2048
-    assert tables.llama_parameters(**tables.SHAPES["1b"], tied=True) == (n, n)
-    assert tables.llama_parameters(**tables.SHAPES["125m"])[0] == 134_105_856
-    assert tables.llama_parameters(**tables.SHAPES["3b"])[0] == 3_141_172_224
+    assert table_rows.llama_parameters(**table_rows.SHAPES["1b"], tied=True) == (n, n)
+    assert table_rows.llama_parameters(**table_rows.SHAPES["125m"])[0] == 134_105_856
+    assert table_rows.llama_parameters(**table_rows.SHAPES["3b"])[0] == 3_141_172_224
     row = {"shape": "1b", "seq": 2048, "tokens_per_s": 85_072, "params": total}
-    assert tables.standard_mfu(row) == pytest.approx(0.4928, abs=1e-4)  # N = params - V x H
-    assert tables.standard_mfu({**row, "flops_params": n, "flops_frozen_params": 0}) == tables.standard_mfu(row)
+    assert table_rows.standard_mfu(row) == pytest.approx(0.4928, abs=1e-4)  # N = params - V x H
+    assert table_rows.standard_mfu({**row, "flops_params": n, "flops_frozen_params": 0}) == table_rows.standard_mfu(row)
 
 
 def test_checkpoint_tables_take_each_mode_from_its_newest_run_against_that_runs_disk() -> None:
-    from benchmarks import tables
+    from benchmarks import table_checkpoints, table_rows
 
-    def row(file: str, **data: object) -> tables.Row:
-        return tables.Row({"shape": "1b", "checkpoint_bytes": 10e9, **data}, file, 1)
+    def row(file: str, **data: object) -> table_rows.Row:
+        return table_rows.Row({"shape": "1b", "checkpoint_bytes": 10e9, **data}, file, 1)
 
     old, new = "2026-01-01-h100-checkpoint-1b-a.jsonl", "2026-01-02-h100-checkpoint-1b-a.jsonl"
     found = [
@@ -168,22 +168,22 @@ def test_checkpoint_tables_take_each_mode_from_its_newest_run_against_that_runs_
         row(new, mode="async", save=0, save_blocked_s=0.3, published_after_s=6.0),
         row(new, mode="disk", disk_write_gb_s=0.5, disk_read_gb_s=1.0),
     ]
-    lines = [line for line in tables.checkpoint_table(found) if line.startswith("| 1b |")]
+    lines = [line for line in table_checkpoints.checkpoint_table(found) if line.startswith("| 1b |")]
     assert [line.split(" | ")[1] for line in lines] == ["sync", "async"]
     assert "| 2.00 | 2026-01-01 |" in lines[0]  # 20 s against 10 GB at 1 GB/s
     assert "| 0.30 | 2026-01-02 |" in lines[1]  # 6 s against 10 GB at 0.5 GB/s: the newer run's own disk
 
 
 def test_checkpoint_tables_measure_a_save_against_the_mean_of_its_runs_disk_probes() -> None:
-    from benchmarks import tables
+    from benchmarks import table_checkpoints, table_rows
 
     file = "2026-01-02-h100-checkpoint-1b-a.jsonl"
     found = [
-        tables.Row({"shape": "1b", "mode": "disk", "probe": "before", "disk_write_gb_s": 2.0}, file, 1),
-        tables.Row({"shape": "1b", "checkpoint_bytes": 10e9, "mode": "sync", "published_after_s": 7.2}, file, 2),
-        tables.Row({"shape": "1b", "mode": "disk", "probe": "after", "disk_write_gb_s": 1.0}, file, 3),
+        table_rows.Row({"shape": "1b", "mode": "disk", "probe": "before", "disk_write_gb_s": 2.0}, file, 1),
+        table_rows.Row({"shape": "1b", "checkpoint_bytes": 10e9, "mode": "sync", "published_after_s": 7.2}, file, 2),
+        table_rows.Row({"shape": "1b", "mode": "disk", "probe": "after", "disk_write_gb_s": 1.0}, file, 3),
     ]
-    table = tables.checkpoint_table(found)
+    table = table_checkpoints.checkpoint_table(found)
     [line] = [line for line in table if line.startswith("| 1b |")]
     assert "| 1.08 | 2026-01-02 |" in line  # 7.2 s against 10 GB at 1.5 GB/s (6.67 s), not at 2.0 or 1.0 GB/s
     assert any(line.startswith("| 1b-a | 2.00 (before), 1.00 (after) |") for line in table)  # the disk table
@@ -206,7 +206,7 @@ def test_a_file_with_a_time_is_the_latest_of_its_date_and_moe_rows_pair_with_the
 ) -> None:
     import json
 
-    from benchmarks import tables
+    from benchmarks import table_rows, table_throughput
 
     def line(shape: str, tokens: int, **extra: object) -> str:
         data = {"variant": "lightning_megatron", "shape": shape, "seq": 2048, "micro_batch": "4x2", "kernels": "auto"}
@@ -216,11 +216,11 @@ def test_a_file_with_a_time_is_the_latest_of_its_date_and_moe_rows_pair_with_the
     (tmp_path / "2026-01-01-h100-moe.jsonl").write_text(line("1b", 100) + line("moe1b", 60, **moe))
     (tmp_path / "2026-01-01T0930-h100-headline.jsonl").write_text(line("1b", 110))
     (tmp_path / "2026-01-01-h100-zzz.jsonl").write_text(line("qwen3moe", 90, num_layers=4, **moe))
-    found = list(tables.rows(tmp_path))
+    found = list(table_rows.rows(tmp_path))
     assert [row.device for row in found] == ["H100"] * 4
-    latest = tables.throughput(found).latest.values()
+    latest = table_rows.throughput(found).latest.values()
     assert [r.data["tokens_per_s"] for r in latest if r.data["shape"] == "1b"] == [110]  # the timed file: after
-    table = tables.moe_against_dense_table(found)
+    table = table_throughput.moe_against_dense_table(found)
     assert "moe1b" in table[-2]
     assert "| 60 | 100 | 0.60x |" in table[-2]
     assert not [line for line in table if "qwen3moe" in line]  # 4 layers and no dense row of its call: no ratio
