@@ -135,7 +135,6 @@ def test_gemma_configs_have_exactly_one_family(model_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
         ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
         ({"hidden_activation": "relu"}, "hidden_activation='relu'"),
@@ -145,6 +144,7 @@ def test_gemma_configs_have_exactly_one_family(model_path: Path) -> None:
 )
 def test_unsupported_gemma_settings_are_named(model_path: Path, change: dict, match: str) -> None:
     config = json.loads((model_path / "config.json").read_text())
+    assert ModelConfig.from_hf({**config, "final_logit_softcapping": 30.0}).final_logit_softcapping == 30.0
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**config, **change})
 
@@ -188,3 +188,42 @@ def test_training_follows_transformers_and_adamw(model_path: Path) -> None:
     )
     assert len(set(want)) == 3
     assert got == pytest.approx(want, rel=1e-4)
+
+
+# Gemma 2: no q/k norms, one RoPE, soft-capped attention scores and output logits (caps small enough to bite).
+GEMMA2 = {
+    **{k: v for k, v in BASE.items() if k != "rope_parameters"},
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "attn_logit_softcapping": 2.0,
+    "final_logit_softcapping": 3.0,
+}
+
+
+def test_gemma2_matches_transformers_with_both_softcaps(tokens: torch.Tensor, tmp_path: Path) -> None:
+    """Logits, loss and log-probs (all after the final logit soft-capping) equal transformers'; the export loads in
+    transformers with our logits; without the caps the logits would differ (the caps bite)."""
+    config = transformers.Gemma2Config(**GEMMA2)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        for tensor in (t for t in model.parameters() if t.ndim == 1):
+            tensor.copy_(torch.randn_like(tensor) * 0.3)
+    model.save_pretrained(tmp_path / "gemma2")
+    ours = ModelConfig.from_hf(tmp_path / "gemma2", seq_length=SEQ)
+    assert type(family(ours)).__name__ == "Gemma2"
+    assert (ours.attn_logit_softcapping, ours.final_logit_softcapping, ours.qk_layernorm) == (2.0, 3.0, False)
+    assert ours.local_rotary_base is None
+    module = MegatronLMModule.from_hf(tmp_path / "gemma2", seq_length=SEQ)
+    export = Export(tmp_path / "saved")
+    loader = DataLoader(tokens, batch_size=4)
+    logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
+    val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+    module.prediction = "logprobs"
+    logprobs = torch.cat([p["logprobs"] for p in _trainer().predict(module, loader)])
+    want_logits, want_loss, want_logprobs = hf_forward(tmp_path / "gemma2", tokens)
+    assert want_logits.abs().max() <= 3.0  # capped
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert val_loss == pytest.approx(want_loss, rel=1e-5)
+    torch.testing.assert_close(logprobs[:, : SEQ - 1], want_logprobs, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(hf_forward(export.path, tokens)[0], logits, rtol=1e-4, atol=1e-4)
+    assert json.loads((export.path / "config.json").read_text())["final_logit_softcapping"] == 3.0

@@ -241,6 +241,8 @@ class ModelConfig:
     """A norm on the output of attention and of the MLP before each residual add (Gemma 2/3); dense layers."""
     scale_embeddings: bool = False
     """Multiply the embeddings by sqrt(hidden_size), rounded to their dtype (Gemma)."""
+    final_logit_softcapping: float | None = None
+    """``c * tanh(logits / c)`` on the output logits, before the loss, log-probs and predictions (Gemma 2)."""
     local_rotary_base: int | None = None
     """RoPE base of the sliding-window layers (Gemma 3's rope_local_base_freq; no scaling); None: rotary_base."""
     moe_enable_routing_replay: bool = False

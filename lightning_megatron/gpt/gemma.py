@@ -1,5 +1,6 @@
 """Gemma's decoder settings -- RMSNorm gains stored zero-centred, norms after attention and after the MLP,
-embeddings scaled by sqrt(hidden_size), a RoPE base of the sliding-window layers of their own -- checked before
+embeddings scaled by sqrt(hidden_size), a RoPE base of the sliding-window layers of their own, soft-capped output
+logits -- checked before
 anything is built. The modules are in :mod:`lightning_megatron.gpt.gemma_layers`. This module reads a config
 through :class:`GemmaRequest` (it imports no config)."""
 
@@ -23,6 +24,7 @@ class GemmaRequest(Protocol):
     post_sublayer_norms: bool
     scale_embeddings: bool
     local_rotary_base: int | None
+    final_logit_softcapping: float | None
 
 
 def gemma_layout(config: GemmaRequest) -> bool:
@@ -40,6 +42,9 @@ def check_gemma(config: GemmaRequest) -> None:
             f"layernorm_zero_centered_gamma=True with normalization={config.normalization!r}: the zero-centred "
             "gain (1 + w) is built for RMSNorm only"
         )
+    cap = config.final_logit_softcapping
+    if cap is not None and not (isinstance(cap, int | float) and cap > 0):
+        raise ValueError(f"final_logit_softcapping={cap!r} must be > 0 (Gemma 2: 30.0), or None for no capping")
     if not gemma_layout(config):
         return
     on = [name for name in ("layernorm_zero_centered_gamma", "post_sublayer_norms") if getattr(config, name)]

@@ -71,3 +71,15 @@ def scale_embeddings(chunk: nn.Module) -> None:
         return output * torch.tensor(scale, dtype=output.dtype, device=output.device)
 
     chunk.embedding.register_forward_hook(hook)
+
+
+def softcap_logits(chunk: nn.Module, cap: float) -> None:
+    """``cap * tanh(logits / cap)`` on the output layer of a last-stage ``GPTModel`` chunk (Gemma 2's final logit
+    soft-capping): elementwise, so each tensor-parallel rank caps its vocabulary shard, before the loss, the
+    log-probs and the predictions read the logits."""
+
+    def hook(module: nn.Module, args: Any, output: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor | None]:
+        logits, bias = output
+        return torch.tanh(logits / cap) * cap, bias
+
+    chunk.output_layer.register_forward_hook(hook)

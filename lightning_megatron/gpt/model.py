@@ -264,6 +264,10 @@ class GPTModule(MegatronLightningModule):
             from lightning_megatron.gpt.gemma_layers import scale_embeddings
 
             scale_embeddings(chunk)
+        if self.config.final_logit_softcapping is not None and spec.post_process:
+            from lightning_megatron.gpt.gemma_layers import softcap_logits
+
+            softcap_logits(chunk, self.config.final_logit_softcapping)
         if plan.fused_wgrad and spec.post_process:
             from lightning_megatron.kernels.linear import fuse_lm_head
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_megatron.gpt.hf.families.base import Family
 from lightning_megatron.gpt.hf.families.deepseek_v3 import DeepseekV3
+from lightning_megatron.gpt.hf.families.gemma2 import Gemma2
 from lightning_megatron.gpt.hf.families.gemma3 import Gemma3
 from lightning_megatron.gpt.hf.families.glm4_moe import Glm4Moe
 from lightning_megatron.gpt.hf.families.llama import Llama
@@ -19,7 +20,7 @@ from lightning_megatron.gpt.hf.families.qwen3_moe import Qwen3MoE
 from lightning_megatron.gpt.hf.params import ModelShape
 
 FAMILIES: tuple[Family, ...] = (
-    Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral(), DeepseekV3(), Glm4Moe(), Gemma3()
+    Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral(), DeepseekV3(), Glm4Moe(), Gemma3(), Gemma2()
 )  # fmt: skip
 ARCHITECTURES: tuple[str, ...] = tuple(arch for family in FAMILIES for arch in family.architectures)
 BY_ARCHITECTURE: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}

@@ -31,26 +31,37 @@ class Gemma3(Family):
     windowed = True
     gemma_layout = True
 
+    unsupported: tuple[str, ...] = ("use_bidirectional_attention", "attn_logit_softcapping")
+    """HF settings refused (transformers' Gemma 3 attention does not apply attn_logit_softcapping: mapping it
+    would change the model)."""
+    qk_norms = True
+
     def fields(self, hf: Any) -> dict[str, Any]:
-        # transformers' Gemma 3 attention does not apply attn_logit_softcapping: mapping it would change the model.
-        for name in ("use_bidirectional_attention", "final_logit_softcapping", "attn_logit_softcapping"):
+        arch = self.architectures[0]
+        for name in self.unsupported:
             if getattr(hf, name, None):
-                raise ValueError(f"{ARCH} with {name}={getattr(hf, name)!r} is not supported")
+                raise ValueError(f"{arch} with {name}={getattr(hf, name)!r} is not supported")
         kinds = list(hf.layer_types)
         if set(kinds) - set(LAYER_TYPES):
-            raise ValueError(f"{ARCH} with layer_types={kinds!r}: only {list(LAYER_TYPES)} are supported")
+            raise ValueError(f"{arch} with layer_types={kinds!r}: only {list(LAYER_TYPES)} are supported")
         windowed = [LAYER_TYPES[kind] for kind in kinds]
+        cap = getattr(hf, "final_logit_softcapping", None)
         fields: dict[str, Any] = {
-            "add_qkv_bias": False, "qk_layernorm": True, "layernorm_zero_centered_gamma": True,
+            "add_qkv_bias": False, "qk_layernorm": self.qk_norms, "layernorm_zero_centered_gamma": True,
             "post_sublayer_norms": True, "scale_embeddings": True,
             "softmax_scale": float(hf.query_pre_attn_scalar) ** -0.5,
+            "final_logit_softcapping": float(cap) if cap else None,
             **_rope(hf),
         }  # fmt: skip
         if any(windowed):
             fields["window_size"] = (int(hf.sliding_window) - 1, 0)
             fields["window_attn_skip_freq"] = None if all(windowed) else tuple(windowed)
-            fields["local_rotary_base"] = _local_base(hf)
+            fields.update(self.window_rope(hf))
         return fields
+
+    def window_rope(self, hf: Any) -> dict[str, Any]:
+        """The sliding layers' own RoPE base (Gemma 3's second ``rope_parameters`` entry)."""
+        return {"local_rotary_base": _local_base(hf)}
 
     def matches(self, c: ModelShape) -> bool:
         gemma = all(getattr(c, name, False) for name in ("layernorm_zero_centered_gamma", "post_sublayer_norms"))
@@ -72,7 +83,7 @@ class Gemma3(Family):
             "layer_types": [("sliding_attention" if w else "full_attention") for w in window_layers(c)],
             "sliding_window": c.window_size[0] + 1 if c.window_size is not None else c.seq_length,
             "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar,
-            "final_logit_softcapping": None,
+            "final_logit_softcapping": c.final_logit_softcapping,
             "rope_parameters": {
                 "full_attention": full,
                 "sliding_attention": {"rope_type": "default", "rope_theta": local},
