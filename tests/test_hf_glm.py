@@ -193,6 +193,8 @@ def test_mtp_layers_are_skipped_with_one_warning(one_process: dict, models: dict
     assert "Glm4MoeForCausalLM: skipping num_nextn_predict_layers=1" in warning
     assert "model.layers.3..3" in warning
     assert any(n.startswith("model.layers.3.") for n in load_file(models["qk_norm"] / "model.safetensors"))
+    written = json.loads((one_process["qk_norm"]["export"].path / "config.json").read_text())
+    assert written["num_nextn_predict_layers"] == 0  # the export holds no MTP layer
     copy = shutil.copytree(models["qk_norm"], tmp_path / "no_mtp")
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
@@ -285,3 +287,21 @@ def test_training_follows_transformers_and_adamw(name: str, models: dict) -> Non
     assert got == pytest.approx(want, rel=1e-4)
     bias = module.chunks[0].decoder.layers[1].mlp.router.expert_bias
     assert torch.equal(bias, model.model.layers[1].mlp.gate.e_score_correction_bias)  # as loaded, on both sides
+
+
+def test_a_bf16_export_keeps_the_correction_bias_in_float32(models: dict[str, Path], tokens: torch.Tensor,
+                                                             tmp_path: Path) -> None:  # fmt: skip
+    """As the HF checkpoints and transformers keep it: it only ranks experts, by differences bf16 would round."""
+    import lightning as L
+
+    class Save(L.Callback):
+        def on_predict_end(self, trainer: L.Trainer, module: MegatronLMModule) -> None:  # type: ignore[override]
+            module.save_hf(tmp_path / "bf16", dtype=torch.bfloat16)
+
+    module = MegatronLMModule.from_hf(models["plain"], seq_length=SEQ)
+    _trainer(callbacks=[Save()]).predict(module, DataLoader(tokens, batch_size=4))
+    written = load_file(tmp_path / "bf16" / "model.safetensors")
+    bias = {name: t.dtype for name, t in written.items() if name.endswith("e_score_correction_bias")}
+    assert bias
+    assert set(bias.values()) == {torch.float32}
+    assert {t.dtype for name, t in written.items() if name not in bias} == {torch.bfloat16}

@@ -325,6 +325,8 @@ def _write_metadata(
         hf_config[key] = dtype_name
         if not quantized_source:  # the files hold `dtype` tensors: transformers would look for fp8 and scales
             hf_config.pop("quantization_config", None)
+        if hf_config.get("num_nextn_predict_layers"):  # import skipped the MTP layers: the files hold none
+            hf_config["num_nextn_predict_layers"] = 0
         for side in side_files(source.path, source.config):  # (HFCheckpoint.open checked they lie inside it)
             if source.path.resolve() != path.resolve():
                 write_replacing(path / side, functools.partial(shutil.copyfile, source.path / side))

@@ -31,8 +31,9 @@ def pretrained_config(hf_config: Any) -> Any:
         return hf_config
     if isinstance(hf_config, str | Path):
         config_file = Path(hf_config) / "config.json"
-        if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") not in CONFIG_MAPPING:
-            return pretrained_config(json.loads(config_file.read_text()))  # e.g. Kimi-K2: remote code's model_type
+        written = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        if written and written.get("model_type") not in CONFIG_MAPPING:
+            return pretrained_config(written)  # e.g. Kimi-K2: remote code's model_type
         return AutoConfig.from_pretrained(str(hf_config))
     if isinstance(hf_config, Mapping):
         model_type = hf_config.get("model_type")

@@ -199,18 +199,27 @@ def stored_sizes(
     for name, shape in shapes.items():
         numel = math.prod(shape)
         if name not in fp8:
-            sizes[name] = itemsize * numel
+            sizes[name] = (4 if name.endswith(KEEP_FP32) else itemsize) * numel
             continue
         sizes[name] = numel
         sizes[name + SCALE_SUFFIX] = 4 * math.prod(BlockFP8(block).scale_shape(shape))
     return sizes
 
 
+KEEP_FP32 = ("e_score_correction_bias",)
+"""Tensors written in float32 whatever the save's dtype: the router's correction bias, float32 in the HF checkpoints
+and in transformers (it only ranks experts, by differences that bf16 would round away)."""
+
+
+def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(KEEP_FP32) else dtype
+
+
 def stored(name: str, tensor: Tensor, dtype: torch.dtype, fp8: set[str], block: tuple[int, int]) -> list[Any]:
-    """``[(name, tensor)]`` as a save writes it (on CPU, contiguous): in ``dtype``, or an ``fp8`` weight quantized
-    with its scales after it."""
+    """``[(name, tensor)]`` as a save writes it (on CPU, contiguous): in ``dtype`` (:data:`KEEP_FP32` in float32),
+    or an ``fp8`` weight quantized with its scales after it."""
     tensor = tensor.detach().to("cpu")
     if name not in fp8:
-        return [(name, tensor.to(dtype).contiguous())]
+        return [(name, tensor.to(stored_dtype(name, dtype)).contiguous())]
     weight, scale = quantize(tensor, block)
     return [(name, weight), (name + SCALE_SUFFIX, scale)]
