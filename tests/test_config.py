@@ -306,7 +306,6 @@ SIGMOID = {**MOE, "moe_router_score_function": "sigmoid"}
         ({**MOE, "moe_layer_freq": (0, 2, 1, 0)}, r"moe_layer_freq=\(0, 2, 1, 0\) must hold one 0"),
         ({**MOE, "moe_layer_freq": [0, 0, 0, 0]}, r"moe_layer_freq=\(0, 0, 0, 0\) makes every layer dense"),
         ({**MOE, "moe_grouped_gemm": "yes"}, r"moe_grouped_gemm='yes' must be None \(auto\), True or False"),
-        ({**MOE, "add_bias_linear": True}, r"add_bias_linear=True with num_moe_experts=4.*add_bias_linear=False"),
     ],
 )
 def test_invalid_moe_config(overrides: dict, match: str) -> None:

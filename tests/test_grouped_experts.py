@@ -295,8 +295,12 @@ def test_grouped_mlp_activations_equal_megatrons(megatron_state: None, overrides
 
 
 def test_unsupported_settings_are_refused(megatron_state: None) -> None:
-    with pytest.raises(ValueError, match="add_bias_linear=True"):
-        build("grouped", moe_config(add_bias_linear=True))
+    biased = build("grouped", moe_config(add_bias_linear=True))  # GPT-OSS's experts: [E, out] biases, zeros at first
+    assert biased.linear_fc1.bias.shape == (len(COUNTS), 2 * FFN)
+    assert not biased.linear_fc2.bias.any()
+    biased.activation_recompute = True  # off the plain path, Megatron's forward wants TE's per-expert bias lists
+    with pytest.raises(ValueError, match="with biases"):
+        biased(torch.randn(15, HIDDEN), torch.tensor(COUNTS), torch.ones(15))
     with pytest.raises(ValueError, match="bias_activation_fusion=True"):
         build("grouped", moe_config(activation_func=F.gelu, bias_activation_fusion=True))
     module = build("grouped", moe_config())

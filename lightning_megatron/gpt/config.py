@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Self
 
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from lightning_megatron.gpt import attention_variants as variants
@@ -21,12 +22,14 @@ from lightning_megatron.gpt.mla import check_mla, check_mla_parallel, mla_fields
 from lightning_megatron.gpt.moe.config import check_moe, check_moe_parallel, moe_layer_pattern
 from lightning_megatron.gpt.plan import Kernels, Resolved
 from lightning_megatron.gpt.transformer import LOCAL_BACKEND, kernel_fields
+from lightning_megatron.gpt.yarn import check_yarn, yarn_attributes
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.validation import check_choice, check_positive_int, divisors, next_multiple
 
 __all__ = ["ModelConfig", "tiny_gpt"]
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+                "quick_gelu": quick_gelu}  # fmt: skip
 
 # ModelConfig fields that TransformerConfig has under the same name. vocab_size, seq_length, position
 # embedding, rotary and tied-embedding settings are GPTModel arguments instead (see gpt_model_kwargs).
@@ -35,7 +38,7 @@ _SAME_NAME_FIELDS = (
     "normalization", "apply_residual_connection_post_layernorm", "hidden_dropout", "attention_dropout",
     "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "qk_layernorm", "init_method_std",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "num_moe_experts", "moe_router_topk",
-    "moe_enable_routing_replay", "layernorm_zero_centered_gamma",
+    "moe_enable_routing_replay", "layernorm_zero_centered_gamma", "glu_linear_offset", "activation_func_clamp_value",
 )  # fmt: skip
 # MoE fields passed to TransformerConfig under the same name (MoE models only; moe_layer_freq and moe_grouped_gemm
 # are converted).
@@ -77,8 +80,9 @@ class ModelConfig:
     """Dropout probability on the transformer hidden state."""
     attention_dropout: float = 0.0
     """Dropout probability on the attention probabilities."""
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
-    """Position embedding: rotary, learned absolute, or none."""
+    position_embedding_type: Literal["rope", "yarn", "learned_absolute", "none"] = "rope"
+    """Position embedding: rotary, rotary with YaRN scaling (GPT-OSS; rotary_base, rotary_scaling_factor to
+    mscale_all_dim and yarn_correction_range_round_to_int below), learned absolute, or none."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates, in (0, 1]."""
     rotary_base: int = 10000
@@ -97,8 +101,13 @@ class ModelConfig:
     """Add a bias to the QKV projection only (e.g. Qwen2)."""
     gated_linear_unit: bool = True
     """Gated MLP (GLU); with activation='silu' this is SwiGLU, with 'gelu' GeGLU."""
-    activation: Literal["silu", "gelu", "gelu_tanh"] = "silu"
-    """MLP non-linearity ('gelu_tanh': GELU's tanh approximation, Gemma's ``gelu_pytorch_tanh``)."""
+    activation: Literal["silu", "gelu", "gelu_tanh", "quick_gelu"] = "silu"
+    """MLP non-linearity ('gelu_tanh': GELU's tanh approximation, Gemma's ``gelu_pytorch_tanh``; 'quick_gelu':
+    ``x * sigmoid(1.702 x)``, GPT-OSS's gate)."""
+    glu_linear_offset: float = 0.0
+    """Added to the GLU's linear half before the product (Megatron's field; GPT-OSS: 1, ``(up + 1) * act(gate)``)."""
+    activation_func_clamp_value: float | None = None
+    """GLU clamp (Megatron's field; GPT-OSS's swiglu_limit): gate clamped above, linear half to [-v, v]."""
     qk_layernorm: bool = False
     """Normalize queries and keys per head before attention."""
     share_embeddings_and_output_weights: bool = False
@@ -222,6 +231,8 @@ class ModelConfig:
     """YaRN mscale (the RoPE cos/sin correction, with mscale_all_dim)."""
     mscale_all_dim: float = 0.0
     """YaRN mscale_all_dim: the softmax scale is 1/sqrt(qk_head_dim + qk_pos_emb_head_dim) times its mscale squared."""
+    yarn_correction_range_round_to_int: bool = True
+    """YaRN ramp ends rounded to whole dimensions (HF's ``truncate``; GPT-OSS: False); position_embedding_type yarn."""
     window_size: tuple[int, int] | None = None
     """Sliding-window causal attention (Megatron's field): ``(W, 0)`` attends a query to itself and the W tokens before
     it (HF's ``sliding_window`` is W + 1); None: off (docs/layouts-and-speed.md, "Attention variants")."""
@@ -257,7 +268,9 @@ class ModelConfig:
                 check_positive_int(name, getattr(self, name))
         check_choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         check_choice("activation", self.activation, tuple(_ACTIVATIONS))
-        check_choice("position_embedding_type", self.position_embedding_type, ("rope", "learned_absolute", "none"))
+        positions = ("rope", "yarn", "learned_absolute", "none")
+        check_choice("position_embedding_type", self.position_embedding_type, positions)
+        check_yarn(self)
         check_choice("kernels", self.kernels, ("auto", "torch", "te", "local"))
         check_choice("fp8", self.fp8, (None, "hybrid", "e4m3"))
         if self.fp8 is not None and self.kernels == "te":
@@ -317,11 +330,6 @@ class ModelConfig:
         if isinstance(self.moe_layer_freq, list):  # YAML / JSON give lists
             self.moe_layer_freq = tuple(self.moe_layer_freq)
         check_moe(self)
-        if self.num_moe_experts is not None and self.add_bias_linear:
-            raise ValueError(
-                f"add_bias_linear=True with num_moe_experts={self.num_moe_experts}: the grouped expert linears have no "
-                "bias; use add_bias_linear=False (add_qkv_bias=True still gives attention its q/k/v biases)"
-            )
         if self.moe_enable_routing_replay and self.num_moe_experts is None:
             raise ValueError(
                 "moe_enable_routing_replay=True replays expert routing, but num_moe_experts=None is a dense model "
@@ -349,7 +357,7 @@ class ModelConfig:
     def activation_fusable(self) -> bool:
         """Whether Megatron has a fused kernel for this MLP activation: SwiGLU, GeGLU and bias+GeLU (plain GeLU
         without a bias has none)."""
-        if self.activation == "gelu_tanh":  # Megatron fuses F.gelu and F.silu only
+        if self.activation in ("gelu_tanh", "quick_gelu"):  # Megatron's dense MLP fuses F.gelu and F.silu only
             return False
         return self.gated_linear_unit or (self.activation == "gelu" and self.add_bias_linear)
 
@@ -446,7 +454,7 @@ class ModelConfig:
             raise ValueError(f"{clash} are model fields; set them on ModelConfig, not as parallel settings")
         # MLA's fields exist on Megatron's MLATransformerConfig only.
         config_class = MLATransformerConfig if self.multi_latent_attention else TransformerConfig
-        return config_class(**{**LOCAL_BACKEND, **model, **parallel})
+        return yarn_attributes(self, config_class(**{**LOCAL_BACKEND, **model, **parallel}))
 
     def gpt_model_kwargs(self, kernels: Resolved = "local") -> dict[str, Any]:
         """Arguments of GPTModel(...) that live outside TransformerConfig.

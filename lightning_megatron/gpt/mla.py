@@ -73,12 +73,18 @@ class MLARequest(Protocol):
     mscale_all_dim: float
 
 
+YARN_FIELDS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+               "mscale_all_dim")  # fmt: skip
+
+
 def check_mla(config: MLARequest) -> None:
     """Raise ``ValueError`` naming the field and its value for an MLA setting that cannot be built (or that a model
     without MLA would ignore)."""
     if not config.multi_latent_attention:
+        # A GPT model's YaRN (position_embedding_type='yarn') reads MLA's YaRN fields too (lightning_megatron.gpt.yarn).
+        shared = YARN_FIELDS if config.position_embedding_type == "yarn" else ()
         for name, default in MLA_DEFAULTS.items():
-            if getattr(config, name) != default:
+            if getattr(config, name) != default and name not in shared:
                 raise ValueError(
                     f"{name}={getattr(config, name)!r} is a Multi-Latent Attention setting, and "
                     f"multi_latent_attention=False; set multi_latent_attention=True or leave {name}={default!r}"

@@ -47,13 +47,21 @@ class GroupedMLP(TEGroupedMLP):
     ) -> tuple[Tensor, None]:
         """The local experts on their rows (sorted by expert), each row's output scaled by its router probability."""
         counts = tokens_per_expert if isinstance(tokens_per_expert, ExpertCounts) else ExpertCounts(tokens_per_expert)
+        biased = self.linear_fc1.bias is not None
         if not self.plain_path() or output_buffer is not None or grad_input_buffer is not None:
+            if biased:  # Megatron's forward expects TE's per-expert bias lists, which these linears do not return
+                raise ValueError("MoE experts with biases (add_bias_linear=True) run only the plain path: " + PLAIN)
             return super().forward(
                 permuted_local_hidden_states, counts.tensor(), permuted_probs, output_buffer, grad_input_buffer
             )
+        probs = permuted_probs.unsqueeze(-1)
         hidden, _ = self.linear_fc1(permuted_local_hidden_states, counts)
-        hidden = self.activation(hidden, permuted_probs.unsqueeze(-1))
-        output, _ = self.linear_fc2(hidden, counts)
+        expert = _row_experts(counts, hidden.shape[0], hidden.device) if biased else None
+        if expert is not None:
+            hidden = hidden + self.linear_fc1.bias[expert]
+        output, _ = self.linear_fc2(self.activation(hidden, probs), counts)
+        if expert is not None:  # p * (fc2(x) + b), as TEGroupedMLP: the probability already scaled fc2's input
+            output = (output + self.linear_fc2.bias[expert] * probs).to(output.dtype)
         return output, None
 
     def plain_path(self) -> bool:
@@ -93,6 +101,18 @@ class GroupedMLP(TEGroupedMLP):
         else:
             hidden = self.activation_func(hidden)
         return (hidden * probs).to(hidden.dtype)
+
+
+PLAIN = (
+    "no activation recompute or offloading, no fp8/fp4, moe_apply_probs_on_input=False, no interleaved GLU and no "
+    "fused activation but SwiGLU's"
+)
+
+
+def _row_experts(counts: ExpertCounts, rows: int, device: torch.device) -> Tensor:
+    """The local expert of each row (rows sorted by expert), for indexing the experts' biases."""
+    experts = torch.arange(len(counts), device=device)
+    return torch.repeat_interleave(experts, counts.tensor().to(device), output_size=rows)
 
 
 def grouped_mlp_spec(fuse_wgrad: bool = False) -> ModuleSpec:

@@ -187,15 +187,10 @@ class _GroupedLinearFn(torch.autograd.Function):
         return grad_x, grad_weight, None, None, None
 
 
-def _check_config(config: TransformerConfig, bias: bool) -> None:
-    """Refuse settings whose ``TEGroupedMLP`` path needs Transformer Engine or bias support we do not have."""
+def _check_config(config: TransformerConfig) -> None:
+    """Refuse settings whose ``TEGroupedMLP`` path needs Transformer Engine or support we do not have."""
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
-    if bias:
-        raise ValueError(
-            "add_bias_linear=True with MoE: the grouped expert linears have no bias; use add_bias_linear=False "
-            "(or Megatron's SequentialMLP experts)"
-        )
     if config.fp8 or config.fp4:
         raise ValueError(
             f"TransformerConfig(fp8={config.fp8!r}, fp4={config.fp4!r}) with these grouped experts, which run in the "
@@ -255,7 +250,7 @@ class _GroupedLinear(MegatronModule):
         name: str | None = None,
     ) -> None:
         super().__init__(config=config)
-        _check_config(config, bias)
+        _check_config(config)
         if not is_expert:
             raise ValueError(f"{type(self).__name__} holds MoE experts; it was built with is_expert=False")
         if pg_collection is None:
@@ -287,6 +282,7 @@ class _GroupedLinear(MegatronModule):
         )
         self.weight.allreduce = not use_expert_groups
         set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=1 + self.tp_axis, stride=1)
+        self.bias = self._make_bias(shape[0], tp, device) if bias else None
         self.gemm: Gemm = "auto"
         """``"auto"``: grouped GEMMs where ``config.moe_grouped_gemm`` asks for them and the device, dtype and
         sizes allow (:func:`grouped_mm_available`), else the loop; ``"grouped"`` / ``"loop"``: always that one
@@ -294,6 +290,21 @@ class _GroupedLinear(MegatronModule):
         self.last_gemm: Literal["grouped", "loop"] | None = None
         """What the last forward ran (None before the first): for benchmarks and tests."""
         self.register_load_state_dict_pre_hook(_normalize_state_dict)
+
+    def _make_bias(self, rows: int, tp: int, device: Any) -> nn.Parameter:
+        """Each local expert's output bias ``[E, out]``, zeros (as Megatron's expert linears start theirs). Added by
+        :class:`~lightning_megatron.kernels.expert_mlp.GroupedMLP` (fc2's scaled by the router probability, as
+        ``TEGroupedMLP``), not by :meth:`forward`. A row-parallel bias under expert TP would be added to every rank's
+        partial sum: refused."""
+        if self.tp_axis == 1 and tp > 1:
+            raise ValueError(
+                f"add_bias_linear=True with MoE experts and expert tensor parallelism {tp}: the experts' output bias "
+                "is not split; use expert_tensor_parallel_size=1"
+            )
+        param = nn.Parameter(torch.zeros(self.num_local_experts, rows, device=device, dtype=self.config.params_dtype))
+        param.allreduce = self.weight.allreduce  # type: ignore[attr-defined]
+        set_tensor_model_parallel_attributes(param, is_parallel=self.tp_axis == 0, dim=1, stride=1)
+        return param
 
     @torch.no_grad()
     def _initialize(self, init_method: Callable[[Tensor], None], tp: int) -> None:
@@ -324,7 +335,7 @@ class _GroupedLinear(MegatronModule):
     def forward(self, x: Tensor, tokens_per_expert: ExpertCounts | Sequence[int] | Tensor) -> tuple[Tensor, None]:
         """Each expert's linear on its rows of ``x`` ([tokens sorted by local expert, in]); ``tokens_per_expert``
         the row counts (:class:`ExpertCounts` from :class:`~lightning_megatron.kernels.expert_mlp.GroupedMLP`, a
-        list from Megatron's ``TEGroupedMLP``). Returns ``(output, None)``: no bias. The row-parallel linear's
+        list from Megatron's ``TEGroupedMLP``). Returns ``(output, None)`` (a bias is the MLP's to add). Row-parallel:
         output under expert TP is this rank's partial sum, which the token dispatcher reduces."""
         counts = tokens_per_expert if isinstance(tokens_per_expert, ExpertCounts) else ExpertCounts(tokens_per_expert)
         rows = x.reshape(-1, x.shape[-1])
@@ -362,7 +373,8 @@ class _GroupedLinear(MegatronModule):
 
     def extra_repr(self) -> str:
         shape = tuple(self.weight.shape)
-        return f"experts={shape[0]}, out={shape[1]}, in={shape[2]} per expert-TP rank, bias=False, gemm={self.gemm}"
+        bias = self.bias is not None
+        return f"experts={shape[0]}, out={shape[1]}, in={shape[2]} per expert-TP rank, bias={bias}, gemm={self.gemm}"
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
@@ -388,10 +400,14 @@ class _GroupedLinear(MegatronModule):
             # singleton_local_shards: one key per global expert instead of an expert axis
             return sharded_offsets if singleton else (*sharded_offsets, (len(sharded_offsets), first + e, total))
 
-        name = f"{prefix}weight"
-        build = functools.partial(self._build_experts, name, expert_offsets, singleton, first, expert_dp)
         replica_id = (0, 0, get_pg_rank(expert_dp))  # TP-sharded; one writer among the expert-DP replicas
-        state: dict[str, Any] = {name: ShardedTensorFactory(name, self.weight, build, _merge_experts, replica_id)}
+        state: dict[str, Any] = {}
+        # The bias ([E, out]) is split like the weight's rows; a row-parallel one exists only without expert TP.
+        for what, param, axis in (("weight", self.weight, self.tp_axis), ("bias", self.bias, 0)):
+            if param is not None:
+                name = f"{prefix}{what}"
+                build = functools.partial(self._build_experts, name, expert_offsets, singleton, first, expert_dp, axis)
+                state[name] = ShardedTensorFactory(name, param, build, _merge_experts, replica_id)
         extra_replica_id = (0, get_pg_rank(self.tp_group), get_pg_rank(expert_dp))
         for e in range(self.num_local_experts):
             key = f"{first + e}.{prefix}_extra_state" if singleton else f"{prefix}_extra_state"
@@ -401,7 +417,7 @@ class _GroupedLinear(MegatronModule):
         return state
 
     def _build_experts(
-        self, name: str, expert_offsets: Callable[[int], tuple], singleton: bool, first: int, expert_dp: Any,
+        self, name: str, expert_offsets: Callable[[int], tuple], singleton: bool, first: int, expert_dp: Any, axis: int,
         key: str, data: Tensor, replica_id: Any, flattened_range: slice | None,
     ) -> list[Any]:  # fmt: skip
         """The factory's build: ``data`` (the weight, or an optimizer state of its shape) as per-expert sharded
@@ -419,7 +435,7 @@ class _GroupedLinear(MegatronModule):
             # singleton: SequentialMLP's "<...>experts.<global expert>.linear_fc1.weight"
             expert_key = f"{key[: len(key) - len(name)]}{first + e}.{name}" if singleton else key
             piece = make_tp_sharded_tensor_for_checkpoint(
-                data[e], expert_key, self.tp_axis, replica_id=replica_id, prepend_offsets=offsets,
+                data[e], expert_key, axis, replica_id=replica_id, prepend_offsets=offsets,
                 tp_group=self.tp_group, dp_cp_group=expert_dp,
             )  # fmt: skip
             if swiglu:  # [gate; up] halves, each TP-sharded on its own (Megatron's MLP layout)

@@ -55,11 +55,12 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
 def check_exportable(config: ModelConfig) -> Family:
     """The family whose HF architecture holds this model; ValueError naming the fields if none does."""
     family = family_of(config)
+    yarn = bool(family and family.yarn_rope)
     unsupported = {
         "normalization": config.normalization != "RMSNorm",
-        "position_embedding_type": config.position_embedding_type != "rope",
+        "position_embedding_type": config.position_embedding_type not in ("rope", *(("yarn",) if yarn else ())),
         "rotary_percent": config.rotary_percent != 1.0 and not (family and family.partial_rope),
-        "add_bias_linear": config.add_bias_linear,
+        "add_bias_linear": config.add_bias_linear and not (family and family.linear_biases),
         "gated_linear_unit": not config.gated_linear_unit,
         "apply_residual_connection_post_layernorm": config.apply_residual_connection_post_layernorm,
         "seq_len_interpolation_factor": config.rope_scaling and config.seq_len_interpolation_factor is not None,

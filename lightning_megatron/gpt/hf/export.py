@@ -31,7 +31,7 @@ from lightning_megatron.gpt.hf.params import (
     SPLIT_DIM,
     Param,
     expert_piece,
-    join_expert_pieces,
+    join_pieces,
     join_rank_blocks,
     split_local,
 )
@@ -146,8 +146,9 @@ def export_weights(
         rank, vp, embed, _ = owners[0]
         owners.append((rank, vp, dataclasses.replace(embed, hf=(("lm_head.weight", embed.hf[0][1]),)), None))
     buckets = _exported(chunks, owners, config, merged and lora is None, bucket_bytes)
-    # Expert adapters are exported as each expert's piece; PEFT holds all experts in one tensor.
-    yield from (buckets if lora is None else _joined(buckets, config.num_moe_experts or 1))
+    # Expert adapters (and GPT-OSS's experts) are exported as each expert's piece; PEFT (and GPT-OSS) hold all experts
+    # in one tensor.
+    yield from _joined(buckets, config.num_moe_experts or 1)
 
 
 def _exported(
@@ -174,8 +175,8 @@ def _exported(
 
 
 def _joined(buckets: Iterator[list[tuple[str, Tensor]]], num_experts: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """The buckets with each PEFT tensor on fused experts joined from its experts' pieces (in the bucket where its
-    last piece arrives; pieces of other expert-parallel ranks come in other buckets)."""
+    """The buckets with each tensor on fused experts (PEFT's, GPT-OSS's) joined from its experts' pieces (in the
+    bucket where its last piece arrives; pieces of other expert-parallel ranks come in other buckets)."""
     pending: dict[str, dict[int, Tensor]] = {}
     for bucket in buckets:
         out = []
@@ -188,7 +189,7 @@ def _joined(buckets: Iterator[list[tuple[str, Tensor]]], num_experts: int) -> It
             pieces[expert] = tensor
             if len(pieces) == num_experts:
                 del pending[whole]
-                joined = join_expert_pieces([pieces[e] for e in range(num_experts)], lora_a=".lora_A." in whole)
+                joined = join_pieces(whole, [pieces[e] for e in range(num_experts)])
                 out.append((whole, joined))
         if out:
             yield out

@@ -29,7 +29,7 @@ from lightning_megatron.gpt.config import ModelConfig
 from lightning_megatron.gpt.hf import pickled, quantized
 from lightning_megatron.gpt.hf.fields import architecture, pretrained_config
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, expert_ranges, hf_weight_shapes
-from lightning_megatron.gpt.hf.params import SPLIT_DIM, Kind, Param, combine, expert_piece, expert_slice, rank_block
+from lightning_megatron.gpt.hf.params import SPLIT_DIM, Kind, Param, combine, expert_piece, piece_of, rank_block
 from lightning_megatron.gpt.hf.registry import family_of_hf
 from lightning_megatron.gpt.lora.config import LoRAConfig, is_adapter_param
 
@@ -336,7 +336,8 @@ def _copy_shards(own: dict[str, Tensor], params: list[Param], checkpoint: HFChec
 
 
 class _ExpertPieces:
-    """One expert's factor from PEFT's tensor on fused experts (read once per tensor; adapters are small)."""
+    """One expert's piece of a tensor on fused experts: PEFT's factor, or GPT-OSS's expert weight (read once per
+    tensor, whole: adapters are small, and a GPT-OSS layer's experts are one tensor in the checkpoint anyway)."""
 
     def __init__(self, lazy: Callable[[str], Any], num_experts: int) -> None:
         self.lazy, self.num_experts = lazy, num_experts
@@ -351,7 +352,7 @@ class _ExpertPieces:
         assert expert is not None
         if whole not in self.read_tensors:
             self.read_tensors = {whole: self.lazy(whole)[:]}  # pieces of one tensor come one after another
-        return expert_slice(self.read_tensors[whole], expert, self.num_experts, lora_a=".lora_A." in whole)
+        return piece_of(whole, self.read_tensors[whole], expert, self.num_experts)
 
 
 def read_shard(lazy: Any, kind: Kind, rank: int, tp: int) -> Tensor:

@@ -86,7 +86,10 @@ def hf_weight_shapes(config: ModelConfig, *, include_tied: bool = True) -> dict[
     ``model.state_dict()``; ``save_pretrained`` files leave it out.
     """
     params = chunk_params(config, pre=True, post=True, offset=0, num_layers=config.num_layers)
-    shapes = {name: shape for p in params for name, shape in p.hf}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in (pair for p in params for pair in p.hf):
+        whole, expert = expert_piece(name)  # one expert's piece of a tensor on fused experts (GPT-OSS)
+        shapes[whole] = shape if expert is None else (config.num_moe_experts or 0, *shape)
     if config.share_embeddings_and_output_weights and include_tied:
         shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     return shapes

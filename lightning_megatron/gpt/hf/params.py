@@ -14,11 +14,17 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-Kind = Literal["copy", "rows", "cols", "qkv", "gate_up", "halves"]
-SPLIT_DIM: dict[str, int | None] = {"copy": None, "rows": 0, "cols": 1, "qkv": 0, "gate_up": 0, "halves": 0}
+Kind = Literal["copy", "rows", "cols", "qkv", "gate_up", "halves", "fused_gate_up", "fused_gate_up_bias", "fused_down"]
+SPLIT_DIM: dict[str, int | None] = {"copy": None, "rows": 0, "cols": 1, "qkv": 0, "gate_up": 0, "halves": 0,
+                                    "fused_gate_up": 1, "fused_gate_up_bias": 0, "fused_down": 0}  # fmt: skip
 """The dimension each HF tensor of a kind is split along over tensor-parallel ranks (None: replicated). A "halves"
 tensor (an expert adapter's B on HF's fused gate_up_proj: [gate rows; up rows]) is split half by half: a rank holds
-[its gate rows; its up rows], as Megatron's fused linear_fc1 (:func:`rank_block`, :func:`join_rank_blocks`)."""
+[its gate rows; its up rows], as Megatron's fused linear_fc1 (:func:`rank_block`, :func:`join_rank_blocks`).
+
+The ``fused_*`` kinds are one expert's piece of GPT-OSS's experts stored as ``x @ W`` (``[in, out]``, transposed
+from ``nn.Linear``): ``gate_up_proj`` ``[hidden, 2 * ffn]`` with gate and up columns interleaved (gate ``0::2``, up
+``1::2``; its bias likewise) and ``down_proj`` ``[ffn, hidden]``. A contiguous block of the interleaved columns
+holds the same gate and up columns, which is a rank's [gate shard; up shard] once de-interleaved."""
 
 HFTensor = tuple[str, tuple[int, ...]]
 """An HF tensor's name and full shape."""
@@ -96,6 +102,12 @@ def combine(p: Param, parts: list[Tensor], c: ModelShape, tp: int) -> Tensor:
         return torch.cat(per_group, dim=1).reshape(-1, *rest)
     if p.kind == "gate_up":
         return torch.cat(parts)  # [gate shard; up shard] on every rank
+    if p.kind == "fused_gate_up":
+        return torch.cat([parts[0][:, 0::2], parts[0][:, 1::2]], dim=1).t()
+    if p.kind == "fused_gate_up_bias":
+        return torch.cat([parts[0][0::2], parts[0][1::2]])
+    if p.kind == "fused_down":
+        return parts[0].t()
     return parts[0]
 
 
@@ -108,6 +120,11 @@ def split_local(p: Param, local: Tensor, c: ModelShape, tp: int) -> list[Tensor]
         return [t.reshape(-1, *rest) for t in view.split([q_rows, d, d], dim=1)]
     if p.kind == "gate_up":
         return list(local.chunk(2))
+    if p.kind in ("fused_gate_up", "fused_gate_up_bias"):
+        gate, up = (half.t() for half in local.chunk(2)) if local.ndim == 2 else local.chunk(2)
+        return [torch.stack([gate, up], dim=-1).flatten(-2)]  # columns gate0, up0, gate1, ...
+    if p.kind == "fused_down":
+        return [local.t().contiguous()]
     return [local]
 
 
@@ -140,6 +157,21 @@ def expert_piece(name: str) -> tuple[str, int | None]:
     """``(PEFT tensor name, expert)`` of a piece name; ``(name, None)`` for a name that is no piece."""
     whole, found, expert = name.rpartition(EXPERT_PIECE)
     return (whole, int(expert)) if found else (name, None)
+
+
+def join_pieces(name: str, pieces: list[Tensor]) -> Tensor:
+    """The tensor ``name`` on fused experts from each expert's piece, in expert order: PEFT's factors
+    (:func:`join_expert_pieces`) or a base weight stacked on a leading expert dimension (GPT-OSS)."""
+    if ".lora_A." in name or ".lora_B." in name:
+        return join_expert_pieces(pieces, lora_a=".lora_A." in name)
+    return torch.stack(pieces)
+
+
+def piece_of(name: str, whole: Tensor, expert: int, num_experts: int) -> Tensor:
+    """Inverse of :func:`join_pieces`: one expert's piece of the tensor ``name`` on fused experts."""
+    if ".lora_A." in name or ".lora_B." in name:
+        return expert_slice(whole, expert, num_experts, lora_a=".lora_A." in name)
+    return whole[expert]
 
 
 def join_expert_pieces(pieces: list[Tensor], lora_a: bool) -> Tensor:

@@ -11,6 +11,7 @@ from lightning_megatron.gpt.hf.families.deepseek_v3 import DeepseekV3
 from lightning_megatron.gpt.hf.families.gemma2 import Gemma2
 from lightning_megatron.gpt.hf.families.gemma3 import Gemma3
 from lightning_megatron.gpt.hf.families.glm4_moe import Glm4Moe
+from lightning_megatron.gpt.hf.families.gpt_oss import GptOss
 from lightning_megatron.gpt.hf.families.llama import Llama
 from lightning_megatron.gpt.hf.families.mixtral import Mixtral
 from lightning_megatron.gpt.hf.families.qwen2 import Qwen2
@@ -20,7 +21,8 @@ from lightning_megatron.gpt.hf.families.qwen3_moe import Qwen3MoE
 from lightning_megatron.gpt.hf.params import ModelShape
 
 FAMILIES: tuple[Family, ...] = (
-    Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral(), DeepseekV3(), Glm4Moe(), Gemma3(), Gemma2()
+    Llama(), Qwen2(), Qwen3(), Qwen3MoE(), Qwen2MoE(), Mixtral(), DeepseekV3(), Glm4Moe(), Gemma3(), Gemma2(),
+    GptOss(),
 )  # fmt: skip
 ARCHITECTURES: tuple[str, ...] = tuple(arch for family in FAMILIES for arch in family.architectures)
 BY_ARCHITECTURE: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
@@ -41,10 +43,14 @@ def family_of(config: ModelShape) -> Family | None:
     from lightning_megatron.gpt.gemma import gemma_layout
 
     mla, gemma = bool(getattr(config, "multi_latent_attention", False)), gemma_layout(config)
+    biases = bool(getattr(config, "add_bias_linear", False))
     found = [
         family
         for family in FAMILIES
-        if family.latent_attention == mla and family.gemma_layout == gemma and family.matches(config)
+        if family.latent_attention == mla
+        and family.gemma_layout == gemma
+        and family.linear_biases == biases
+        and family.matches(config)
     ]
     assert len(found) <= 1, f"families overlap: {found}"
     return found[0] if found else None

@@ -43,6 +43,11 @@ class Family:
     gemma_layout: ClassVar[bool] = False
     """Whether the family's models have Gemma's settings (:func:`lightning_megatron.gpt.gemma.gemma_layout`); only
     such families hold such models."""
+    linear_biases: ClassVar[bool] = False
+    """Whether the family's layers have a bias on every linear (GPT-OSS: ``add_bias_linear``); only such families
+    hold such models."""
+    yarn_rope: ClassVar[bool] = False
+    """Whether the family's HF config writes YaRN RoPE (``position_embedding_type='yarn'``) on export."""
     sigmoid_router: ClassVar[bool] = False
     """Whether the family's router is DeepSeek-V3's sigmoid router (expert bias, groups, scaling factor); elsewhere
     those router settings are refused on export."""

@@ -1,0 +1,145 @@
+"""Hugging Face GPT-OSS in and out (a tiny random ``GptOssForCausalLM`` written with ``save_pretrained``; nothing
+is downloaded): attention with q/k/v/o biases and learnable sinks, sliding-window (window 4, shorter than the
+16-token rows) and full layers, YaRN RoPE (without truncation, as GPT-OSS ships it), and every layer an MoE of 4
+experts, top-2: a router with a bias, a softmax over the top-k, experts with biases and the clamped GLU.
+
+Against ``transformers`` in float32 with eager attention at one process: validation loss and logits; the export
+loads in ``transformers`` with our logits; what the model cannot express is refused by name. Every 1-d parameter
+(sinks, biases, norms) is randomised and the clamp limit is small, so that a wrong mapping moves the loss.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronLMModule, ModelConfig
+from lightning_megatron.gpt.hf.mapping import family
+from lightning_megatron.gpt.hf.registry import family_of
+from tests.test_hf_moe import Export, _trainer, hf_forward
+
+SEQ = 16
+BASE: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+    "initializer_range": 0.1,
+    "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "swiglu_limit": 0.5,  # small, so that the clamps bite
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 8.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 8,
+    },  # fmt: skip
+}
+
+
+def make_model(path: Path, **overrides: Any) -> Path:
+    config = transformers.GptOssConfig(**{**BASE, **overrides})
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():  # biases, sinks and norms start at 0 / 1: randomise them so that a wrong mapping shows
+        for name, tensor in model.named_parameters():
+            if tensor.ndim == 1 or name.endswith("_bias"):
+                tensor.copy_(torch.randn_like(tensor) * 0.3 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("hf_gpt_oss") / "gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def one_process(model_path: Path, tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    module = MegatronLMModule.from_hf(model_path, seq_length=SEQ)
+    export = Export(tmp_path_factory.mktemp("saved") / "gpt_oss")
+    loader = DataLoader(tokens, batch_size=4)
+    logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
+    val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+    return {"logits": logits, "val_loss": val_loss, "export": export, "module": module}
+
+
+def test_config_from_hf_maps_gpt_oss(model_path: Path) -> None:
+    config = ModelConfig.from_hf(model_path, seq_length=SEQ)
+    assert type(family(config)).__name__ == "GptOss"
+    assert type(family_of(config)).__name__ == "GptOss"
+    assert (config.window_size, config.window_attn_skip_freq) == ((3, 0), (1, 0))
+    assert (config.add_bias_linear, config.add_qkv_bias, config.softmax_type) == (True, False, "learnable")
+    assert (config.activation, config.glu_linear_offset, config.activation_func_clamp_value) == ("quick_gelu", 1.0, 0.5)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (4, 2, 32)
+    assert config.moe_router_pre_softmax is False
+    yarn = (config.position_embedding_type, config.rotary_base, config.rotary_scaling_factor)
+    assert yarn == ("yarn", 150000, 8.0)
+    assert (config.original_max_position_embeddings, config.yarn_correction_range_round_to_int) == (8, False)
+
+
+def test_one_process_matches_transformers(one_process: dict, model_path: Path, tokens: torch.Tensor) -> None:
+    logits, loss, _ = hf_forward(model_path, tokens)
+    torch.testing.assert_close(one_process["logits"], logits, rtol=1e-4, atol=1e-4)
+    assert one_process["val_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_export_loads_in_transformers_with_our_logits(one_process: dict, tokens: torch.Tensor) -> None:
+    export = one_process["export"]
+    assert export.tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    assert "model.layers.1.self_attn.sinks" in export.tensors
+    logits, _, _ = hf_forward(export.path, tokens)
+    torch.testing.assert_close(one_process["logits"], logits, rtol=1e-4, atol=1e-4)
+
+
+def test_export_of_a_generated_config(model_path: Path, tmp_path: Path) -> None:
+    from lightning_megatron.gpt.hf.config import hf_config_dict
+
+    written = hf_config_dict(ModelConfig.from_hf(model_path, seq_length=SEQ))
+    assert written["architectures"] == ["GptOssForCausalLM"]
+    assert (written["sliding_window"], written["layer_types"]) == (4, BASE["layer_types"])
+    assert written["rope_parameters"] == {**BASE["rope_parameters"], "rope_type": "yarn"}
+    assert (written["swiglu_limit"], written["num_local_experts"], written["intermediate_size"]) == (0.5, 4, 32)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method='mxfp4'"),
+        ({"swiglu_alpha": 1.5}, "swiglu_alpha=1.5"),
+        ({"attention_bias": False}, "attention_bias=False"),
+        ({"layer_types": ["chunked_attention"] * 2}, "layer_types="),
+        ({"rope_parameters": {**BASE["rope_parameters"], "attention_factor": 2.0}}, "attention_factor"),
+    ],
+)
+def test_unsupported_gpt_oss_settings_are_named(model_path: Path, change: dict, match: str) -> None:
+    config = json.loads((model_path / "config.json").read_text())
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**config, **change})
+
+
+def test_yarn_fields_refused_where_not_built() -> None:
+    from lightning_megatron import tiny_gpt
+
+    with pytest.raises(ValueError, match="rope_scaling=True with position_embedding_type='yarn'"):
+        tiny_gpt(position_embedding_type="yarn", rope_scaling=True)
