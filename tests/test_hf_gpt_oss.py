@@ -4,7 +4,8 @@ is downloaded): attention with q/k/v/o biases and learnable sinks, sliding-windo
 experts, top-2: a router with a bias, a softmax over the top-k, experts with biases and the clamped GLU.
 
 Against ``transformers`` in float32 with eager attention at one process: validation loss and logits; the export
-loads in ``transformers`` with our logits; what the model cannot express is refused by name. Every 1-d parameter
+loads in ``transformers`` with our logits; three training steps follow ``transformers`` + ``torch.optim.AdamW``;
+what the model cannot express is refused by name. Every 1-d parameter
 (sinks, biases, norms) is randomised and the clamp limit is small, so that a wrong mapping moves the loss.
 """
 
@@ -143,3 +144,35 @@ def test_yarn_fields_refused_where_not_built() -> None:
 
     with pytest.raises(ValueError, match="rope_scaling=True with position_embedding_type='yarn'"):
         tiny_gpt(position_embedding_type="yarn", rope_scaling=True)
+
+
+def test_training_follows_transformers_and_adamw(model_path: Path) -> None:
+    """Three steps of full fine-tuning step for step with transformers + torch.optim.AdamW (the sinks, the router's
+    and the experts' biases get gradients)."""
+    import lightning as L
+
+    samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(3))
+    settings = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                              attn_implementation="eager").train()  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), **settings)
+    want = []
+    for batch in samples.split(4):
+        out = model(input_ids=batch, labels=batch)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(float(out.loss))
+    module = MegatronLMModule.from_hf(model_path, seq_length=SEQ, clip_grad=0.0, warmup_steps=0,
+                                      decay_style="constant", **settings)  # fmt: skip
+    got: list[float] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            got.append(float(outputs["loss"]))
+
+    _trainer(2, max_steps=3, callbacks=[Record()], use_distributed_sampler=False).fit(
+        module, DataLoader(samples, batch_size=4)
+    )
+    assert len(set(want)) == 3
+    assert got == pytest.approx(want, rel=1e-4)
