@@ -136,7 +136,7 @@ CASES = [
     pytest.param(
         lambda: tiny_gpt(activation="relu"),
         ValueError,
-        r"activation='relu'.*\['silu', 'gelu', 'gelu_tanh'\]",
+        r"activation='relu'.*\['silu', 'gelu', 'gelu_tanh', 'quick_gelu'\]",
         id="activation",
     ),
     pytest.param(
