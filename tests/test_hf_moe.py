@@ -51,9 +51,16 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                    "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
                                    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "head_dim": 16,
                                    "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True}),
+    # GPT-OSS: q/k/v/o biases and sinks, a window of 4 then full attention, YaRN, biased router and experts.
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                 "head_dim": 16, "sliding_window": 4, "swiglu_limit": 0.5,
+                                 "layer_types": ["sliding_attention", "full_attention"],
+                                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                     "original_max_position_embeddings": 8}}),
 }  # fmt: skip
 FAMILY = {"qwen3_moe": "Qwen3MoE", "qwen2_moe": "Qwen2MoE", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3",
-          "glm4_moe": "Glm4Moe"}  # fmt: skip
+          "glm4_moe": "Glm4Moe", "gpt_oss": "GptOss"}  # fmt: skip
 SIGMOID_ROUTER = ("deepseek_v3", "glm4_moe")  # the correction bias, which transformers' training leaves as loaded
 
 
@@ -309,7 +316,8 @@ LAYOUTS = {
     "mixtral_ep2": {"arch": "mixtral", "ep": 2}, "deepseek_v3_ep2": {"arch": "deepseek_v3", "ep": 2},
     "deepseek_v3_tp2": {"arch": "deepseek_v3", "tp": 2}, "deepseek_v3_pp2": {"arch": "deepseek_v3", "pp": 2},
     "glm4_moe_ep2": {"arch": "glm4_moe", "ep": 2}, "glm4_moe_tp2": {"arch": "glm4_moe", "tp": 2},
-    "glm4_moe_pp2": {"arch": "glm4_moe", "pp": 2},
+    "glm4_moe_pp2": {"arch": "glm4_moe", "pp": 2}, "gpt_oss_ep2": {"arch": "gpt_oss", "ep": 2},
+    "gpt_oss_pp2": {"arch": "gpt_oss", "pp": 2},
     # LoRA on every linear: attention, the experts (one adapter per expert and projection), the shared expert
     "qwen2_moe_ep2_lora": {"arch": "qwen2_moe", "ep": 2, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0,
                                                                                     "seed": 3}, "peft": False},

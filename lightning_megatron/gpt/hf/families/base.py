@@ -14,7 +14,18 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_megatron.gpt.hf.params import HFTensor, ModelShape, Param, combine, lora_pair, qkv, split_local
+from lightning_megatron.gpt.hf.params import (
+    HFTensor,
+    ModelShape,
+    Param,
+    combine,
+    expert_piece,
+    join_pieces,
+    lora_pair,
+    piece_of,
+    qkv,
+    split_local,
+)
 
 
 class Family:
@@ -127,19 +138,35 @@ class Family:
     def to_hf(self, state_dict: Mapping[str, Tensor], c: ModelShape) -> dict[str, Tensor]:
         """A whole model's Megatron ``GPTModel`` state dict (one process: no TP/PP/EP shards) -> the HF state dict,
         in HF's order (a tied ``lm_head.weight`` left out, as ``save_pretrained`` does)."""
-        out: dict[str, Tensor] = {}
+        out: dict[str, Tensor | None] = {}
+        pieces: dict[str, dict[int, Tensor]] = {}  # one expert's piece of a tensor on fused experts (GPT-OSS)
         for p in self.chunk_params(c, pre=True, post=True, offset=0, num_layers=c.num_layers):
             local = state_dict[p.megatron] if p.expert is None else state_dict[p.megatron][p.expert]
-            out.update(zip([name for name, _ in p.hf], split_local(p, local, c, 1), strict=True))
-        return out
+            for name, tensor in zip([name for name, _ in p.hf], split_local(p, local, c, 1), strict=True):
+                whole, expert = expert_piece(name)
+                if expert is None:
+                    out[name] = tensor
+                else:
+                    out.setdefault(whole, None)  # its place in HF's order
+                    pieces.setdefault(whole, {})[expert] = tensor
+        for whole, parts in pieces.items():
+            out[whole] = join_pieces(whole, [parts[i] for i in sorted(parts)])
+        return {name: tensor for name, tensor in out.items() if tensor is not None}
 
     def from_hf(self, hf_state_dict: Mapping[str, Tensor], c: ModelShape) -> dict[str, Tensor]:
         """The HF state dict -> the Megatron ``GPTModel`` parameters of a whole model (one process). Non-parameter
         entries (rotary buffers, ``_extra_state``) are not included: load with ``strict=False``."""
         out: dict[str, Tensor] = {}
         experts: dict[str, dict[int, Tensor]] = {}
+
+        def hf_tensor(name: str) -> Tensor:
+            whole, expert = expert_piece(name)
+            if expert is None:
+                return hf_state_dict[name]
+            return piece_of(whole, hf_state_dict[whole], expert, c.num_moe_experts or 1)
+
         for p in self.chunk_params(c, pre=True, post=True, offset=0, num_layers=c.num_layers):
-            local = combine(p, [hf_state_dict[name] for name, _ in p.hf], c, 1)
+            local = combine(p, [hf_tensor(name) for name, _ in p.hf], c, 1)
             if p.expert is None:
                 out[p.megatron] = local
             else:
