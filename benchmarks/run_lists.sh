@@ -24,8 +24,8 @@
 #             CUDA graphs against bf16 with CUDA graphs (~7 min)
 #   ema_update  the EMA update alone (eager, compiled, offloaded) and the GPU weight-averaging tests (~2 min)
 #   mla       the GPU test of the attention variants (FlexAttention windows, sinks, soft-capping against the
-#             reference), then moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's Multi-Latent Attention),
-#             variant a (~4 min)
+#             reference), then moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's Multi-Latent Attention)
+#             and dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared), variant a (~5 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -75,6 +75,7 @@ mla)
     tail -3 "$out/$section.log"
     tp --shape moe1b --variants a
     tp --shape mla_moe1b --variants a
+    tp --shape dsv3_1b --variants a
     ;;
 ema)
     for _ in 1 2; do

@@ -28,6 +28,7 @@ SHAPES = {
     # MoE shapes: their rows always record N (flops_params), so only the sizes the count reads are repeated here.
     "moe1b": dict(num_layers=16, hidden_size=2048),
     "mla_moe1b": dict(num_layers=16, hidden_size=2048),
+    "dsv3_1b": dict(num_layers=16, hidden_size=2048),
     "qwen3moe": dict(num_layers=8, hidden_size=2048),
 }
 VOCAB = 32000

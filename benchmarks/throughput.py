@@ -59,12 +59,19 @@ SHAPES = {
     "3b": dict(num_layers=26, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=8192),
     "moe1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632,
                   num_moe_experts=32, moe_router_topk=8, moe_ffn_hidden_size=768),
-    # moe1b with DeepSeek-V3's attention (Multi-Latent Attention: q latent 768, kv latent 512, heads of 128 + 64
-    # query/key and 128 value dims, latent norms): the cost of MLA against moe1b's attention, the MoE the same.
+    # moe1b's attention alone with DeepSeek-V3's (Multi-Latent Attention: q latent 768, kv latent 512, heads of
+    # 128 + 64 query/key and 128 value dims, latent norms), the MoE the same: MLA's cost against GQA's.
     "mla_moe1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632,
                       num_moe_experts=32, moe_router_topk=8, moe_ffn_hidden_size=768, multi_latent_attention=True,
                       q_lora_rank=768, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
                       qk_layernorm=True),
+    # A DeepSeek-V3-like stack cut to one GPU: MLA (q latent 1536, kv latent 512, 128 + 64 / 128), the first layer
+    # dense, then 64 routed experts of ffn 1408, top-6, the sigmoid router with its bias, two shared experts.
+    "dsv3_1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632,
+                    num_moe_experts=64, moe_router_topk=6, moe_ffn_hidden_size=1408, multi_latent_attention=True,
+                    q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                    qk_layernorm=True, moe_layer_freq=(0,) + (1,) * 15, moe_shared_expert_intermediate_size=2816,
+                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
     "qwen3moe": dict(num_layers=8, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
                      qk_layernorm=True, ffn_hidden_size=6144, num_moe_experts=128, moe_router_topk=8,
                      moe_ffn_hidden_size=768, vocab_size=151936),
