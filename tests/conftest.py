@@ -212,6 +212,22 @@ def torch_threads(count: int) -> int:
     return previous
 
 
+def assert_continues_at_tp2_with_sp(model: dict, tmp_path: Path) -> None:
+    """One process trains ``tiny_gpt(**model)`` 4 steps, checkpointing at step 2; TP=2 with sequence parallelism
+    resumes that checkpoint and must follow the one-process curve (steps 3 and 4) and validation at step 4."""
+    val = {"limit_val_batches": 2, "val_check_interval": 4}
+    saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}
+    full = run_here({"model": model, "devices": 1, "max_steps": 4, **val, **saves}, tmp_path)
+    resume = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    tp2 = run_worker({"model": model, "devices": 2, "tp": 2, "sp": True, "max_steps": 4, "resume": resume, **val},
+                     tmp_path)  # fmt: skip
+    assert set(tp2["train"]) == {"3", "4"}, tp2["train"]
+    assert full["train"]["3"] != full["train"]["4"]
+    for step in ("3", "4"):
+        assert tp2["train"][step] == pytest.approx(full["train"][step], rel=2e-4), step
+    assert tp2["val"]["4"] == pytest.approx(full["val"]["4"], rel=2e-4)
+
+
 def run_workers(runs: list[dict], tmp_path: Path, timeout: float = 600) -> list[dict]:
     """Several independent ``run_worker`` runs at once (each on its own free port); their results in order.
 

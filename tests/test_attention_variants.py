@@ -273,18 +273,8 @@ def test_variant_model_continues_at_tp2_with_sp(tmp_path: Path) -> None:
     """One process trains 4 steps with every variant (window on alternate layers, learnable sinks, soft-capping, a
     query scale), checkpointing at step 2; TP=2 with sequence parallelism resumes that checkpoint (the sinks split by
     heads from the full saved vector) and follows the one-process curve and validation."""
-    from tests.conftest import run_here, run_worker
+    from tests.conftest import assert_continues_at_tp2_with_sp
 
     variants = {"window_size": (3, 0), "window_attn_skip_freq": 2, "softmax_type": "learnable",
                 "attn_logit_softcapping": 5.0, "softmax_scale": 0.2}  # fmt: skip
-    model = {"model": {**variants, "kernels": "torch"}}
-    val = {"limit_val_batches": 2, "val_check_interval": 4}
-    saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}
-    full = run_here({**model, "devices": 1, "max_steps": 4, **val, **saves}, tmp_path)
-    resume = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
-    tp2 = run_worker({**model, "devices": 2, "tp": 2, "sp": True, "max_steps": 4, "resume": resume, **val}, tmp_path)
-    assert set(tp2["train"]) == {"3", "4"}, tp2["train"]
-    assert full["train"]["3"] != full["train"]["4"]
-    for step in ("3", "4"):
-        assert tp2["train"][step] == pytest.approx(full["train"][step], rel=2e-4), step
-    assert tp2["val"]["4"] == pytest.approx(full["val"]["4"], rel=2e-4)
+    assert_continues_at_tp2_with_sp({**variants, "kernels": "torch"}, tmp_path)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from lightning_megatron import MegatronLMModule, ModelConfig, tiny_gpt
 from lightning_megatron.gpt.hf.mapping import family
 from lightning_megatron.gpt.hf.registry import family_of
-from tests.test_hf_moe import Export, _trainer, hf_forward, hf_model
+from tests.test_hf_moe import Export, _trainer, hf_forward, train_both
 
 SEQ = 16
 BASE = {
@@ -260,29 +260,8 @@ def test_training_follows_transformers_and_adamw(name: str, models: dict) -> Non
 
     Adam's eps is 1e-6: a gradient element that sums to ~1e-9 (float32 cancellation noise, which differs between two
     correct implementations) would otherwise get an update of anywhere up to lr from Adam's first step."""
-    path = models[name]
-    samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(3))
     settings = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.0}
-    model = hf_model(path).train()
-    optimizer = torch.optim.AdamW(model.parameters(), **settings)
-    want = []
-    for batch in samples.split(4):
-        out = model(input_ids=batch, labels=batch)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        want.append(float(out.loss))
-    overrides = {"moe_router_bias_update_rate": 0.0}
-    module = MegatronLMModule.from_hf(path, seq_length=SEQ, config_overrides=overrides, clip_grad=0.0,
-                                      warmup_steps=0, decay_style="constant", **settings)  # fmt: skip
-    got = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-            got.append(float(outputs["loss"]))
-
-    trainer = _trainer(2, max_steps=3, callbacks=[Record()], use_distributed_sampler=False)
-    trainer.fit(module, DataLoader(samples, batch_size=4))
+    want, got, model, module = train_both(models[name], settings, {"moe_router_bias_update_rate": 0.0})
     assert len(set(want)) == 3
     assert got == pytest.approx(want, rel=1e-4)
     bias = module.chunks[0].decoder.layers[1].mlp.router.expert_bias

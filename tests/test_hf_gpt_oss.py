@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_megatron import MegatronLMModule, ModelConfig
 from lightning_megatron.gpt.hf.mapping import family
 from lightning_megatron.gpt.hf.registry import family_of
-from tests.test_hf_moe import Export, _trainer, hf_forward
+from tests.test_hf_moe import Export, _trainer, hf_forward, train_both
 
 SEQ = 16
 BASE: dict[str, Any] = {
@@ -149,30 +149,6 @@ def test_yarn_fields_refused_where_not_built() -> None:
 def test_training_follows_transformers_and_adamw(model_path: Path) -> None:
     """Three steps of full fine-tuning step for step with transformers + torch.optim.AdamW (the sinks, the router's
     and the experts' biases get gradients)."""
-    import lightning as L
-
-    samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(3))
-    settings = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                              attn_implementation="eager").train()  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), **settings)
-    want = []
-    for batch in samples.split(4):
-        out = model(input_ids=batch, labels=batch)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        want.append(float(out.loss))
-    module = MegatronLMModule.from_hf(model_path, seq_length=SEQ, clip_grad=0.0, warmup_steps=0,
-                                      decay_style="constant", **settings)  # fmt: skip
-    got: list[float] = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-            got.append(float(outputs["loss"]))
-
-    _trainer(2, max_steps=3, callbacks=[Record()], use_distributed_sampler=False).fit(
-        module, DataLoader(samples, batch_size=4)
-    )
+    want, got, _, _ = train_both(model_path, {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0})
     assert len(set(want)) == 3
     assert got == pytest.approx(want, rel=1e-4)

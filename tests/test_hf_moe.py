@@ -91,6 +91,34 @@ def hf_forward(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, float, t
     return out.logits, float(out.loss), logprobs
 
 
+def train_both(path: Path, settings: dict[str, Any], overrides: dict[str, Any] | None = None) -> tuple:
+    """Three steps of full fine-tuning from the HF checkpoint at ``path`` on the same 12 rows, 4 a step: transformers +
+    ``torch.optim.AdamW(**settings)``, and ``from_hf`` under the strategy with the same settings (no clipping, no
+    warm-up, constant LR; ``overrides``: ModelConfig fields). Each side's losses in step order, then the trained
+    transformers model and module."""
+    samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(3))
+    model = hf_model(path).train()
+    optimizer = torch.optim.AdamW(model.parameters(), **settings)
+    want = []
+    for batch in samples.split(4):
+        out = model(input_ids=batch, labels=batch)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(float(out.loss))
+    module = MegatronLMModule.from_hf(path, seq_length=SEQ, clip_grad=0.0, warmup_steps=0, decay_style="constant",
+                                      config_overrides=overrides, **settings)  # fmt: skip
+    got: list[float] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            got.append(float(outputs["loss"]))
+
+    trainer = _trainer(2, max_steps=3, callbacks=[Record()], use_distributed_sampler=False)
+    trainer.fit(module, DataLoader(samples, batch_size=4))
+    return want, got, model, module
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf_moe")

@@ -14,7 +14,7 @@ from lightning_megatron import tiny_gpt
 from lightning_megatron.gpt import specs
 from lightning_megatron.kernels.attention import SDPAttention
 from lightning_megatron.kernels.documents import SequenceLayout
-from tests.conftest import one_process_megatron, one_process_trainer, run_here, run_worker
+from tests.conftest import assert_continues_at_tp2_with_sp, one_process_megatron, one_process_trainer
 
 QK, ROPE, V = 16, 8, 16  # tiny_gpt's MLA head sizes: query/key 16 + 8, value 16
 MLA = {"multi_latent_attention": True}
@@ -169,17 +169,7 @@ def test_mla_model_continues_at_tp2(tmp_path: Path) -> None:
     # One process trains 4 steps, checkpointing at step 2; TP=2 resumes that checkpoint and must follow the
     # one-process curve and validation (the heads, the query and up-projections and the latent down-projection
     # split; a query latent at TP=2 is in tests/test_hf_moe.py's DeepSeek-V3 layouts).
-    model = {"model": {**MLA_DIRECT_NORM, "kernels": "torch"}}
-    val = {"limit_val_batches": 2, "val_check_interval": 4}
-    saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}
-    full = run_here({**model, "devices": 1, "max_steps": 4, **val, **saves}, tmp_path)
-    resume = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
-    tp2 = run_worker({**model, "devices": 2, "tp": 2, "sp": True, "max_steps": 4, "resume": resume, **val}, tmp_path)
-    assert set(tp2["train"]) == {"3", "4"}, tp2["train"]
-    assert full["train"]["3"] != full["train"]["4"]
-    for step in ("3", "4"):
-        assert tp2["train"][step] == pytest.approx(full["train"][step], rel=2e-4), step
-    assert tp2["val"]["4"] == pytest.approx(full["val"]["4"], rel=2e-4)
+    assert_continues_at_tp2_with_sp({**MLA_DIRECT_NORM, "kernels": "torch"}, tmp_path)
 
 
 def test_an_mla_model_without_experts_has_no_hf_family() -> None:

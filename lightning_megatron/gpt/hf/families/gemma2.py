@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_megatron.gpt.hf.families.gemma3 import Gemma3
+from lightning_megatron.gpt.hf.families.gemma3 import Gemma3, gemma_layer
 from lightning_megatron.gpt.hf.params import ModelShape
 
 ARCH = "Gemma2ForCausalLM"
@@ -31,11 +31,8 @@ class Gemma2(Gemma3):
         return {}  # one RoPE for the sliding and the full layers
 
     def matches(self, c: ModelShape) -> bool:
-        gemma = all(getattr(c, name, False) for name in ("layernorm_zero_centered_gamma", "post_sublayer_norms"))
-        dense = c.num_moe_experts is None and not getattr(c, "multi_latent_attention", False)
-        act = getattr(c, "activation", None) == "gelu_tanh" and getattr(c, "scale_embeddings", False)
         one_rope = getattr(c, "local_rotary_base", None) is None
-        return gemma and dense and act and not c.qk_layernorm and not c.add_qkv_bias and one_rope
+        return gemma_layer(c) and not c.qk_layernorm and one_rope
 
     def hf_config_kwargs(self, c: Any) -> dict[str, Any]:
         kwargs = super().hf_config_kwargs(c)

@@ -64,11 +64,8 @@ class Gemma3(Family):
         return {"local_rotary_base": _local_base(hf)}
 
     def matches(self, c: ModelShape) -> bool:
-        gemma = all(getattr(c, name, False) for name in ("layernorm_zero_centered_gamma", "post_sublayer_norms"))
-        dense = c.num_moe_experts is None and not getattr(c, "multi_latent_attention", False)
-        act = getattr(c, "activation", None) == "gelu_tanh" and getattr(c, "scale_embeddings", False)
-        plain = not c.add_qkv_bias and getattr(c, "attn_logit_softcapping", None) is None  # HF's would ignore it
-        return gemma and dense and act and c.qk_layernorm and plain
+        plain = getattr(c, "attn_logit_softcapping", None) is None  # HF's Gemma 3 would ignore it
+        return gemma_layer(c) and c.qk_layernorm and plain
 
     def hf_config_kwargs(self, c: Any) -> dict[str, Any]:
         from lightning_megatron.gpt.attention_variants import window_layers
@@ -103,6 +100,15 @@ class Gemma3(Family):
         for ours, theirs in norms:
             params.append(Param(f"{m}{ours}.weight", ((f"{h}{theirs}.weight", (c.hidden_size,)),), "copy"))
         return params
+
+
+def gemma_layer(c: ModelShape) -> bool:
+    """Whether ``c`` has the layer Gemma 2 and 3 share: dense, zero-centred gains and post norms, scaled embeddings,
+    tanh GeGLU, no q/k/v biases."""
+    gemma = all(getattr(c, name, False) for name in ("layernorm_zero_centered_gamma", "post_sublayer_norms"))
+    dense = c.num_moe_experts is None and not getattr(c, "multi_latent_attention", False)
+    act = getattr(c, "activation", None) == "gelu_tanh" and getattr(c, "scale_embeddings", False)
+    return gemma and dense and act and not c.add_qkv_bias
 
 
 def _rope(hf: Any) -> dict[str, Any]:
