@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, ModelConfig
 from lightning_megatron.gpt.hf.mapping import family
-from tests.test_hf_moe import Export, _trainer, hf_forward
+from tests.test_hf_moe import Export, _trainer, hf_forward, save_randomised
 
 SEQ = 16
 YARN = {
@@ -68,16 +68,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def make_model(path: Path, **overrides: Any) -> Path:
     config = transformers.DeepseekV3Config(**{**BASE, **overrides})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms at 1, biases at 0, the router at 0: randomise them so that a wrong mapping shows
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if tensor.ndim == 1 and "inv_freq" not in name:
-                tensor.copy_(torch.randn_like(tensor) * 0.2 + (1.0 if "norm" in name else 0.0))
-            elif name.endswith("mlp.gate.weight"):
-                tensor.copy_(torch.randn_like(tensor))
-    model.save_pretrained(path)
-    return path
+    return save_randomised(config, path, sigmoid_router=True)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from lightning_megatron import MegatronLMModule, ModelConfig, tiny_gpt
 from lightning_megatron.gpt.hf.mapping import family
 from lightning_megatron.gpt.hf.registry import family_of
-from tests.test_hf_moe import Export, _trainer, hf_forward, train_both
+from tests.test_hf_moe import Export, _trainer, hf_forward, save_randomised, train_both
 
 SEQ = 16
 BASE = {
@@ -73,15 +73,7 @@ MTP = {"qk_norm": 1, "plain": 0}
 
 def make_model(path: Path, mtp: int = 0, **overrides: Any) -> Path:
     config = transformers.Glm4MoeConfig(**{**BASE, **overrides})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms at 1, biases at 0, the router at 0: randomise them so that a wrong mapping shows
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if tensor.ndim == 1 and "inv_freq" not in name:
-                tensor.copy_(torch.randn_like(tensor) * 0.2 + (1.0 if "norm" in name else 0.0))
-            elif name.endswith("mlp.gate.weight"):
-                tensor.copy_(torch.randn_like(tensor))
-    model.save_pretrained(path)
+    save_randomised(config, path, sigmoid_router=True)
     if mtp:  # some of an MTP layer's tensors (a decoder layer plus eh_proj, enorm, ...) past num_hidden_layers
         tensors, n = load_file(path / "model.safetensors"), config.num_hidden_layers
         for i in range(n, n + mtp):

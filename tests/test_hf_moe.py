@@ -67,13 +67,19 @@ SIGMOID_ROUTER = ("deepseek_v3", "glm4_moe")  # the correction bias, which trans
 def make_hf_model(arch: str, path: Path, **extra: Any) -> Path:
     config_name, overrides = ARCHS[arch]
     config = getattr(transformers, config_name)(**{**BASE, **overrides, **extra})
+    return save_randomised(config, path, sigmoid_router=arch in SIGMOID_ROUTER)
+
+
+def save_randomised(config: Any, path: Path, sigmoid_router: bool = False) -> Path:
+    """A random model of ``config`` (seed 0) written to ``path``, its norms, biases and buffers (the correction bias)
+    randomised so that a wrong mapping shows; a sigmoid router's weights too (scores far from ties)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms start at 1 and biases at 0: randomise them so that a wrong mapping shows
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:  # buffers: the correction bias
+    with torch.no_grad():  # norms start at 1 and biases at 0
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if tensor.ndim == 1 and "inv_freq" not in name:
                 tensor.copy_(torch.randn_like(tensor) * 0.2 + (1.0 if "norm" in name else 0.0))
-            elif name.endswith("mlp.gate.weight") and arch in SIGMOID_ROUTER:  # sigmoid scores far from ties
+            elif name.endswith("mlp.gate.weight") and sigmoid_router:
                 tensor.copy_(torch.randn_like(tensor))
     model.save_pretrained(path)
     return path
