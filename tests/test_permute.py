@@ -107,3 +107,22 @@ def test_queued_counts_dispatcher_equals_megatrons() -> None:
             results.append((rows, counts, row_probs, out, inputs.grad, row_probs_in.grad))
         for got, want in zip(results[1], results[0], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_compiled_row_sum_equals_the_written_out_one_on_gpu() -> None:
+    """The tokens' k rows summed by the compiled kernel (kernels/permute.py) equal the eager gather and sum in bf16:
+    the same fp32 accumulation, one rounding."""
+    tokens, experts, k, hidden = 1000, 16, 4, 512
+    routing_map, probs = routing(tokens, experts, k, seed=7)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    rows, _, indices = permute.permute(x.requires_grad_(), routing_map.cuda(), k, probs.cuda())
+    weighted = (rows.detach() * torch.rand(tokens * k, 1, device="cuda")).to(torch.bfloat16)
+    order = indices.token_order
+    got = permute.unpermute(weighted, indices, tokens)
+    want = permute.gathered_sum(weighted, order, k)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2**-8  # one bf16 ulp or two
+    rows.backward(torch.ones_like(rows))  # the gather's backward: each token's k rows of ones summed
+    torch.testing.assert_close(x.grad.float(), torch.full_like(x.grad, k, dtype=torch.float32))

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_megatron.kernels.compile import for_device
+
 
 class _Gather(torch.autograd.Function):
     """``tokens[indices]`` ([T, H] -> [T*k, H]) whose backward sums each token's ``k`` rows via ``order``."""
@@ -53,7 +55,15 @@ class _Combine(torch.autograd.Function):
 
 
 def _sum_rows(rows: Tensor, order: Tensor, k: int) -> Tensor:
-    """[T*k, H] rows -> [T, H]: the ``k`` rows of each token (``order``: row indices, token-major) summed."""
+    """[T*k, H] rows -> [T, H]: the ``k`` rows of each token (``order``: row indices, token-major) summed.
+
+    Compiled on GPU: one kernel reads each row where it lies and adds it in registers, instead of a gathered
+    [T*k, H] copy written and read again by the sum (two of the four full passes over the expert rows per layer)."""
+    return for_device(gathered_sum, rows.device)(rows, order, k)
+
+
+def gathered_sum(rows: Tensor, order: Tensor, k: int) -> Tensor:
+    """:func:`_sum_rows` as written out (the function compiled on GPU)."""
     per_token = rows.index_select(0, order).view(-1, k, rows.shape[-1])  # [T, k, H]
     wide = torch.float32 if rows.dtype in (torch.bfloat16, torch.float16) else rows.dtype  # one rounding at the end
     return per_token.sum(dim=1, dtype=wide).to(rows.dtype)
