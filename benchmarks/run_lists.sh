@@ -26,6 +26,8 @@
 #   mla       the GPU test of the attention variants (FlexAttention windows, sinks, soft-capping against the
 #             reference), then moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's Multi-Latent Attention)
 #             and dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared), variant a (~5 min)
+#   moe_ab    the MoE permutation's GPU test, then moe1b at BASE (a git revision, default HEAD~1, checked out beside
+#             the tree) against the checked-out commit, in turn, twice: one change's effect in one run (~6 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -76,6 +78,16 @@ mla)
     tp --shape moe1b --variants a
     tp --shape mla_moe1b --variants a
     tp --shape dsv3_1b --variants a
+    ;;
+moe_ab)
+    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_permute.py >"$out/$section.log" 2>&1
+    tail -3 "$out/$section.log"
+    base=/tmp/ab_base
+    rm -rf "$base" && git worktree prune && git worktree add -f --detach "$base" "${BASE:-HEAD~1}" >/dev/null
+    for _ in 1 2; do
+        (cd "$base" && timeout 300 python3 benchmarks/throughput.py --shape moe1b --variants a) | tee -a "$log"
+        tp --shape moe1b --variants a
+    done
     ;;
 ema)
     for _ in 1 2; do
