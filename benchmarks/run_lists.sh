@@ -25,9 +25,13 @@
 #   ema_update  the EMA update alone (eager, compiled, offloaded) and the GPU weight-averaging tests (~2 min)
 #   mla       the GPU test of the attention variants (FlexAttention windows, sinks, soft-capping against the
 #             reference), then moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's Multi-Latent Attention)
-#             and dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared), variant a (~5 min)
+#             and dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared) and gptoss1b (a GPT-OSS-like
+#             MoE: window-128/full layers, sinks, biases, clamped GLU, 32 experts top-4), variant a (~6 min)
 #   moe_ab    the MoE permutation's GPU test, then moe1b at BASE (a git revision, default HEAD~1, checked out beside
 #             the tree) against the checked-out commit, in turn, twice: one change's effect in one run (~6 min)
+#   variants  the attention kernels alone (benchmarks/attention.py: MLA against GQA, a 1024-token window against
+#             full causal attention, sinks against none), then the 1B shape at 16K tokens all-full against Gemma 3's
+#             5:1 windowed layers (window 1024), variant a (~5 min, estimated)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -78,6 +82,7 @@ mla)
     tp --shape moe1b --variants a
     tp --shape mla_moe1b --variants a
     tp --shape dsv3_1b --variants a
+    tp --shape gptoss1b --variants a
     ;;
 moe_ab)
     timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_permute.py >"$out/$section.log" 2>&1
@@ -88,6 +93,13 @@ moe_ab)
         (cd "$base" && timeout 300 python3 benchmarks/throughput.py --shape moe1b --variants a) | tee -a "$log"
         tp --shape moe1b --variants a
     done
+    ;;
+variants)
+    timeout 180 python3 benchmarks/attention.py --iters 10 --warmup 3 2>"$out/$section.log" | tee -a "$log"
+    grep -E "Error|Traceback" "$out/$section.log" | tail -3  # the script's own failure (each case's: in its row)
+    long=(--shape 1b --variants a --seq-length 16384 --micro-batch-size 1 --micro-batches 2)
+    tp "${long[@]}"
+    tp "${long[@]}" --window 1024 --window-every 6
     ;;
 ema)
     for _ in 1 2; do

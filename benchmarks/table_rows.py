@@ -29,6 +29,7 @@ SHAPES = {
     "moe1b": dict(num_layers=16, hidden_size=2048),
     "mla_moe1b": dict(num_layers=16, hidden_size=2048),
     "dsv3_1b": dict(num_layers=16, hidden_size=2048),
+    "gptoss1b": dict(num_layers=16, hidden_size=2048),
     "qwen3moe": dict(num_layers=8, hidden_size=2048),
 }
 VOCAB = 32000
@@ -154,6 +155,7 @@ def configuration(data: dict[str, Any]) -> tuple:
         data.get("recompute"), fp8, bool(data.get("cuda_graphs")), data.get("lora_rank") or 0,
         data.get("weight_cast_reuse", True), kernels(data), data.get("check_batches") is not False,
         num_layers(data), data.get("ep") or 1, data.get("moe_grouped_gemm"), data.get("ema"),
+        str(data.get("window_size")), str(data.get("window_attn_skip_freq")),  # JSON lists: not hashable
     )  # fmt: skip
 
 
@@ -227,7 +229,15 @@ def variant_label(data: dict[str, Any]) -> str:
     )
     extras += ["no batch check"] if data.get("check_batches") is False else []
     extras += ["experts looped"] if data.get("moe_grouped_gemm") is False else []
+    extras += [window_label(data)] if data.get("window_size") else []
     return label + (" + " + ", ".join(extras) if extras else "")
+
+
+def window_label(data: dict[str, Any]) -> str:
+    """Sliding windows of N tokens (``window_size`` (N - 1, 0)), one layer in K full (``window_attn_skip_freq``)."""
+    every = data.get("window_attn_skip_freq")
+    layers = ", every layer" if every is None else f", 1 layer in {every} full" if isinstance(every, int) else ""
+    return f"window {data['window_size'][0] + 1}{layers}"
 
 
 def layout(data: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@
     python benchmarks/throughput.py --devices 2 --cp 2 --seq-length 32768 --micro-batch-size 1 --variants a
     python benchmarks/throughput.py --shape moe1b --variants a        # MoE: 32 experts of ffn 768, top-8
     python benchmarks/throughput.py --shape qwen3moe --num-layers 4 --variants a   # Qwen3-30B-A3B's layers, cut
+    python benchmarks/throughput.py --variants a --seq-length 16384 --micro-batch-size 1 --window 1024 --window-every 6
 
 Prints one JSON line per variant, each measured in its own torchrun job on the same GPUs:
 (a) ``Trainer`` + ``MegatronStrategy`` + ``MegatronLMModule``; (b) a raw Megatron-Core loop with the same model,
@@ -35,6 +36,9 @@ dense 1B's active parameters); ``qwen3moe`` the layers of Qwen3-30B-A3B (hidden 
 key/value groups, q/k norms, 128 experts of ffn 768, top-8, vocabulary 151,936), 8 of its 48 layers unless
 ``--num-layers``. N counts each routed expert's parameters times top-k / experts (the active parameters), so MFU is
 on active parameters; rows carry ``num_moe_experts``, ``moe_router_topk``, ``ep`` and ``moe_grouped_gemm``.
+``gptoss1b``: a GPT-OSS-like MoE (benchmarks/shapes.py). Sliding windows: ``--window N --window-every K`` (every K-th
+layer full; Gemma 3's 5:1 is ``--window 1024 --window-every 6``; variants a and b). ``mfu`` keeps the standard count
+for windowed layers; rows with windows add ``flops_per_token_needed`` (the pairs inside each window).
 """
 
 from __future__ import annotations
@@ -51,32 +55,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: benchmarks.*
 from benchmarks.recorders import hf_counts, megatron_counts, start_profiler, timeline_path, total_steps, write_profile  # noqa: E402
+from benchmarks.shapes import SHAPES, VOCAB, add_window_arguments, attention_row, window_fields, window_problem  # noqa: E402
 from lightning_megatron.parallel.counts import model_flops_per_token
 
-SHAPES = {
-    "125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=2048),
-    "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632),
-    "3b": dict(num_layers=26, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=8192),
-    "moe1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632,
-                  num_moe_experts=32, moe_router_topk=8, moe_ffn_hidden_size=768),
-    # moe1b's attention alone with DeepSeek-V3's (Multi-Latent Attention: q latent 768, kv latent 512, heads of
-    # 128 + 64 query/key and 128 value dims, latent norms), the MoE the same: MLA's cost against GQA's.
-    "mla_moe1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632,
-                      num_moe_experts=32, moe_router_topk=8, moe_ffn_hidden_size=768, multi_latent_attention=True,
-                      q_lora_rank=768, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
-                      qk_layernorm=True),
-    # A DeepSeek-V3-like stack cut to one GPU: MLA (q latent 1536, kv latent 512, 128 + 64 / 128), the first layer
-    # dense, then 64 routed experts of ffn 1408, top-6, the sigmoid router with its bias, two shared experts.
-    "dsv3_1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632,
-                    num_moe_experts=64, moe_router_topk=6, moe_ffn_hidden_size=1408, multi_latent_attention=True,
-                    q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
-                    qk_layernorm=True, moe_layer_freq=(0,) + (1,) * 15, moe_shared_expert_intermediate_size=2816,
-                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
-    "qwen3moe": dict(num_layers=8, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
-                     qk_layernorm=True, ffn_hidden_size=6144, num_moe_experts=128, moe_router_topk=8,
-                     moe_ffn_hidden_size=768, vocab_size=151936),
-}  # fmt: skip
-VOCAB = 32000
 VARIANTS = {
     "a": "lightning_megatron",
     "b": "raw_megatron_core",
@@ -87,7 +68,7 @@ VARIANTS = {
 PEAK_FLOPS = 989e12
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--variants", default="a,b,c,d",
@@ -122,9 +103,17 @@ def parse() -> argparse.Namespace:
         help="variants a and b: ModelConfig(cuda_graphs=True), Megatron's per-layer CUDA graphs",
     )  # fmt: skip
     add_measurement_arguments(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.devices % (args.tp * args.pp * args.cp):
         p.error(f"--devices {args.devices} is not a multiple of --tp x --pp x --cp = {args.tp * args.pp * args.cp}")
+    problem = window_problem(args)
+    if problem:
+        p.error(problem)
+    if args.variant is None:  # the launcher: a bad shape or option fails here, not in each GPU job
+        try:
+            model_config(args)
+        except ValueError as error:
+            p.error(f"--shape {args.shape} with these options: {error}")
     return args
 
 
@@ -138,6 +127,7 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
         help="MoE experts: grouped GEMMs where the GPU has them (ModelConfig(moe_grouped_gemm=None)), or Megatron's "
         "loop over the experts on the same module (moe_grouped_gemm=False)",
     )  # fmt: skip
+    add_window_arguments(p)
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "local"])
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
@@ -192,8 +182,9 @@ def model_config(args: argparse.Namespace) -> Any:
 
 
 def shape(args: argparse.Namespace) -> dict[str, Any]:
-    """The ModelConfig fields of ``--shape`` (vocabulary 32,000 unless the shape has its own), ``--num-layers``."""
-    fields = {"vocab_size": VOCAB, **SHAPES[args.shape]}
+    """The ModelConfig fields of ``--shape`` (vocabulary 32,000 unless the shape has its own), ``--num-layers``,
+    ``--window`` / ``--window-every``."""
+    fields = {"vocab_size": VOCAB, **SHAPES[args.shape], **window_fields(args)}
     return fields if args.num_layers is None else {**fields, "num_layers": args.num_layers}
 
 
@@ -421,12 +412,22 @@ def child(args: argparse.Namespace) -> None:
             "check_batches": args.check_batches if args.variant == "a" else None,
             "weight_cast_reuse": args.weight_cast_reuse, "cuda_graphs": args.cuda_graphs and args.variant in ("a", "b"),
             "first_losses": result.get("first_losses", []), "gc_in_timed_steps": result.get("gc"),
+            **attention_fields(args, flops_per_token),
             **(sync_report(result["syncs"], args.steps) if args.sync_debug else {}),
         }),
         flush=True,
     )  # fmt: skip
     if result.get("timeline"):
         print("TIMELINE " + json.dumps({"variant": VARIANTS[args.variant], **result["timeline"]}), flush=True)
+
+
+def attention_fields(args: argparse.Namespace, flops_per_token: int) -> dict[str, Any]:
+    """The row's attention variants; with windows, the FLOPs per token they need (benchmarks/shapes.py)."""
+    from lightning_megatron.gpt.attention_variants import window_layers
+
+    fields = shape(args)
+    windowed = window_layers(model_config(args)) if fields.get("window_size") is not None else ()
+    return attention_row(fields, windowed, args.seq_length, flops_per_token)
 
 
 def commit() -> str | None:
@@ -460,6 +461,9 @@ def main() -> None:
     for index, variant in enumerate(args.variants.split(",")):
         if variant in ("c", "d") and args.tp * args.pp * args.cp > 1:
             continue  # the HF model runs data-parallel only (DDP / FSDP2)
+        if variant in ("b0", "c", "d") and window_fields(args):
+            print(json.dumps({"variant": variant, "skipped": "--window: variants a and b only"}), flush=True)
+            continue
         if variant != "a" and (is_moe(args) or args.ep > 1):
             print(json.dumps({"variant": variant, "skipped": "MoE shapes and --ep: variant a only"}), flush=True)
             continue

@@ -224,3 +224,80 @@ def test_a_file_with_a_time_is_the_latest_of_its_date_and_moe_rows_pair_with_the
     assert "moe1b" in table[-2]
     assert "| 60 | 100 | 0.60x |" in table[-2]
     assert not [line for line in table if "qwen3moe" in line]  # 4 layers and no dense row of its call: no ratio
+
+
+def test_attention_benchmark_runs_every_case_in_its_tiny_cpu_mode() -> None:
+    """benchmarks/attention.py end to end on CPU (tiny sizes): a row per case and length, none failed, FLOPs counted
+    over the attended pairs, and each part's summary."""
+    from benchmarks import attention
+    from benchmarks.shapes import attended_pairs
+
+    lines = attention.main(["--device", "cpu", "--tiny", "--query-groups", "2"])  # grouped keys/values too
+    rows = {(row["case"], row["seq"]): row for row in lines if "case" in row}
+    assert not [row for row in rows.values() if "error" in row], [row.get("error") for row in rows.values()]
+    s = attention.sizes(attention.parse(["--tiny", "--query-groups", "2"]))
+    for part, cases in attention.PARTS.items():
+        assert {(case, seq) for case in cases for seq in s.seqs[part]} <= rows.keys()
+    for row in rows.values():
+        pairs = row["batch"] * row["heads"] * attended_pairs(row["seq"], (row["window_size"] or [None])[0])
+        assert row["flops"] == 2 * pairs * (4 * row["head_dim_qk"] + 3 * row["head_dim_v"])
+        assert row["ms"] > 0
+        assert row["batch"] * row["seq"] == s.tokens
+    assert rows["mla_sdpa", 32]["head_dim_qk"] == rows["sdpa", 32]["head_dim_qk"] + s.mla_rope_dim
+    assert rows["flex_window", 128]["window_size"] == [s.window - 1, 0]
+    assert rows["flex_window", 128]["flops"] < rows["flex_causal", 128]["flops"]
+    assert rows["flex_sinks", 64]["kernel"] == "masked_reference"  # the CPU path of kernels.variants
+    assert rows["flex_sinks", 64]["query_groups"] == 2
+    summaries = {(row["summary"], row["seq"]): row for row in lines if "summary" in row}
+    assert summaries.keys() == {(part, seq) for part in attention.PARTS for seq in s.seqs[part]}
+    assert summaries["a", 64]["mla_cost_per_flop_over_sdpa"] > 0
+    assert summaries["c", 64]["sinks_over_flex_causal"] > 0
+
+
+def test_windowed_pairs_and_flops_count_the_keys_inside_each_window() -> None:
+    from benchmarks.shapes import attended_pairs, needed_attention_flops
+
+    for seq, window in [(1, 0), (5, 0), (5, 1), (7, 3), (7, 6), (7, 50), (9, None)]:
+        brute = sum(min(query, seq if window is None else window) + 1 for query in range(seq))
+        assert attended_pairs(seq, window) == brute, (seq, window)
+    full = 6 * 64 * 100
+    assert needed_attention_flops((False, False), 64, 100, 9) == 2 * full
+    assert needed_attention_flops((True, False), 64, 100, 9) == round(full + full * attended_pairs(100, 9) / 5050)
+
+
+def test_throughput_window_options_and_the_gpt_oss_shape_map_to_model_fields() -> None:
+    from benchmarks import throughput
+    from lightning_megatron.gpt.attention_variants import window_layers
+    from lightning_megatron.gpt.hf.families.gpt_oss import GptOss
+
+    args = throughput.parse(["--variants", "a", "--seq-length", "16384", "--window", "1024", "--window-every", "6"])
+    config = throughput.model_config(args)
+    assert (config.window_size, config.window_attn_skip_freq) == ((1023, 0), 6)
+    assert [i + 1 for i, windowed in enumerate(window_layers(config)) if not windowed] == [6, 12]  # Gemma 3's 5:1
+    row = throughput.attention_fields(args, 10**10)
+    assert row["windowed_layers"] == 14
+    assert row["sliding_window"] == 1024
+    assert 0 < row["flops_per_token_needed"] < row["flops_per_token"] == 10**10  # mfu keeps the standard count
+    assert throughput.attention_fields(throughput.parse(["--variants", "a"]), 5)["window_size"] is None
+    gpt_oss = throughput.model_config(throughput.parse(["--shape", "gptoss1b", "--variants", "a"]))
+    assert GptOss().matches(gpt_oss)  # what the GPT-OSS import would build (sinks, GLU offset, quick_gelu, ...)
+    assert gpt_oss.add_bias_linear
+    assert gpt_oss.activation_func_clamp_value == 7.0
+    assert window_layers(gpt_oss) == (True, False) * 8
+    assert gpt_oss.window_size == (127, 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--window-every", "6"], "--window-every needs --window"),
+        (["--window", "0"], "--window 0"),
+        (["--window", "64", "--window-every", "1"], "--window-every 1"),
+    ],
+)
+def test_throughput_refuses_bad_window_options(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import throughput
+
+    with pytest.raises(SystemExit):
+        throughput.parse(["--variants", "a", *argv])
+    assert match in capsys.readouterr().err

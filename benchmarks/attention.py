@@ -1,0 +1,364 @@
+"""Attention kernels alone (one GPU): forward + backward of the core attention the model builds, bf16.
+
+    PYTHONPATH=. python benchmarks/attention.py                       # parts a, b, c
+    PYTHONPATH=. python benchmarks/attention.py --parts c --iters 50
+    PYTHONPATH=. python benchmarks/attention.py --device cpu --tiny    # tiny sizes in seconds: a smoke test
+
+Parts (one JSON line per case and sequence length, then one ``summary`` line per part and length):
+
+* a: the 1B shape's core attention (``sdpa``: 16 heads of 128, ``--query-groups`` key/value heads, SDPA's kernels)
+  against Multi-Latent Attention's (``mla_sdpa``: 16 heads, query/key 128 + 64, value 128) at 2,048 and 8,192
+  tokens; issue 58's target: MLA's attention costs no more per FLOP than GQA's;
+* b: a sliding window of ``--window`` tokens (``flex_window``: FlexAttention with a block mask that skips the blocks
+  outside it) against full causal attention on the same FlexAttention path (``flex_causal``) and against ``sdpa``,
+  the 1B shape's default, at 8,192 and 16,384 tokens;
+* c: learnable attention sinks (``flex_sinks``: ``softmax_type='learnable'``, FlexAttention and its log-sum-exp)
+  against ``flex_causal`` (the same kernel without sinks) and ``sdpa`` at 8,192 tokens; issue 59's target: sinks
+  cost <= 5% over plain attention.
+
+Entry points: ``SDPAttention`` built from the layer spec as the model builds it (``specs.layer_spec``; MLA's with the
+head sizes and scale ``MLASelfAttention`` passes), called on Megatron's [S, B, heads, d] layout; RoPE is left out
+(MLA rotates outside its core attention: both time the attention alone). ``flex_causal`` calls
+``kernels.variants.attend_variant`` as ``SDPAttention`` does for its variants. Each length runs ``--tokens`` tokens
+(batch = tokens / length). A window of N tokens is the query and the N - 1 before it (``window_size=(N - 1, 0)``).
+
+FLOPs: matmul FLOPs over the attended (query, key) pairs P (causal: S (S + 1) / 2 per head and sequence; a window:
+the pairs inside it): forward 2 P (d_qk + d_v), backward 2 P (3 d_qk + 2 d_v) (the scores recomputed, as the flash
+kernels do: 2.5x the forward where d_qk = d_v). ``tflops`` counts those; a window's ``tflops_causal_equivalent``
+counts the causal pairs instead (its speed as if it computed full attention); ``tflops_model_count`` counts 3x the
+forward, as the MFU count's attention term does. Timing: CUDA events over ``--iters`` iterations after ``--warmup``,
+gradients reset in each; dynamo's caches are reset before each case, so each compiles for its one shape as training
+at one sequence length does. ``kernels``: the GPU kernels of one step by time (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: benchmarks.*
+from benchmarks.shapes import attended_pairs  # noqa: E402
+
+PARTS = {
+    "a": ("sdpa", "mla_sdpa"),
+    "b": ("flex_window", "flex_causal", "sdpa"),
+    "c": ("flex_sinks", "flex_causal", "sdpa"),
+}
+TARGETS = {
+    "a": "mla_cost_per_flop_over_sdpa <= 1 (issue 58)",
+    "b": "a 5:1 windowed 1B model >= 1.4x tokens/s at 16K (issue 59; benchmarks/throughput.py --window)",
+    "c": "sinks_over_flex_causal <= 1.05 (issue 59)",
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    heads: int
+    groups: int
+    head_dim: int
+    mla_rope_dim: int
+    window: int
+    seqs: dict[str, list[int]]
+    tokens: int
+
+
+def sizes(args: argparse.Namespace) -> Sizes:
+    if args.tiny:  # a few milliseconds a case on CPU
+        seqs = {"a": [32, 64], "b": [64, 128], "c": [64]}
+        return Sizes(4, args.query_groups or 4, 16, 8, 16, seqs, 128)
+    seqs = {part: [int(n) for n in getattr(args, f"seq_{part}").split(",")] for part in PARTS}
+    return Sizes(16, args.query_groups or 16, 128, 64, args.window, seqs, args.tokens)
+
+
+def model(s: Sizes, mla: bool = False, **variant: Any) -> Any:
+    """A one-layer ModelConfig with the benchmark's heads (the 1B shape's at full size)."""
+    from lightning_megatron import ModelConfig
+
+    fields: dict[str, Any] = dict(
+        num_layers=1, hidden_size=s.heads * s.head_dim, num_attention_heads=s.heads, ffn_hidden_size=4 * s.head_dim,
+        vocab_size=128, seq_length=max(max(v) for v in s.seqs.values()), kernels="torch",
+    )  # fmt: skip
+    if mla:
+        fields |= dict(multi_latent_attention=True, q_lora_rank=4 * s.head_dim, kv_lora_rank=4 * s.head_dim,
+                       qk_head_dim=s.head_dim, qk_pos_emb_head_dim=s.mla_rope_dim, v_head_dim=s.head_dim)  # fmt: skip
+    else:
+        fields["num_query_groups"] = s.groups
+    return ModelConfig(**fields, **variant)
+
+
+def core_attention(config: Any, dtype: torch.dtype, **mla: Any) -> torch.nn.Module:
+    """The layer spec's core attention of ``config``, built with the arguments its attention module passes."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
+    from lightning_megatron.gpt import specs
+
+    tc = config.to_transformer_config(kernels="torch", params_dtype=dtype, use_cpu_initialization=True)
+    core = specs.layer_spec(config, "torch").submodules.self_attention.submodules.core_attention
+    if isinstance(core, functools.partial):  # RoPE out: the attention alone (MLA rotates outside it anyway)
+        kept = {name: value for name, value in core.keywords.items() if name not in ("rotary", "local_rotary")}
+        core = functools.partial(core.func, **kept) if kept else core.func
+    return build_module(
+        core, config=tc, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+        softmax_scale=mla.pop("softmax_scale", tc.softmax_scale), **mla,
+    )  # fmt: skip
+
+
+@dataclass
+class Built:
+    step: Callable[..., torch.Tensor]
+    params: list[torch.Tensor]
+    qk_dim: int
+    v_dim: int
+    groups: int
+    window: int | None  # keys before the query (window_size[0]); None: causal over all
+    kernel: str
+
+
+def build(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Built:
+    """The module (or call) of ``case`` on ``device``."""
+    gpu = device.type == "cuda"
+    flex = "flex" if gpu else "masked_reference"  # kernels.variants: FlexAttention on GPU, the reference elsewhere
+    if case == "mla_sdpa":
+        qk = s.head_dim + s.mla_rope_dim
+        module = core_attention(model(s, mla=True), dtype, softmax_scale=qk**-0.5, k_channels=qk, v_channels=s.head_dim)
+        return Built(as_step(module.to(device)), [], qk, s.head_dim, s.heads, None, "sdpa")
+    if case == "flex_causal":
+        from lightning_megatron.kernels.variants import Variant, attend_variant
+
+        def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            seq, batch = q.shape[:2]  # as SDPAttention: [S, B, n, d] -> [B, n, S, d] views and back
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            out = attend_variant(q, k, v, None, Variant(), None, s.head_dim**-0.5, 0.0, False)
+            return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+        return Built(step, [], s.head_dim, s.head_dim, s.groups, None, flex)
+    variant = {
+        "sdpa": {},
+        "flex_window": {"window_size": (s.window - 1, 0)},
+        "flex_sinks": {"softmax_type": "learnable"},
+    }[case]
+    module = core_attention(model(s, **variant), dtype).to(device)
+    window = s.window - 1 if case == "flex_window" else None
+    kernel = flex if variant else "sdpa"
+    return Built(as_step(module), list(module.parameters()), s.head_dim, s.head_dim, s.groups, window, kernel)
+
+
+def as_step(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """``module`` called as ``SelfAttention`` calls its core attention: no mask tensor (causal by its mask type)."""
+    return lambda q, k, v: module(q, k, v, None)
+
+
+def flops(b: Built, batch: int, heads: int, seq: int, window: int | None) -> tuple[int, int]:
+    """(forward + backward FLOPs, forward FLOPs) over the (query, key) pairs attended (module docstring)."""
+    pairs = batch * heads * attended_pairs(seq, window)
+    return 2 * pairs * (4 * b.qk_dim + 3 * b.v_dim), 2 * pairs * (b.qk_dim + b.v_dim)
+
+
+def elapsed_ms(fn: Callable[[], Any], iters: int, device: torch.device) -> float:
+    """Mean milliseconds of ``fn`` over ``iters`` calls (CUDA events on GPU, the host clock elsewhere)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def kernel_names(fn: Callable[[], Any], device: torch.device) -> list[str] | None:
+    """The GPU kernels of one call of ``fn``, longest total time first (None on CPU; a note if profiling fails)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        timed = []
+        for event in prof.key_averages():
+            us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+            if us > 0:
+                timed.append((us, event.key[:90]))
+        return [f"{name} ({us / 1e3:.2f} ms)" for us, name in sorted(timed, reverse=True)[:5]]
+    except Exception as error:  # the timing stands without it
+        return [f"profiler failed: {type(error).__name__}: {error}"[:200]]
+
+
+def measure(case: str, seq: int, s: Sizes, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    dtype = torch.bfloat16
+    if device.type == "cuda":
+        torch._dynamo.reset()  # this case compiles for its own shape (see the module docstring)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    b = build(case, s, device, dtype)
+    batch = max(1, s.tokens // seq)
+    torch.manual_seed(0)
+    q = torch.randn(seq, batch, s.heads, b.qk_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(seq, batch, b.groups, b.qk_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(seq, batch, b.groups, b.v_dim, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(seq, batch, s.heads * b.v_dim, device=device, dtype=dtype)
+    leaves = [q, k, v, *b.params]
+
+    def once() -> None:
+        for t in leaves:
+            t.grad = None
+        b.step(q, k, v).backward(grad)
+
+    for _ in range(args.warmup):
+        once()
+    ms = elapsed_ms(once, args.iters, device)
+    fwd_ms = elapsed_ms(lambda: b.step(q, k, v), args.iters, device)
+    total, fwd = flops(b, batch, s.heads, seq, b.window)
+    causal = flops(b, batch, s.heads, seq, None)[0]
+    row = {
+        "case": case, "kernel": b.kernel, "seq": seq, "batch": batch, "heads": s.heads, "query_groups": b.groups,
+        "head_dim_qk": b.qk_dim, "head_dim_v": b.v_dim,
+        "window_size": None if b.window is None else [b.window, 0],
+        "softmax_type": "learnable" if case == "flex_sinks" else "vanilla",
+        "ms": round(ms, 4), "fwd_ms": round(fwd_ms, 4), "flops": total, "tflops": round(total / ms / 1e9, 2),
+        "tflops_model_count": round(3 * fwd / ms / 1e9, 2),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if device.type == "cuda" else None,
+        "kernels": kernel_names(once, device),
+    }  # fmt: skip
+    if b.window is not None:
+        row["tflops_causal_equivalent"] = round(causal / ms / 1e9, 2)
+    return row
+
+
+def run_case(case: str, seq: int, s: Sizes, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """:func:`measure`, or the error's last lines (the other cases still run: one GPU call measures them all)."""
+    try:
+        return measure(case, seq, s, args, device)
+    except Exception:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"case": case, "seq": seq, "error": traceback.format_exc()[-1500:]}
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or not denominator else round(numerator / denominator, 4)
+
+
+def summary(part: str, seq: int, found: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The part's comparison at one length: ratios of milliseconds (and of FLOPs) between its cases."""
+    ms = {case: row.get("ms") for case, row in found.items()}
+    row: dict[str, Any] = {"summary": part, "seq": seq, "target": TARGETS[part]}
+    if part == "a":
+        mla, sdpa = found["mla_sdpa"], found["sdpa"]
+        per_flop = [None if "ms" not in r else r["ms"] / r["flops"] for r in (mla, sdpa)]
+        row |= {"mla_ms_over_sdpa": ratio(ms["mla_sdpa"], ms["sdpa"]),
+                "mla_flops_over_sdpa": ratio(mla.get("flops"), sdpa.get("flops")),
+                "mla_cost_per_flop_over_sdpa": ratio(*per_flop)}  # fmt: skip
+    elif part == "b":
+        share = ratio(found["flex_window"].get("flops"), found["flex_causal"].get("flops"))
+        row |= {"flex_causal_over_flex_window": ratio(ms["flex_causal"], ms["flex_window"]),
+                "sdpa_over_flex_window": ratio(ms["sdpa"], ms["flex_window"]),
+                "flex_causal_over_sdpa": ratio(ms["flex_causal"], ms["sdpa"]), "window_flops_share": share}  # fmt: skip
+    else:
+        row |= {"sinks_over_flex_causal": ratio(ms["flex_sinks"], ms["flex_causal"]),
+                "sinks_over_sdpa": ratio(ms["flex_sinks"], ms["sdpa"])}  # fmt: skip
+    return row
+
+
+@contextlib.contextmanager
+def megatron_state(device: torch.device) -> Iterator[None]:
+    """Megatron's parallel state for this one process (gloo; the CPU layer on CPU), unless a caller set one up."""
+    from megatron.core import parallel_state
+
+    from lightning_megatron.compat import cpu as cpu_layer
+    from lightning_megatron.parallel.sizes import ParallelSizes
+    from lightning_megatron.parallel.state import destroy, initialize, seed
+
+    if parallel_state.model_parallel_is_initialized():
+        yield
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29675")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    on_cpu = device.type != "cuda" and not cpu_layer.is_enabled()
+    with cpu_layer.cpu_mode() if on_cpu else contextlib.nullcontext():
+        try:
+            initialize(ParallelSizes())
+            seed(0)
+            yield
+        finally:
+            destroy()
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="a,b,c", help="comma-separated: a (MLA vs GQA), b (windows), c (sinks)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="4 heads of 16, 32 to 128 tokens (a CPU smoke test)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per call: batch = tokens / sequence length")
+    p.add_argument("--query-groups", type=int, default=None, help="key/value heads of sdpa and flex_* (default: all)")
+    p.add_argument("--window", type=int, default=1024, help="flex_window's window: the query and N - 1 before it")
+    p.add_argument("--seq-a", default="2048,8192")
+    p.add_argument("--seq-b", default="8192,16384")
+    p.add_argument("--seq-c", default="8192")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20; --tiny: 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5; --tiny: 1)")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.parts.split(",")) - set(PARTS))
+    if unknown:
+        p.error(f"--parts {args.parts}: unknown {unknown}; use a comma-separated subset of {','.join(PARTS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here; use --device cpu (with --tiny)")
+    if args.window < 1 or args.tokens < 1:
+        p.error(f"--window {args.window} and --tokens {args.tokens} must be >= 1")
+    args.iters = args.iters or (2 if args.tiny else 20)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Print (and return) one JSON line per case and length, and one summary line per part and length."""
+    from benchmarks.throughput import commit
+
+    args = parse(argv)
+    device, s = torch.device(args.device), sizes(args)
+    common = {
+        "benchmark": "attention", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "commit": commit(), "dtype": "bfloat16", "tokens": s.tokens,
+        "iters": args.iters, "warmup": args.warmup,
+    }  # fmt: skip
+    measured: dict[tuple[str, int], dict[str, Any]] = {}
+    lines: list[dict[str, Any]] = []
+
+    def emit(row: dict[str, Any]) -> None:
+        lines.append({**row, **common})
+        print(json.dumps(lines[-1]), flush=True)
+
+    with megatron_state(device):
+        for part in args.parts.split(","):
+            for seq in s.seqs[part]:
+                for case in PARTS[part]:
+                    if (case, seq) not in measured:  # a case two parts share runs once, in the first
+                        measured[case, seq] = run_case(case, seq, s, args, device)
+                        emit({"part": part, **measured[case, seq]})
+                emit(summary(part, seq, {case: measured[case, seq] for case in PARTS[part]}))
+    return lines
+
+
+if __name__ == "__main__":
+    main()
