@@ -4,8 +4,8 @@ is downloaded): attention with q/k/v/o biases and learnable sinks, sliding-windo
 experts, top-2: a router with a bias, a softmax over the top-k, experts with biases and the clamped GLU.
 
 Against ``transformers`` in float32 with eager attention at one process: validation loss and logits; the export
-loads in ``transformers`` with our logits; three training steps follow ``transformers`` + ``torch.optim.AdamW``;
-what the model cannot express is refused by name. Every 1-d parameter
+loads in ``transformers`` with our logits (and in MXFP4, as the releases store it); three training steps follow
+``transformers`` + ``torch.optim.AdamW``; what the model cannot express is refused by name. Every 1-d parameter
 (sinks, biases, norms) is randomised and the clamp limit is small, so that a wrong mapping moves the loss.
 """
 
@@ -75,10 +75,18 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(1))
 
 
+class ExportBoth(Export):
+    """The float export, and the MXFP4 one beside it."""
+
+    def on_predict_end(self, trainer: Any, module: MegatronLMModule) -> None:  # type: ignore[override]
+        super().on_predict_end(trainer, module)
+        module.save_hf(self.path.with_name(self.path.name + "_mxfp4"), weight_format="mxfp4")
+
+
 @pytest.fixture(scope="module")
 def one_process(model_path: Path, tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict:
     module = MegatronLMModule.from_hf(model_path, seq_length=SEQ)
-    export = Export(tmp_path_factory.mktemp("saved") / "gpt_oss")
+    export = ExportBoth(tmp_path_factory.mktemp("saved") / "gpt_oss")
     loader = DataLoader(tokens, batch_size=4)
     logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
     val_loss = _trainer().validate(module, loader)[0]["val_loss"]
@@ -113,6 +121,27 @@ def test_export_loads_in_transformers_with_our_logits(one_process: dict, tokens:
     torch.testing.assert_close(one_process["logits"], logits, rtol=1e-4, atol=1e-4)
 
 
+def test_a_float_gpt_oss_is_written_in_mxfp4_as_released(one_process: dict, model_path: Path) -> None:
+    """``weight_format="mxfp4"``: every expert projection in MXFP4, the same bytes as tests/test_hf_gpt_oss_mxfp4.py's
+    quantizer gives, the rest as stored, with the releases' modules_to_not_convert."""
+    from safetensors.torch import load_file
+
+    from tests.test_hf_gpt_oss_mxfp4 import NOT_CONVERTED, PACKED, quantize_mxfp4
+
+    saved = one_process["export"].path.with_name("gpt_oss_mxfp4")
+    config = json.loads((saved / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
+    written, floats = load_file(saved / "model.safetensors"), load_file(model_path / "model.safetensors")
+    assert len(written) == len(floats) + 4  # each layer's two projections as blocks and scales
+    for name, tensor in floats.items():
+        if name.endswith(PACKED):
+            blocks, scales = quantize_mxfp4(tensor)
+            assert torch.equal(written[name + "_blocks"], blocks), name
+            assert torch.equal(written[name + "_scales"], scales), name
+        else:
+            assert torch.equal(written[name], tensor), name
+
+
 def test_export_of_a_generated_config(model_path: Path, tmp_path: Path) -> None:
     from lightning_megatron.gpt.hf.config import hf_config_dict
 
@@ -126,7 +155,8 @@ def test_export_of_a_generated_config(model_path: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method='mxfp4'"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quant_method='fp8'"),
+        ({"quantization_config": {"quant_method": "mxfp4", "group_size": 64}}, r"quantization_config\.group_size=64"),
         ({"swiglu_alpha": 1.5}, "swiglu_alpha=1.5"),
         ({"attention_bias": False}, "attention_bias=False"),
         ({"layer_types": ["chunked_attention"] * 2}, "layer_types="),

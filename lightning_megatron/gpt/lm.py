@@ -114,7 +114,7 @@ class MegatronLMModule(GPTModule):
         dtype: torch.dtype | None = None,
         max_shard_size: int = 5 * 2**30,
         adapter: bool = False,
-        weight_format: Literal["float", "fp8_block"] = "float",
+        weight_format: Literal["float", "fp8_block", "mxfp4"] = "float",
     ) -> None:
         """Collective: write an HF model directory that ``AutoModelForCausalLM.from_pretrained(path)`` loads.
 
@@ -127,9 +127,11 @@ class MegatronLMModule(GPTModule):
         (``adapter_config.json`` + ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(base, path)``
         loads.
 
-        A model loaded from an fp8 block-quantized checkpoint is written in ``dtype`` too, without the source's
-        ``quantization_config``; ``weight_format="fp8_block"`` writes the weights the source stored in fp8 in its
-        format again (fp8 e4m3 and a float32 ``_scale_inv`` per block; the other tensors in ``dtype``) and keeps it.
+        A model loaded from an fp8 block-quantized or MXFP4 checkpoint is written in ``dtype`` too, without the
+        source's ``quantization_config``; ``weight_format="fp8_block"`` writes the weights the source stored in fp8
+        in its format again (fp8 e4m3 and a float32 ``_scale_inv`` per block; the other tensors in ``dtype``) and
+        keeps it. ``weight_format="mxfp4"`` (GPT-OSS) writes the experts in MXFP4 (``_blocks`` + ``_scales``): those
+        an MXFP4 source stored so, with its ``quantization_config``; from another source, every expert weight.
         """
         from lightning_megatron.gpt.hf.export import save_pretrained
 

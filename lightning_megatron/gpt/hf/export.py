@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.contract import MegatronRuntime
 from lightning_megatron.gpt.config import ModelConfig
-from lightning_megatron.gpt.hf import quantized
+from lightning_megatron.gpt.hf import mxfp4, quantized
 from lightning_megatron.gpt.hf.config import check_exportable, hf_config_dict
 from lightning_megatron.gpt.hf.load import SAFETENSORS_FILE, SAFETENSORS_INDEX, HFCheckpoint, side_files
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, hf_weight_shapes
@@ -37,9 +37,38 @@ from lightning_megatron.gpt.hf.params import (
 )
 from lightning_megatron.gpt.lora.config import LoRAConfig
 
-WeightFormat = Literal["float", "fp8_block"]
-"""How ``save_hf`` writes the weights: all in ``dtype``, or the source's fp8 weights in its 128 x 128 (or other)
-blocks (:mod:`lightning_megatron.gpt.hf.quantized`)."""
+WeightFormat = Literal["float", "fp8_block", "mxfp4"]
+"""How ``save_hf`` writes the weights: all in ``dtype``, the source's fp8 weights in its 128 x 128 (or other)
+blocks (:mod:`lightning_megatron.gpt.hf.quantized`), or GPT-OSS's experts in MXFP4
+(:mod:`lightning_megatron.gpt.hf.mxfp4`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """What a save writes quantized: fp8 weights in ``block``, MXFP4 weights, and the ``quantization_config``
+    config.json says (None: none, the files hold ``dtype`` tensors)."""
+
+    fp8: set[str] = dataclasses.field(default_factory=set)
+    block: tuple[int, int] = (1, 1)
+    mxfp4: set[str] = dataclasses.field(default_factory=set)
+    quantization_config: dict[str, Any] | None = None
+
+    def sizes(self, shapes: dict[str, tuple[int, ...]], itemsize: int) -> dict[str, int]:
+        """Bytes of each tensor the save writes, in file order."""
+        sizes: dict[str, int] = {}
+        for name, shape in shapes.items():
+            if name in self.mxfp4:
+                sizes.update(mxfp4.stored_sizes(name, shape))
+            else:
+                sizes.update(quantized.stored_sizes({name: shape}, itemsize, self.fp8, self.block))
+        return sizes
+
+    def stored(self, name: str, tensor: Tensor, dtype: torch.dtype) -> list[tuple[str, Tensor]]:
+        """``[(name, tensor)]`` as the save writes it: a quantized weight as its two tensors."""
+        if name in self.mxfp4:
+            return mxfp4.stored(name, tensor)
+        return quantized.stored(name, tensor, dtype, self.fp8, self.block)
+
 
 _NOT_RUNNING = (
     "HF export needs the built model and Megatron's parallel state: call it from a hook while the Trainer runs "
@@ -262,13 +291,13 @@ def save_pretrained(
 ) -> None:  # fmt: skip
     """Collective: write ``module`` as an HF model directory (config.json + safetensors) with rank 0: ``dtype``
     tensors, or with ``weight_format="fp8_block"`` the weights its block-quantized source stored in fp8 quantized
-    again in its blocks (the rest in ``dtype``)."""
-    check_running(module)  # all three before anything is written
+    again in its blocks, with ``weight_format="mxfp4"`` GPT-OSS's experts in MXFP4 (the rest in ``dtype``)."""
+    written = _written(module, weight_format)  # all three before anything is written
+    check_running(module)
     check_exportable(config := module.config)
-    fp8, block = _fp8_weights(module, weight_format)
     dtype = dtype or next(module.chunks[0].parameters()).dtype
     is_writer = torch.distributed.get_rank() == 0
-    sizes = quantized.stored_sizes(hf_weight_shapes(config, include_tied=False), dtype.itemsize, fp8, block)
+    sizes = written.sizes(hf_weight_shapes(config, include_tied=False), dtype.itemsize)
     shards = _group(list(sizes), sizes.__getitem__, max_shard_size)  # files of at most max_shard_size bytes
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     names = names if len(shards) > 1 else [SAFETENSORS_FILE]
@@ -282,38 +311,63 @@ def save_pretrained(
     for name, tensor in (pair for b in export_weights(list(module.chunks), config, include_tied=False) for pair in b):
         if not is_writer:
             continue
-        for stored_name, stored in quantized.stored(name, tensor, dtype, fp8, block):  # (a weight, its scales)
+        for stored_name, stored in written.stored(name, tensor, dtype):  # (a weight, its scales or blocks)
             bucket[stored_name] = stored
             if len(bucket) == len(shards[shard]):
                 write_replacing(path / names[shard], functools.partial(save_file, bucket, metadata={"format": "pt"}))
                 shard, bucket = shard + 1, {}
     if is_writer:
-        _write_metadata(module, path, shards, names, sizes, dtype, quantized_source=bool(fp8))
+        _write_metadata(module, path, shards, names, sizes, dtype, written.quantization_config)
     torch.distributed.barrier()
 
 
-def _fp8_weights(module: Any, weight_format: WeightFormat) -> tuple[set[str], tuple[int, int]]:
-    """The weights to write in fp8 blocks, and the blocks: the source's (none for ``weight_format="float"``)."""
+def _written(module: Any, weight_format: WeightFormat) -> _Written:
+    """The weights to write quantized, and how: none for ``weight_format="float"``; the source's fp8 weights in its
+    blocks; GPT-OSS's experts in MXFP4 (the source's MXFP4 weights, or all experts but those
+    ``modules_to_not_convert`` lists)."""
     if weight_format == "float":
-        return set(), (1, 1)
+        return _Written()
+    source: HFCheckpoint | None = getattr(module, "hf_checkpoint", None)
+    if weight_format == "mxfp4":
+        return _mxfp4_written(module.config, source)
     if weight_format != "fp8_block":
         raise ValueError(
             f"save_hf(weight_format={weight_format!r}): 'float' writes dtype tensors, 'fp8_block' the weights of a "
-            "block-quantized HF source in its fp8 blocks"
+            "block-quantized HF source in its fp8 blocks, 'mxfp4' GPT-OSS's experts in MXFP4"
         )
-    source: HFCheckpoint | None = getattr(module, "hf_checkpoint", None)
     if source is None or source.quantization is None:
         raise ValueError(
             "save_hf(weight_format='fp8_block') writes the weights that a block-quantized HF source (config.json "
             "with quantization_config, quant_method='fp8') stored in fp8, in its blocks; this module's source is "
             f"{'not block-quantized' if source else 'not an HF directory'}: write weight_format='float'"
         )
-    return source.fp8_weights(), source.quantization.block
+    return _Written(source.fp8_weights(), source.quantization.block, quantization_config=_source_quantization(source))
+
+
+def _mxfp4_written(config: ModelConfig, source: HFCheckpoint | None) -> _Written:
+    family = check_exportable(config)
+    if not family.mxfp4_weights:
+        raise ValueError(
+            "save_hf(weight_format='mxfp4') writes GPT-OSS's experts in MXFP4; this model is written as "
+            f"{family.export_architecture}, which has no MXFP4 weights: write weight_format='float'"
+        )
+    if source is not None and source.mxfp4 is not None:  # the source's format again
+        return _Written(mxfp4=source.mxfp4_weights(), quantization_config=_source_quantization(source))
+    quantization = mxfp4.MXFP4(mxfp4.DEFAULT_NOT_CONVERTED)
+    names = {
+        name for name in hf_weight_shapes(config, include_tied=False)
+        if name.endswith(family.mxfp4_weights) and quantization.listed_unconverted(name) is None
+    }  # fmt: skip
+    return _Written(mxfp4=names, quantization_config=quantization.config_dict())
+
+
+def _source_quantization(source: HFCheckpoint) -> dict[str, Any]:
+    return dict(source.config["quantization_config"])
 
 
 def _write_metadata(
     module: Any, path: Path, shards: list[list[str]], names: list[str], sizes: dict[str, int], dtype: torch.dtype,
-    quantized_source: bool = False,
+    quantization_config: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
     source: HFCheckpoint | None = getattr(module, "hf_checkpoint", None)
     dtype_name = str(dtype).removeprefix("torch.")
@@ -324,13 +378,15 @@ def _write_metadata(
         # The files hold `dtype` tensors; say so, or from_pretrained(dtype="auto") would cast them.
         key = "torch_dtype" if "torch_dtype" in hf_config and "dtype" not in hf_config else "dtype"
         hf_config[key] = dtype_name
-        if not quantized_source:  # the files hold `dtype` tensors: transformers would look for fp8 and scales
-            hf_config.pop("quantization_config", None)
+        # Without quantized weights the files hold `dtype` tensors: transformers would look for fp8 and scales.
+        hf_config.pop("quantization_config", None)
         if hf_config.get("num_nextn_predict_layers"):  # import skipped the MTP layers: the files hold none
             hf_config["num_nextn_predict_layers"] = 0
         for side in side_files(source.path, source.config):  # (HFCheckpoint.open checked they lie inside it)
             if source.path.resolve() != path.resolve():
                 write_replacing(path / side, functools.partial(shutil.copyfile, source.path / side))
+    if quantization_config is not None:
+        hf_config["quantization_config"] = quantization_config
     text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
     write_replacing(path / "config.json", lambda temporary: temporary.write_text(text))
     if len(shards) > 1:

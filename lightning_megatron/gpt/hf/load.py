@@ -5,7 +5,8 @@ turns it into a checked ``(HFCheckpoint, ModelConfig)`` pair, which is what ever
 the strategy builds a chunk, :func:`load_chunk` reads from the safetensors files only the slices of each tensor that
 this rank's tensor-parallel shard and pipeline / virtual-pipeline layers need (``safe_open(...).get_slice``), so no
 rank materialises the full model. An fp8 block-quantized checkpoint (``quantization_config`` with
-``quant_method: fp8``) is read the same way, each slice dequantized as it is read (:mod:`.quantized`).
+``quant_method: fp8``) is read the same way, each slice dequantized as it is read (:mod:`.quantized`), and so are
+GPT-OSS's MXFP4 experts (``quant_method: mxfp4``; :mod:`.mxfp4`): a rank reads the blocks of its own experts' rows.
 """
 
 from __future__ import annotations
@@ -26,10 +27,19 @@ from torch import Tensor, nn
 
 from lightning_megatron.checkpointing.contained import hf_roots, inside
 from lightning_megatron.gpt.config import ModelConfig
-from lightning_megatron.gpt.hf import pickled, quantized
+from lightning_megatron.gpt.hf import mxfp4, pickled, quantized
 from lightning_megatron.gpt.hf.fields import architecture, pretrained_config
 from lightning_megatron.gpt.hf.mapping import adapter_params, chunk_params, expert_ranges, hf_weight_shapes
-from lightning_megatron.gpt.hf.params import SPLIT_DIM, Kind, Param, combine, expert_piece, piece_of, rank_block
+from lightning_megatron.gpt.hf.params import (
+    SPLIT_DIM,
+    Kind,
+    Param,
+    combine,
+    expert_piece,
+    piece_of,
+    rank_block,
+    stacked,
+)
 from lightning_megatron.gpt.hf.registry import family_of_hf
 from lightning_megatron.gpt.lora.config import LoRAConfig, is_adapter_param
 
@@ -103,12 +113,28 @@ class HFCheckpoint:
                 "directory (read with torch.load(weights_only=True)), or convert it once with transformers"
             )
         quantized.block_fp8(config)  # an unsupported quantization_config is refused here, before any rank reads
+        if mxfp4.mxfp4_config(config) is not None and not family_of_hf(architecture(config)).mxfp4_weights:
+            raise ValueError(
+                f"quantization_config.quant_method='mxfp4' in {path / 'config.json'}: MXFP4 weights are read for "
+                f"GPT-OSS's experts only, not {architecture(config)}'s"
+            )
         return cls(path=path, config=config, files=files, allow_pickle=allow_pickle)
 
     @functools.cached_property
     def quantization(self) -> quantized.BlockFP8 | None:
         """config.json's fp8 block quantization (None for float weights); ValueError for any other kind."""
         return quantized.block_fp8(self.config)
+
+    @functools.cached_property
+    def mxfp4(self) -> mxfp4.MXFP4 | None:
+        """config.json's MXFP4 quantization (None for other checkpoints)."""
+        return mxfp4.mxfp4_config(self.config)
+
+    def mxfp4_weights(self) -> set[str]:
+        """The (float) names of the weights stored as MXFP4 blocks and scales; none without MXFP4."""
+        if self.mxfp4 is None:
+            return set()
+        return {n.removesuffix(mxfp4.BLOCKS) for n in self.files if n.endswith(mxfp4.BLOCKS)}
 
     def fp8_weights(self) -> set[str]:
         """The names of the weights stored block-quantized (fp8 with a scale); none without quantization_config."""
@@ -120,24 +146,30 @@ class HFCheckpoint:
 
     def check(self, config: ModelConfig) -> None:
         """Raise ValueError unless the files hold exactly the tensors ``config`` needs, with the right shapes (and,
-        block-quantized, exactly the fp8 weights' scales)."""
+        block-quantized, exactly the fp8 weights' scales; MXFP4, the blocks and scales of the packed weights)."""
         want = hf_weight_shapes(config, include_tied=False)
-        missing = [name for name in want if name not in self.files]
+        quantizable = family_of_hf(architecture(self.config)).mxfp4_weights
+        with self.lazy_tensors(raw=True) as lazy:  # headers only
+            packed = mxfp4.packed_weights(self.mxfp4, want, self.files, lazy, self.path, quantizable)
+        missing = [name for name in want if name not in self.files and name not in packed]
         if missing:
             where = SAFETENSORS_INDEX if (self.path / SAFETENSORS_INDEX).is_file() else SAFETENSORS_FILE
             raise ValueError(
                 f"{len(missing)} tensor(s) that {architecture(self.config)} with this config.json needs are missing "
                 f"from {self.path / where}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
             )
+        stored = {name: shape for name, shape in want.items() if name not in packed}  # (packed: checked above)
         with self.lazy_tensors(raw=True) as lazy:  # headers only: nothing is read
-            scales = quantized.check_scales(self.quantization, want, self.files, lazy, self.path)
-            for name, expected in want.items():  # in model order: the first wrong tensor is the one reported
+            scales = quantized.check_scales(self.quantization, stored, self.files, lazy, self.path)
+            for name, expected in stored.items():  # in model order: the first wrong tensor is the one reported
                 tensor, where = lazy(name), self.path / self.files[name]
                 if name + quantized.SCALE_SUFFIX not in scales:  # (an fp8 weight with its scale: checked above)
                     check_floating(name, tensor.get_dtype(), where)
                 if (shape := tuple(tensor.get_shape())) != expected:
                     raise ValueError(f"{name} in {where} has shape {shape}, but config.json implies {expected}")
-        self._check_explained(want.keys() | scales)
+        self._check_explained(
+            want.keys() | scales | {n + part for n in packed for part in (mxfp4.BLOCKS, mxfp4.SCALES)}
+        )
 
     def _check_explained(self, expected: set[str]) -> None:
         """Raise ValueError if the files hold a tensor outside ``expected`` that the model does not skip."""
@@ -169,7 +201,8 @@ class HFCheckpoint:
     @contextmanager
     def lazy_tensors(self, raw: bool = False) -> Iterator[Callable[[str], Any]]:
         """``lazy(name)``: a tensor's lazy safetensors slice (index it to read); each file is opened once. An fp8
-        weight of a block-quantized checkpoint reads as float32, dequantized slice by slice, unless ``raw``."""
+        weight of a block-quantized checkpoint, and an MXFP4 weight (by its float name), read as float32,
+        dequantized slice by slice, unless ``raw``."""
         with ExitStack() as stack:
             handles: dict[str, tuple[Any, set[str]]] = {}  # file -> its handle, the names it holds
 
@@ -188,6 +221,8 @@ class HFCheckpoint:
                 return pickled.Slice(handle[name]) if isinstance(handle, dict) else handle.get_slice(name)
 
             def lazy(name: str) -> Any:
+                if not raw and self.mxfp4 is not None and name not in self.files and name + mxfp4.BLOCKS in self.files:
+                    return mxfp4.DequantizedExperts(name, stored(name + mxfp4.BLOCKS), stored(name + mxfp4.SCALES))
                 tensor = stored(name)
                 if raw or self.quantization is None or tensor.get_dtype() != quantized.FP8:
                     return tensor
@@ -323,21 +358,29 @@ def _copy_shards(own: dict[str, Tensor], params: list[Param], checkpoint: HFChec
     # Experts are split over the expert-tensor-parallel group (Megatron's default: as large as TP).
     expert = parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
     with checkpoint.lazy_tensors() as lazy, torch.no_grad():
-        pieces = _ExpertPieces(lazy, config.num_moe_experts or 1)
+        pieces = ExpertPieces(lazy, config.num_moe_experts or 1)
         for p in params:
             rank, tp = dense if p.expert is None else expert
-            read = [rank_block(p.kind, pieces.read(name), rank, tp) if pieces.is_piece(name)
-                    else read_shard(lazy(name), p.kind, rank, tp) for name, _ in p.hf]  # fmt: skip
-            local = combine(p, read, config, tp)
+            local = read_local(p, lazy, pieces, rank, tp, config)
             target = own[p.megatron] if p.expert is None else own[p.megatron][p.expert]
             if local.shape != target.shape:
                 raise ValueError(f"{[n for n, _ in p.hf]} make {p.megatron} {tuple(local.shape)}, not {target.shape}")
             target.copy_(local)
 
 
-class _ExpertPieces:
-    """One expert's piece of a tensor on fused experts: PEFT's factor, or GPT-OSS's expert weight (read once per
-    tensor, whole: adapters are small, and a GPT-OSS layer's experts are one tensor in the checkpoint anyway)."""
+def read_local(
+    p: Param, lazy: Callable[[str], Any], pieces: ExpertPieces, rank: int, tp: int, c: ModelConfig
+) -> Tensor:
+    """This tensor-parallel rank's local tensor of ``p`` (of ``tp``), from the lazy slices of its HF tensors."""
+    read = [pieces.read(name, p.kind, rank, tp) if pieces.is_piece(name)
+            else read_shard(lazy(name), p.kind, rank, tp) for name, _ in p.hf]  # fmt: skip
+    return combine(p, read, c, tp)
+
+
+class ExpertPieces:
+    """One expert's piece of a tensor on fused experts: a rank's block of GPT-OSS's expert weight (read alone: that
+    expert's rows of an MXFP4 weight's blocks, never all experts dequantized), or PEFT's factor (its tensor read
+    once, whole: adapters are small and interleave the experts)."""
 
     def __init__(self, lazy: Callable[[str], Any], num_experts: int) -> None:
         self.lazy, self.num_experts = lazy, num_experts
@@ -347,12 +390,27 @@ class _ExpertPieces:
     def is_piece(name: str) -> bool:
         return expert_piece(name)[1] is not None
 
-    def read(self, name: str) -> Tensor:
+    def read(self, name: str, kind: Kind, rank: int, tp: int) -> Tensor:
         whole, expert = expert_piece(name)
         assert expert is not None
+        if stacked(whole):
+            return read_shard(ExpertSlice(self.lazy(whole), expert), kind, rank, tp)
         if whole not in self.read_tensors:
             self.read_tensors = {whole: self.lazy(whole)[:]}  # pieces of one tensor come one after another
-        return piece_of(whole, self.read_tensors[whole], expert, self.num_experts)
+        return rank_block(kind, piece_of(whole, self.read_tensors[whole], expert, self.num_experts), rank, tp)
+
+
+class ExpertSlice:
+    """Expert ``expert`` of a lazy slice of stacked experts ``[E, ...]``, as a lazy slice of ``[...]``."""
+
+    def __init__(self, lazy: Any, expert: int) -> None:
+        self.lazy, self.expert = lazy, expert
+
+    def get_shape(self) -> list[int]:
+        return list(self.lazy.get_shape())[1:]
+
+    def __getitem__(self, index: Any) -> Tensor:
+        return self.lazy[(self.expert, *(index if isinstance(index, tuple) else (index,)))]
 
 
 def read_shard(lazy: Any, kind: Kind, rank: int, tp: int) -> Tensor:

@@ -159,17 +159,23 @@ def expert_piece(name: str) -> tuple[str, int | None]:
     return (whole, int(expert)) if found else (name, None)
 
 
+def stacked(name: str) -> bool:
+    """Whether the tensor ``name`` on fused experts stacks them on a leading expert dimension (a base weight:
+    GPT-OSS), rather than interleaving them as PEFT's factors do."""
+    return ".lora_A." not in name and ".lora_B." not in name
+
+
 def join_pieces(name: str, pieces: list[Tensor]) -> Tensor:
     """The tensor ``name`` on fused experts from each expert's piece, in expert order: PEFT's factors
     (:func:`join_expert_pieces`) or a base weight stacked on a leading expert dimension (GPT-OSS)."""
-    if ".lora_A." in name or ".lora_B." in name:
+    if not stacked(name):
         return join_expert_pieces(pieces, lora_a=".lora_A." in name)
     return torch.stack(pieces)
 
 
 def piece_of(name: str, whole: Tensor, expert: int, num_experts: int) -> Tensor:
     """Inverse of :func:`join_pieces`: one expert's piece of the tensor ``name`` on fused experts."""
-    if ".lora_A." in name or ".lora_B." in name:
+    if not stacked(name):
         return expert_slice(whole, expert, num_experts, lora_a=".lora_A." in name)
     return whole[expert]
 

@@ -28,6 +28,8 @@ SCALE_SUFFIX = "_scale_inv"
 FP8_MAX = 448.0
 """The largest finite ``float8_e4m3fn``: a block's largest magnitude is written as it."""
 SCALE_DTYPES = ("F32", "BF16", "F16")
+MXFP4_METHOD = "mxfp4"
+"""``quant_method`` of MXFP4 checkpoints (GPT-OSS's experts), read by :mod:`lightning_megatron.gpt.hf.mxfp4`."""
 # The settings read, each with the value it must have (absent: transformers' FineGrainedFP8Config default, which
 # is the only value read). Another value changes what the tensors mean (e5m2 values, 1-byte ue8m0 scales, fp4
 # experts, static activation scales) and is refused rather than half-read.
@@ -48,35 +50,44 @@ class BlockFP8:
         return math.ceil(shape[0] / self.block[0]), math.ceil(shape[1] / self.block[1])
 
     def listed_unconverted(self, weight: str) -> str | None:
-        """The ``modules_to_not_convert`` pattern that names ``weight``'s module, if any (transformers' rule: from
-        the start to a module boundary, as a regex with that boundary, or as a suffix)."""
-        module = weight.rpartition(".")[0]
-        boundary = r"(?:(?<=\.)|(?=\.|$))"
-        for pattern in self.not_converted:
-            try:
-                re.compile(pattern)
-                regex = pattern
-            except re.error:  # not a regex: a literal name
-                regex = re.escape(pattern)
-            if re.match(rf"(?:{regex}){boundary}", module) or module.endswith(pattern):
-                return pattern
-        return None
+        """The ``modules_to_not_convert`` pattern that names ``weight``'s module, if any."""
+        return unconverted_pattern(self.not_converted, weight)
+
+
+def unconverted_pattern(patterns: tuple[str, ...], weight: str) -> str | None:
+    """The pattern of ``patterns`` (a ``modules_to_not_convert``) that names ``weight``'s module, if any
+    (transformers' rule: from the start to a module boundary, as a regex with that boundary, or as a suffix)."""
+    module = weight.rpartition(".")[0]
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+            regex = pattern
+        except re.error:  # not a regex: a literal name
+            regex = re.escape(pattern)
+        if re.match(rf"(?:{regex}){boundary}", module) or module.endswith(pattern):
+            return pattern
+    return None
 
 
 def block_fp8(config: Mapping[str, Any]) -> BlockFP8 | None:
-    """The fp8 block quantization config.json declares (None without ``quantization_config``); ValueError naming
-    the field and its value for any other method or setting."""
+    """The fp8 block quantization config.json declares (None without ``quantization_config``, or with MXFP4's, which
+    :mod:`lightning_megatron.gpt.hf.mxfp4` reads); ValueError naming the field and its value for any other method
+    or setting."""
     q = config.get("quantization_config")
     if q is None:
         return None
     if not isinstance(q, Mapping):
         raise ValueError(f"config.json's quantization_config is {q!r}, not a mapping of settings")
     method = q.get("quant_method")
+    if method == MXFP4_METHOD:  # read by lightning_megatron.gpt.hf.mxfp4
+        return None
     if method != "fp8":
         raise ValueError(
             f"quantization_config.quant_method={method!r} is not supported: of quantized checkpoints only fp8 "
-            "block-quantized ones (quant_method='fp8' with weight_block_size, as DeepSeek-V3 and Kimi-K2 ship) are "
-            "read. Use the model's unquantized float32/float16/bfloat16 weights"
+            "block-quantized ones (quant_method='fp8' with weight_block_size, as DeepSeek-V3 and Kimi-K2 ship) and "
+            "GPT-OSS's MXFP4 experts (quant_method='mxfp4') are read. Use the model's unquantized "
+            "float32/float16/bfloat16 weights"
         )
     for field, value in _REQUIRED.items():
         if q.get(field, value) != value:

@@ -59,6 +59,10 @@ class Family:
     hold such models."""
     yarn_rope: ClassVar[bool] = False
     """Whether the family's HF config writes YaRN RoPE (``position_embedding_type='yarn'``) on export."""
+    mxfp4_weights: ClassVar[tuple[str, ...]] = ()
+    """Suffixes of the HF weights the family's MXFP4 checkpoints store as blocks and scales
+    (:mod:`lightning_megatron.gpt.hf.mxfp4`; GPT-OSS: its experts' two projections); such checkpoints of a family
+    without any are refused."""
     sigmoid_router: ClassVar[bool] = False
     """Whether the family's router is DeepSeek-V3's sigmoid router (expert bias, groups, scaling factor); elsewhere
     those router settings are refused on export."""

@@ -9,7 +9,8 @@ HF stores a layer's experts fused, transposed from ``nn.Linear`` and with gate/u
 (``mlp.experts.gate_up_proj`` ``[E, hidden, 2 * ffn]``, ``down_proj`` ``[E, ffn, hidden]``, and their biases); the
 tables name each expert's piece (``...gate_up_proj@expert3``, kinds ``fused_*`` of
 :mod:`~lightning_megatron.gpt.hf.params`). Megatron puts a bias on every linear with ``add_bias_linear``, which
-is what GPT-OSS has; MXFP4-quantized checkpoints (``*_blocks`` / ``*_scales``) are refused.
+is what GPT-OSS has. Its releases store the experts' two projections in MXFP4 (``gate_up_proj_blocks`` /
+``_scales``, ... : :data:`GptOss.mxfp4_weights`, read and written by :mod:`lightning_megatron.gpt.hf.mxfp4`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from lightning_megatron.gpt.hf.families.gemma3 import LAYER_TYPES
 from lightning_megatron.gpt.hf.families.moe import MoEFamily
+from lightning_megatron.gpt.hf.mxfp4 import mxfp4_config
 from lightning_megatron.gpt.hf.params import EXPERT_PIECE, ModelShape, Param
 from lightning_megatron.gpt.hf.rope import rope_fields
 from lightning_megatron.gpt.moe.config import moe_layer_pattern
@@ -39,14 +41,15 @@ class GptOss(MoEFamily):
     qkv_attention_bias = True  # attention_bias (q/k/v and o) is mapped by fields(), as add_bias_linear
     linear_biases = True
     yarn_rope = True
+    mxfp4_weights = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
     def fields(self, hf: Any) -> dict[str, Any]:
-        quant = dict(getattr(hf, "quantization_config", None) or {})
-        if quant:
+        quant = getattr(hf, "quantization_config", None)
+        quant = dict(quant.to_dict() if hasattr(quant, "to_dict") else quant or {})
+        if quant and mxfp4_config({"quantization_config": quant}) is None:  # (MXFP4's settings checked there)
             raise ValueError(
-                f"{ARCH} with quantization_config quant_method={quant.get('quant_method')!r} (MXFP4 experts, "
-                "*_blocks/*_scales) is not supported: convert the checkpoint to bf16 first (transformers: load with "
-                "Mxfp4Config(dequantize=True) and save_pretrained)"
+                f"{ARCH} with quantization_config quant_method={quant.get('quant_method')!r} is not supported: "
+                "GPT-OSS checkpoints are read in float or with MXFP4 experts (quant_method='mxfp4')"
             )
         if not getattr(hf, "attention_bias", True):
             raise ValueError(f"{ARCH} with attention_bias=False is not supported (its experts and router have biases)")
