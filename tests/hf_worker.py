@@ -1,7 +1,8 @@
 """HF import/export jobs at several layouts in one set of processes, launched by tests/test_hf.py.
 
 ``python tests/hf_worker.py '{"devices": 2, "tokens": "t.pt", "out": "r.json", "jobs": [...]}'``; each job is
-``{"model": DIR, "tp": 2, "pp": 1, "vpp": null, "ep": 1, "save": DIR?, "train_steps": 0, "logprobs": false}``.
+``{"model": DIR, "tp": 2, "pp": 1, "vpp": null, "ep": 1, "save": DIR?, "train_steps": 0, "logprobs": false,
+"grad_norms": false}``.
 Per job every rank runs ``predict`` (with ``logprobs``: also the log-probs of the tokens) and ``validate`` on the
 tokens (after ``train_steps`` steps of ``fit`` when > 0, saving with
 ``save_hf`` at the end of training), exports the HF weights during validation and compares them with the source
@@ -110,6 +111,17 @@ class Losses(L.Callback):
         self.values.append(float(outputs["loss"]))
 
 
+class GradNorms(L.Callback):
+    """Every parameter's gradient norm at each step on this rank (``MegatronStrategy.grad_norms()``: a split
+    parameter's over its shards, a replicated one's from this rank's copy)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        self.steps.append({name: float(norm) for name, norm in trainer.strategy.grad_norms().items()})
+
+
 def _trainer(devices: int, job: dict, **kwargs: Any) -> L.Trainer:
     sizes = {"tp": job.get("tp", 1), "pp": job.get("pp", 1), "vpp": job.get("vpp"), "cp": job.get("cp", 1),
              "ep": job.get("ep", 1)}  # fmt: skip
@@ -140,7 +152,8 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
         data = DataLoader(samples, batch_size=job.get("batch_size", 4))  # per data-parallel rank
         losses = Losses()
         save = SaveAtEnd(job["save"], peft=job.get("peft", True))
-        callbacks: list[L.Callback] = [losses, save]
+        norms = GradNorms()
+        callbacks: list[L.Callback] = [losses, save, *([norms] if job.get("grad_norms") else [])]
         if job.get("ckpt"):  # checkpoints every 2 steps (with LoRA: the adapters and their optimizer state)
             from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -149,7 +162,7 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
             devices, job, max_steps=job["train_steps"], callbacks=callbacks, enable_checkpointing=bool(job.get("ckpt"))
         )
         trainer.fit(module, data, ckpt_path=job.get("resume"))
-        result["train_losses"], result["buckets"] = losses.values, save.buckets
+        result["train_losses"], result["buckets"], result["grad_norms"] = losses.values, save.buckets, norms.steps
         result["trainable"] = sorted({n.split(".")[-2] for n, p in module.named_parameters() if p.requires_grad})
     check = ExportCheck(None if trained else Path(job["model"]))
     callbacks = [] if module.lora else [check]  # adapters: the export is not the source's

@@ -1,5 +1,5 @@
-"""Hugging Face in and out: Llama / Mistral / Qwen2 / Qwen3 import, export and round trips (CPU, tiny random models
-written with ``save_pretrained``; nothing is downloaded).
+"""Hugging Face in and out: Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 / Gemma 2 import, export and round trips (CPU,
+tiny random models written with ``save_pretrained``; nothing is downloaded).
 
 Parity is against ``transformers`` in float32 with eager attention: logits from ``trainer.predict`` and the loss
 from ``trainer.validate`` on the same tokens, for every architecture at one process, TP=2 and PP=2 (Llama with
@@ -48,6 +48,10 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                                                               "rope_theta": 10000.0},
                                                         "full_attention": {"rope_type": "linear",
                                                                            "rope_theta": 500.0, "factor": 2.0}}}),
+    # Gemma 3's layer without q/k norms, one RoPE, soft-capped attention scores and logits (caps that bite).
+    "gemma2": ("Gemma2Config", {"num_hidden_layers": 4, "head_dim": 16, "query_pre_attn_scalar": 24,
+                                "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
 }  # fmt: skip
 
 
@@ -234,7 +238,8 @@ def test_family_adapter_converts_whole_state_dicts(arch: str, one_process: dict,
     that matches transformers' logits: from_hf of the HF file is its state dict, to_hf of its state dict the file."""
     module = one_process[arch]["module"]
     adapter = family(module.config)
-    families = {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3": "Gemma3"}
+    families = {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3": "Gemma3",
+                "gemma2": "Gemma2"}  # fmt: skip
     assert type(adapter).__name__ == families[arch]
     original = load_file(models[arch] / "model.safetensors")
     params = {name: p.detach() for name, p in module.chunks[0].named_parameters()}
@@ -318,6 +323,8 @@ JOBS = {
     "qwen3_pp2": {"arch": "qwen3", "pp": 2},
     "gemma3_tp2": {"arch": "gemma3", "tp": 2, "packed": True},  # windows inside documents, split over TP
     "gemma3_pp2": {"arch": "gemma3", "pp": 2},  # tied embeddings, a sliding and a full layer per stage
+    "gemma2_tp2": {"arch": "gemma2", "tp": 2},  # the final soft-cap on each rank's vocabulary shard
+    "gemma2_pp2": {"arch": "gemma2", "pp": 2},  # ... on the last stage only
     "llama_tp2_trained": {"arch": "llama", "tp": 2, "train_steps": 2},
     # LoRA on the frozen HF weights: the same adapters (seeded) and curve at every layout
     "llama_tp2_sp_lora_trained": {"arch": "llama", "tp": 2, "sp": True, "train_steps": 3, "lora": LORA},
@@ -558,15 +565,19 @@ def test_export_outside_a_run_raises(models: dict) -> None:
         module.save_hf("unused")
 
 
-def test_value_module_from_hf_uses_the_pretrained_backbone(models: dict, tokens: torch.Tensor) -> None:
+# Gemma: tied embeddings (the value head replaces the tied LM head), (1 + w) norms before and after each sublayer,
+# scaled embeddings; Gemma 2's final soft-cap is the LM head's, not the value head's.
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma2"])
+def test_value_module_from_hf_uses_the_pretrained_backbone(arch: str, models: dict, tokens: torch.Tensor) -> None:
     """The critic is the HF decoder plus a scalar head: values = head(final hidden states of transformers)."""
     from lightning_megatron import MegatronValueModule
 
-    module = MegatronValueModule.from_hf(models["llama"])
+    module = MegatronValueModule.from_hf(models[arch], seq_length=SEQ)
     values = torch.cat(_trainer().predict(module, DataLoader(tokens, batch_size=4)))
     assert values.shape == tokens.shape
     head = module.chunks[0].output_layer
-    hf = transformers.AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32,
+                                                           attn_implementation="eager")  # fmt: skip
     with torch.no_grad():
         hidden = hf.model(input_ids=tokens).last_hidden_state  # after the final norm
         want = (hidden @ head.weight.float().T + head.bias.float()).squeeze(-1)

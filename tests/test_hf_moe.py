@@ -1,5 +1,5 @@
-"""Hugging Face mixture-of-experts models in and out: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 (tiny
-random models written with ``save_pretrained``; nothing is downloaded).
+"""Hugging Face mixture-of-experts models in and out: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5 and GPT-OSS
+(tiny random models written with ``save_pretrained``; nothing is downloaded).
 
 Against ``transformers`` in float32 with eager attention: logits, validation loss and log-probs at one process (in
 this process), at EP=2, TP=2 and PP=2 (two 2-process worker runs); three training steps follow ``transformers`` +
@@ -71,13 +71,14 @@ def make_hf_model(arch: str, path: Path, **extra: Any) -> Path:
 
 
 def save_randomised(config: Any, path: Path, sigmoid_router: bool = False) -> Path:
-    """A random model of ``config`` (seed 0) written to ``path``, its norms, biases and buffers (the correction bias)
-    randomised so that a wrong mapping shows; a sigmoid router's weights too (scores far from ties)."""
+    """A random model of ``config`` (seed 0) written to ``path``, its norms, biases (GPT-OSS's experts' too) and
+    buffers (the correction bias) randomised so that a wrong mapping shows; a sigmoid router's weights too (scores
+    far from ties)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms start at 1 and biases at 0
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if tensor.ndim == 1 and "inv_freq" not in name:
+            if (tensor.ndim == 1 or name.endswith("_proj_bias")) and "inv_freq" not in name:
                 tensor.copy_(torch.randn_like(tensor) * 0.2 + (1.0 if "norm" in name else 0.0))
             elif name.endswith("mlp.gate.weight") and sigmoid_router:
                 tensor.copy_(torch.randn_like(tensor))
@@ -351,7 +352,10 @@ LAYOUTS = {
     "deepseek_v3_tp2": {"arch": "deepseek_v3", "tp": 2}, "deepseek_v3_pp2": {"arch": "deepseek_v3", "pp": 2},
     "glm4_moe_ep2": {"arch": "glm4_moe", "ep": 2}, "glm4_moe_tp2": {"arch": "glm4_moe", "tp": 2},
     "glm4_moe_pp2": {"arch": "glm4_moe", "pp": 2}, "gpt_oss_ep2": {"arch": "gpt_oss", "ep": 2},
-    "gpt_oss_pp2": {"arch": "gpt_oss", "pp": 2},
+    "gpt_oss_tp2": {"arch": "gpt_oss", "tp": 2}, "gpt_oss_pp2": {"arch": "gpt_oss", "pp": 2},
+    # Full training with the experts (and their biases) split over expert tensor parallelism, checkpointed at step 2
+    "gpt_oss_tp2_sp_trained": {"arch": "gpt_oss", "tp": 2, "sp": True, "train_steps": 3, "grad_norms": True,
+                               "ckpt": True},
     # LoRA on every linear: attention, the experts (one adapter per expert and projection), the shared expert
     "qwen2_moe_ep2_lora": {"arch": "qwen2_moe", "ep": 2, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0,
                                                                                     "seed": 3}, "peft": False},
@@ -513,6 +517,38 @@ def test_lora_on_experts_at_tp2_equals_one_process(layouts: dict, models: dict, 
     assert any("experts.base_layer.lora_B" in name for name in ours)  # the experts' fused gate_up adapters
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+    resumed, _ = hf_worker.run_job(1, {**job, "resume": str(Path(tp2["ckpt"]) / "epoch=0-step=2.ckpt"),
+                                       "save": str(tmp_path / "resumed")}, tokens, [])  # fmt: skip
+    assert resumed["train_losses"] == pytest.approx(one["train_losses"][2:], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_gpt_oss_trains_at_tp2_sp_as_one_process(layouts: dict, models: dict, tokens: torch.Tensor,
+                                                 tmp_path: Path) -> None:  # fmt: skip
+    """GPT-OSS fully trained at TP=2 with SP -- the experts split over expert tensor parallelism: fc1's bias split
+    like its rows (gate and up halves), fc2's whole on each rank and added once; the sinks split by heads -- follows
+    one process: the losses, every parameter's gradient norm at every step on every rank (a replicated one's from
+    that rank's copy: fc2's bias gets its gradient on both ranks), the validation loss and logits, which the trained
+    export gives in transformers; its checkpoint at step 2 resumes at TP=1 to the same step 3."""
+    import hf_worker
+
+    job = {**LAYOUTS["gpt_oss_tp2_sp_trained"], "tp": 1, "sp": False, "model": str(models["gpt_oss"]),
+           "save": str(tmp_path / "one"), "ckpt": None}  # fmt: skip
+    one, one_logits = hf_worker.run_job(1, job, tokens, [])
+    tp2 = layouts["gpt_oss_tp2_sp_trained"]
+    assert len(set(one["train_losses"])) == 3
+    biases = {name.rsplit("mlp.")[-1] for name in one["grad_norms"][0]}
+    assert {"experts.linear_fc1.bias", "experts.linear_fc2.bias"} <= biases  # the expert biases' norms are compared
+    for rank, result in enumerate(tp2["ranks"]):
+        assert result["train_losses"] == pytest.approx(one["train_losses"], rel=1e-5), rank
+        assert result["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5), rank
+        assert len(result["grad_norms"]) == 3
+        # Summed in another order, and AdamW moves small gradients by the full step: 1e-3 (a gradient missing on a
+        # rank, or counted twice, is off by 100%).
+        for got, want in zip(result["grad_norms"], one["grad_norms"], strict=True):
+            assert got == pytest.approx(want, rel=1e-3), rank
+        torch.testing.assert_close(tp2["logits"][rank], one_logits, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(hf_forward(tp2["save"], tokens)[0], one_logits, rtol=1e-3, atol=1e-3)  # the export
     resumed, _ = hf_worker.run_job(1, {**job, "resume": str(Path(tp2["ckpt"]) / "epoch=0-step=2.ckpt"),
                                        "save": str(tmp_path / "resumed")}, tokens, [])  # fmt: skip
     assert resumed["train_losses"] == pytest.approx(one["train_losses"][2:], rel=1e-5)

@@ -135,7 +135,15 @@ class Export(L.Callback):
         module.save_hf(self.root / "merged")
 
 
-def test_trained_adapters_export_merged_and_as_peft(base: Path, tokens: torch.Tensor, tmp_path: Path) -> None:
+# Gemma 3 and 2: tied embeddings, (1 + w) norms before and after each sublayer, scaled embeddings, GeGLU (Gemma 2:
+# soft-capped attention scores and logits).
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma2"])
+def test_trained_adapters_export_merged_and_as_peft(arch: str, base: Path, tokens: torch.Tensor,
+                                                    tmp_path: Path) -> None:  # fmt: skip
+    """Adapters trained here: the bucketed, base-only and adapter-only exports; the merged export loads in
+    ``transformers`` and the PEFT adapter in ``peft`` with our logits (and unloads to the untouched base), and the
+    adapter loads back here with them."""
+    base = base if arch == "llama" else make_hf_model(arch, tmp_path / arch)
     lora = LoRAConfig(rank=4, alpha=8.0, seed=1)
     module = MegatronLMModule.from_hf(base, seq_length=SEQ, lr=5e-2, warmup_steps=0, lora=lora)
     export = Export(tmp_path)
@@ -170,6 +178,8 @@ def test_trained_adapters_export_merged_and_as_peft(base: Path, tokens: torch.Te
     unloaded = model.unload().state_dict()  # the base comes back unchanged
     assert unloaded.keys() == hf_base.keys()
     assert all(torch.equal(unloaded[n], t) for n, t in hf_base.items())
+    back = MegatronLMModule.from_hf(base, seq_length=SEQ, adapter=tmp_path / "adapter")
+    torch.testing.assert_close(torch.cat(_trainer().predict(back, DataLoader(tokens, batch_size=4))), ours)
 
 
 def _adapter_with(src: Path, dst: Path, **changes: object) -> Path:

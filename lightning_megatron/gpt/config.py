@@ -19,7 +19,7 @@ from lightning_megatron.gpt import attention_variants as variants
 from lightning_megatron.gpt.config_checks import check_cuda_graphs, check_graph_layout, check_recompute, check_sequence
 from lightning_megatron.gpt.gemma import check_gemma
 from lightning_megatron.gpt.mla import check_mla, check_mla_parallel, mla_fields
-from lightning_megatron.gpt.moe.config import check_moe, check_moe_parallel, moe_layer_pattern
+from lightning_megatron.gpt.moe.config import build_with_expert_biases, check_moe, check_moe_parallel, moe_layer_pattern
 from lightning_megatron.gpt.plan import Kernels, Resolved
 from lightning_megatron.gpt.transformer import LOCAL_BACKEND, kernel_fields
 from lightning_megatron.gpt.yarn import check_yarn, yarn_attributes
@@ -454,7 +454,7 @@ class ModelConfig:
             raise ValueError(f"{clash} are model fields; set them on ModelConfig, not as parallel settings")
         # MLA's fields exist on Megatron's MLATransformerConfig only.
         config_class = MLATransformerConfig if self.multi_latent_attention else TransformerConfig
-        return yarn_attributes(self, config_class(**{**LOCAL_BACKEND, **model, **parallel}))
+        return yarn_attributes(self, build_with_expert_biases(config_class, {**LOCAL_BACKEND, **model, **parallel}))
 
     def gpt_model_kwargs(self, kernels: Resolved = "local") -> dict[str, Any]:
         """Arguments of GPTModel(...) that live outside TransformerConfig.

@@ -79,8 +79,9 @@ class GPTModule(MegatronLightningModule):
     ) -> Self:
         """A module initialised from a local HF directory (config.json + safetensors, one file or sharded).
 
-        Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text);
-        mixture of experts Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 (Multi-Latent Attention) and GLM-4.5. Only
+        Causal LMs of the families in ``gpt/hf/families/``: dense Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3
+        (text); mixture of experts Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 (Multi-Latent Attention), GLM-4.5 and
+        GPT-OSS. Only
         config.json and the safetensors headers are read here (names and shapes are checked now, before any process
         starts); the weights are read when the strategy builds the model, each rank reading only the slices of its
         tensor-/pipeline-/expert-parallel shard.

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import TEGroupedMLP
+from megatron.core.utils import get_pg_rank
 from torch import Tensor
 
 from lightning_megatron.compat import megatron_internals
@@ -61,8 +62,20 @@ class GroupedMLP(TEGroupedMLP):
             hidden = hidden + self.linear_fc1.bias[expert]
         output, _ = self.linear_fc2(self.activation(hidden, probs), counts)
         if expert is not None:  # p * (fc2(x) + b), as TEGroupedMLP: the probability already scaled fc2's input
-            output = (output + self.linear_fc2.bias[expert] * probs).to(output.dtype)
+            output = (output + self._output_bias(expert, probs)).to(output.dtype)
         return output, None
+
+    def _output_bias(self, expert: Tensor, probs: Tensor) -> Tensor:
+        """``p * b`` of fc2's bias per row. Under expert TP fc2's output is each rank's partial sum, which the token
+        dispatcher adds up over the ranks: the bias joins expert-TP rank 0's only (once, as one process adds it). The
+        other ranks add zeros that still carry the bias's gradient (each rank has every row and its output gradient,
+        gathered over expert TP, so all compute rank 0's gradient and their copies stay equal), and no gradient to
+        the probabilities (rank 0's reaches them, summed over the ranks by the dispatcher's gather)."""
+        bias = self.linear_fc2.bias[expert]
+        if get_pg_rank(self.linear_fc2.tp_group) == 0:
+            return bias * probs
+        term = bias * probs.detach()
+        return term - term.detach()
 
     def plain_path(self) -> bool:
         """Whether :meth:`activation` covers this configuration (else Megatron's forward runs, waiting for the

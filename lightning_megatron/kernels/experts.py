@@ -282,7 +282,7 @@ class _GroupedLinear(MegatronModule):
         )
         self.weight.allreduce = not use_expert_groups
         set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=1 + self.tp_axis, stride=1)
-        self.bias = self._make_bias(shape[0], tp, device) if bias else None
+        self.bias = self._make_bias(shape[0], device) if bias else None
         self.gemm: Gemm = "auto"
         """``"auto"``: grouped GEMMs where ``config.moe_grouped_gemm`` asks for them and the device, dtype and
         sizes allow (:func:`grouped_mm_available`), else the loop; ``"grouped"`` / ``"loop"``: always that one
@@ -291,16 +291,12 @@ class _GroupedLinear(MegatronModule):
         """What the last forward ran (None before the first): for benchmarks and tests."""
         self.register_load_state_dict_pre_hook(_normalize_state_dict)
 
-    def _make_bias(self, rows: int, tp: int, device: Any) -> nn.Parameter:
+    def _make_bias(self, rows: int, device: Any) -> nn.Parameter:
         """Each local expert's output bias ``[E, out]``, zeros (as Megatron's expert linears start theirs). Added by
         :class:`~lightning_megatron.kernels.expert_mlp.GroupedMLP` (fc2's scaled by the router probability, as
-        ``TEGroupedMLP``), not by :meth:`forward`. A row-parallel bias under expert TP would be added to every rank's
-        partial sum: refused."""
-        if self.tp_axis == 1 and tp > 1:
-            raise ValueError(
-                f"add_bias_linear=True with MoE experts and expert tensor parallelism {tp}: the experts' output bias "
-                "is not split; use expert_tensor_parallel_size=1"
-            )
+        ``TEGroupedMLP``), not by :meth:`forward`. Column-parallel: split like the weight's rows. Row-parallel: whole
+        on every expert-TP rank (as a ``RowParallelLinear``'s bias), counted once in the gradient norm; the MLP adds it
+        to expert-TP rank 0's partial sum only, and every rank gets the same gradient."""
         param = nn.Parameter(torch.zeros(self.num_local_experts, rows, device=device, dtype=self.config.params_dtype))
         param.allreduce = self.weight.allreduce  # type: ignore[attr-defined]
         set_tensor_model_parallel_attributes(param, is_parallel=self.tp_axis == 0, dim=1, stride=1)
@@ -402,8 +398,10 @@ class _GroupedLinear(MegatronModule):
 
         replica_id = (0, 0, get_pg_rank(expert_dp))  # TP-sharded; one writer among the expert-DP replicas
         state: dict[str, Any] = {}
-        # The bias ([E, out]) is split like the weight's rows; a row-parallel one exists only without expert TP.
-        for what, param, axis in (("weight", self.weight, self.tp_axis), ("bias", self.bias, 0)):
+        # The bias ([E, out]) is split like the weight's rows (column-parallel), or whole on every expert-TP rank
+        # (row-parallel: axis None, expert-TP rank 0 writes it).
+        bias_axis = 0 if self.tp_axis == 0 else None
+        for what, param, axis in (("weight", self.weight, self.tp_axis), ("bias", self.bias, bias_axis)):
             if param is not None:
                 name = f"{prefix}{what}"
                 build = functools.partial(self._build_experts, name, expert_offsets, singleton, first, expert_dp, axis)
@@ -417,23 +415,33 @@ class _GroupedLinear(MegatronModule):
         return state
 
     def _build_experts(
-        self, name: str, expert_offsets: Callable[[int], tuple], singleton: bool, first: int, expert_dp: Any, axis: int,
-        key: str, data: Tensor, replica_id: Any, flattened_range: slice | None,
+        self, name: str, expert_offsets: Callable[[int], tuple], singleton: bool, first: int, expert_dp: Any,
+        axis: int | None, key: str, data: Tensor, replica_id: Any, flattened_range: slice | None,
     ) -> list[Any]:  # fmt: skip
         """The factory's build: ``data`` (the weight, or an optimizer state of its shape) as per-expert sharded
-        tensors under ``key`` (the weight's key, prefixed by the modules above and by the optimizer)."""
+        tensors under ``key`` (the weight's key, prefixed by the modules above and by the optimizer), split over
+        expert TP along ``axis`` (None: replicated, one writer per expert-TP group)."""
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.utils import make_sharded_tensor_for_checkpoint
 
         if flattened_range is not None:
             raise ValueError(f"{name}: flattened (distributed-optimizer model-space) shards are not supported")
         if singleton and not key.endswith(name):  # the per-expert keys go in front of the module's own part
             raise ValueError(f"{name}: sharded key {key!r} lost the module's own suffix")
         swiglu = self.tp_axis == 0 and self.config.gated_linear_unit
+        tp_rank = get_pg_rank(self.tp_group)
         pieces: list[Any] = []
         for e in range(self.num_local_experts):
             offsets = expert_offsets(e)
             # singleton: SequentialMLP's "<...>experts.<global expert>.linear_fc1.weight"
             expert_key = f"{key[: len(key) - len(name)]}{first + e}.{name}" if singleton else key
+            if axis is None:
+                piece = make_sharded_tensor_for_checkpoint(
+                    data[e], expert_key, prepend_offsets=offsets, replica_id=(0, tp_rank, replica_id[2]),
+                    tp_group=self.tp_group, dp_cp_group=expert_dp,
+                )  # fmt: skip
+                pieces.append(piece)
+                continue
             piece = make_tp_sharded_tensor_for_checkpoint(
                 data[e], expert_key, axis, replica_id=replica_id, prepend_offsets=offsets,
                 tp_group=self.tp_group, dp_cp_group=expert_dp,

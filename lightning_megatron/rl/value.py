@@ -57,7 +57,9 @@ class MegatronValueModule(GPTModule):
     an alias) and optionally ``loss_mask``/``attention_mask`` [B, S]. With ``old_values`` [B, S] and
     ``clip_range`` set, the loss is PPO's clipped value loss. Per-token values are token-weighted across
     micro-batches and data-parallel ranks like the LM loss: ``0.5 * sum(mask * error^2) / sum(mask)``.
-    ``trainer.predict`` returns values [B, S] on every rank. All ``GPTModule`` arguments apply, plus:
+    ``trainer.predict`` returns values [B, S] on every rank. A model with tied embeddings (Gemma's, from
+    ``from_hf``) keeps its embedding, tied to nothing: the value head takes the vocabulary head's place.
+    All ``GPTModule`` arguments apply, plus:
 
     Args:
         clip_range: PPO value clipping range (used when the batch has ``old_values``); ``None`` disables it.
@@ -65,20 +67,18 @@ class MegatronValueModule(GPTModule):
 
     def __init__(self, *args: object, clip_range: float | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        if self.config.share_embeddings_and_output_weights:
-            raise ValueError(
-                "share_embeddings_and_output_weights=True ties the output head to the embedding, but a value model "
-                "replaces that head with a scalar one; use share_embeddings_and_output_weights=False"
-            )
         if clip_range is not None and clip_range <= 0:
             raise ValueError(f"clip_range={clip_range} must be positive (e.g. 0.2) or None")
         self.clip_range = clip_range
 
     def build_chunk(self, spec: ChunkSpec) -> nn.Module:
-        chunk = super().build_chunk(spec)
+        chunk = super().build_chunk(spec)  # (with tied embeddings, a last stage's head copy loads and is dropped)
         if spec.post_process:
             config = chunk.config
             chunk.output_layer = ValueHead(config.hidden_size, config.init_method_std, config.sequence_parallel)
+        # Nothing is tied to the embedding any more: on every chunk, or Megatron would all-reduce the first stage's
+        # embedding gradient with the last stage's head (now the value head) after each step.
+        chunk.share_embeddings_and_output_weights = False
         return chunk
 
     def forward_step(self, batch: Batch, model: nn.Module) -> tuple[Tensor, LossFn]:

@@ -3,7 +3,8 @@
 Each check mirrors what Megatron-Core 0.19's ``TransformerConfig.__post_init__`` rejects (often with a bare assert,
 after the process groups exist), plus settings Megatron would silently ignore: a router setting on a dense model, a
 coefficient for a loss type that is off, ``moe_router_pre_softmax`` with sigmoid scores. Every error names the field,
-its value and what would work. This module reads a config through :class:`MoERequest` (it imports no config).
+its value and what would work. This module reads a config through :class:`MoERequest` (it imports no config);
+:func:`build_with_expert_biases` builds Megatron's config of an MoE model with expert biases.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from typing import Any, Protocol
 
 from lightning_megatron.validation import check_choice, check_positive_int, divisors
 
-__all__ = ["MOE_DEFAULTS", "MoEParallelRequest", "MoERequest", "check_moe", "check_moe_parallel", "moe_layer_pattern"]
+__all__ = [
+    "MOE_DEFAULTS",
+    "MoEParallelRequest",
+    "MoERequest",
+    "build_with_expert_biases",
+    "check_moe",
+    "check_moe_parallel",
+    "moe_layer_pattern",
+]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -238,3 +247,16 @@ def check_moe_parallel(config: MoEParallelRequest, ep: int, tp: int, sequence_pa
             "sequence_parallel=True splits each router's tokens across TP ranks, so the routing of "
             "moe_enable_routing_replay=True would be per-shard; use sequence_parallel=False with routing replay"
         )
+
+
+def build_with_expert_biases(config_class: type, kwargs: dict[str, Any]) -> Any:
+    """``config_class(**kwargs)`` (Megatron's ``TransformerConfig``). Megatron asserts expert tensor parallelism 1
+    for MoE with ``add_bias_linear``, since its own expert linears would add fc2's row-parallel bias on every
+    expert-TP rank; the grouped experts (:mod:`lightning_megatron.kernels.expert_mlp`) add it once, so such a config
+    is built at expert TP 1 and then given its size (Megatron's default: tp)."""
+    etp = kwargs.get("expert_tensor_parallel_size") or kwargs.get("tensor_model_parallel_size", 1)
+    if kwargs.get("num_moe_experts") is None or not kwargs.get("add_bias_linear") or etp == 1:
+        return config_class(**kwargs)
+    config = config_class(**{**kwargs, "expert_tensor_parallel_size": 1})
+    config.expert_tensor_parallel_size = etp
+    return config
