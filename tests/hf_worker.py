@@ -2,7 +2,8 @@
 
 ``python tests/hf_worker.py '{"devices": 2, "tokens": "t.pt", "out": "r.json", "jobs": [...]}'``; each job is
 ``{"model": DIR, "tp": 2, "pp": 1, "vpp": null, "ep": 1, "save": DIR?, "train_steps": 0, "logprobs": false,
-"grad_norms": false}``.
+"grad_norms": false}`` (optional: ``"overrides"``, ModelConfig fields; ``"optim"``, the module's optimizer arguments;
+``"sampler": false``, training rows in order without Lightning's distributed sampler).
 Per job every rank runs ``predict`` (with ``logprobs``: also the log-probs of the tokens) and ``validate`` on the
 tokens (after ``train_steps`` steps of ``fit`` when > 0, saving with
 ``save_hf`` at the end of training), exports the HF weights during validation and compares them with the source
@@ -138,9 +139,10 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
     overrides = {"kernels": "torch"} if job.get("packed") else {}  # packed rows need SDPAttention on CPU
     overrides = {**overrides, **job.get("overrides", {})} or None  # ModelConfig fields a job sets
     lora = job.get("lora")  # LoRAConfig fields: adapters trained on the frozen HF weights
+    settings = {"lr": 1e-2, "warmup_steps": 0, **job.get("optim", {})}  # the module's optimizer arguments
     module = MegatronLMModule.from_hf(
-        job["model"], seq_length=tokens.shape[1], lr=1e-2, warmup_steps=0, config_overrides=overrides, lora=lora,
-        adapter=job.get("adapter"),
+        job["model"], seq_length=tokens.shape[1], config_overrides=overrides, lora=lora, adapter=job.get("adapter"),
+        **settings,
     )  # fmt: skip
     result: dict[str, Any] = {}
     loader = DataLoader(tokens, batch_size=tokens.shape[0])
@@ -159,8 +161,9 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
 
             callbacks.append(ModelCheckpoint(dirpath=job["ckpt"], every_n_train_steps=2, save_top_k=-1))
         trainer = _trainer(
-            devices, job, max_steps=job["train_steps"], callbacks=callbacks, enable_checkpointing=bool(job.get("ckpt"))
-        )
+            devices, job, max_steps=job["train_steps"], callbacks=callbacks, enable_checkpointing=bool(job.get("ckpt")),
+            use_distributed_sampler=job.get("sampler", True),  # False: the rows in order (DP=1 only)
+        )  # fmt: skip
         trainer.fit(module, data, ckpt_path=job.get("resume"))
         result["train_losses"], result["buckets"], result["grad_norms"] = losses.values, save.buckets, norms.steps
         result["trainable"] = sorted({n.split(".")[-2] for n, p in module.named_parameters() if p.requires_grad})

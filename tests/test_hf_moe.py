@@ -104,15 +104,7 @@ def train_both(path: Path, settings: dict[str, Any], overrides: dict[str, Any] |
     warm-up, constant LR; ``overrides``: ModelConfig fields). Each side's losses in step order, then the trained
     transformers model and module."""
     samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(3))
-    model = hf_model(path).train()
-    optimizer = torch.optim.AdamW(model.parameters(), **settings)
-    want = []
-    for batch in samples.split(4):
-        out = model(input_ids=batch, labels=batch)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        want.append(float(out.loss))
+    want, model = hf_adamw_steps(path, samples, settings)
     module = MegatronLMModule.from_hf(path, seq_length=SEQ, clip_grad=0.0, warmup_steps=0, decay_style="constant",
                                       config_overrides=overrides, **settings)  # fmt: skip
     got: list[float] = []
@@ -124,6 +116,21 @@ def train_both(path: Path, settings: dict[str, Any], overrides: dict[str, Any] |
     trainer = _trainer(2, max_steps=3, callbacks=[Record()], use_distributed_sampler=False)
     trainer.fit(module, DataLoader(samples, batch_size=4))
     return want, got, model, module
+
+
+def hf_adamw_steps(path: Path, samples: torch.Tensor, settings: dict[str, Any]) -> tuple[list[float], Any]:
+    """transformers + ``torch.optim.AdamW(**settings)`` from the HF checkpoint at ``path``, one step per 4 rows of
+    ``samples``: the losses in step order and the trained model."""
+    model = hf_model(path).train()
+    optimizer = torch.optim.AdamW(model.parameters(), **settings)
+    losses = []
+    for batch in samples.split(4):
+        out = model(input_ids=batch, labels=batch)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(out.loss))
+    return losses, model
 
 
 @pytest.fixture(scope="module")
@@ -342,6 +349,8 @@ def test_value_module_on_an_moe_checkpoint(arch: str, models: dict, tokens: torc
     torch.testing.assert_close(values, want, rtol=1e-4, atol=1e-4)
 
 
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+
 # One 2-process run: each architecture at expert, tensor and pipeline parallelism (qwen3_moe's dense layer 1 on its own
 # stage at PP=2, qwen2_moe's tied embeddings on both stages); the same HF checkpoints as the one-process tests.
 LAYOUTS = {
@@ -365,6 +374,11 @@ LAYOUTS = {
     # LoRA on every linear with the experts split over expert tensor parallelism, checkpointed at step 2
     "mixtral_tp2_lora": {"arch": "mixtral", "tp": 2, "sp": True, "train_steps": 3, "lora": {"rank": 8, "alpha": 16.0,
                                                                                            "seed": 4}, "ckpt": True},
+    # Full fine-tuning of MLA + MoE at TP=2 with SP, as transformers + AdamW (no clipping or warm-up, constant LR, the
+    # correction bias fixed as transformers leaves it)
+    "deepseek_v3_tp2_train": {"arch": "deepseek_v3", "tp": 2, "sp": True, "train_steps": 3, "sampler": False,
+                              "overrides": {"moe_router_bias_update_rate": 0.0},
+                              "optim": {**ADAMW, "clip_grad": 0.0, "decay_style": "constant"}},
 }  # fmt: skip
 
 
@@ -452,6 +466,22 @@ def _trained_as_one_process(layout: dict, one: dict, one_logits: torch.Tensor, d
         assert result["trainable"] == ["lora_A", "lora_B"]
         rows = slice(rank % data_parallel, None, data_parallel)  # DP=1: every row
         torch.testing.assert_close(layout["logits"][rank], one_logits[rows], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.multiprocess
+def test_mla_moe_trains_at_tp2_with_sp_as_transformers_and_adamw(layouts: dict, models: dict,
+                                                                tokens: torch.Tensor) -> None:  # fmt: skip
+    """DeepSeek-V3 (MLA with a query latent, a dense layer, experts with a shared one) trains three steps at TP=2 with
+    sequence parallelism as transformers + AdamW does, and its validation loss after them is the trained HF model's:
+    every head's share of the RoPE key's gradient counts, not only the heads of the rank holding its columns."""
+    samples = torch.randint(0, 128, (4 * 3, SEQ), generator=torch.Generator().manual_seed(0))  # hf_worker's rows
+    want, model = hf_adamw_steps(models["deepseek_v3"], samples, ADAMW)
+    with torch.no_grad():
+        trained_loss = float(model.eval()(input_ids=tokens, labels=tokens).loss)
+    assert len(set(want)) == 3
+    for rank, result in enumerate(layouts["deepseek_v3_tp2_train"]["ranks"]):
+        assert result["train_losses"] == pytest.approx(want, rel=1e-4), rank
+        assert result["val_loss"] == pytest.approx(trained_loss, rel=1e-4), rank
 
 
 @pytest.mark.multiprocess

@@ -209,6 +209,17 @@ REGISTER: tuple[Workaround, ...] = (
         + _MCORE,
     ),
     Workaround(
+        name="SharedRopeKeyGrad",
+        kind="private read",
+        where="lightning_megatron.compat.mla_rope_grad:SharedRopeKeyGrad",
+        package="megatron-core",
+        touches=("megatron.core.transformer.multi_latent_attention:MLASelfAttention._qkv_down_projection",),
+        why="at tp > 1 with a column-parallel key/value down projection, the gradient of MLA's shared RoPE key holds "
+        "only one rank's heads (the all-gather's backward keeps each rank's slice): training leaves the one-process "
+        "curve from step 2 on; overridden to reach Megatron's path that sums it over the ranks",
+        droppable="megatron-core sums k_pos_emb's gradient over TP (NVIDIA/Megatron-LM issue 1699); " + _MCORE,
+    ),
+    Workaround(
         name="lightning_internals",
         kind="private read",
         where="lightning_megatron.compat.lightning_internals",

@@ -7,17 +7,19 @@ from typing import Any
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from lightning_megatron.compat.mla_norms import DirectQueryNorms
+from lightning_megatron.compat.mla_rope_grad import SharedRopeKeyGrad
 from lightning_megatron.kernels.documents import SequenceLayout
 
 
-class TorchMLASelfAttention(DirectQueryNorms, MLASelfAttention):
+class TorchMLASelfAttention(SharedRopeKeyGrad, DirectQueryNorms, MLASelfAttention):
     """``MLASelfAttention`` whose projections never see our :class:`SequenceLayout` (same parameters and names).
 
     Megatron treats any ``packed_seq_params`` as THD (one packed row: it squeezes the batch dimension); our layout is
     SBHD, so the projections and RoPE run as for unpacked rows and only the core attention reads the layout. RoPE at
     positions within the row instead of within each document gives the same attention: attention stays inside a
     document, and RoPE's scores depend on position differences only. A direct query projection (``q_lora_rank=None``)
-    keeps its key/value latent norm without Transformer Engine (:class:`DirectQueryNorms`).
+    keeps its key/value latent norm without Transformer Engine (:class:`DirectQueryNorms`). At tp > 1 the shared RoPE
+    key's gradient is summed over the tensor-parallel ranks' heads (:class:`SharedRopeKeyGrad`).
     """
 
     def get_query_key_value_tensors(
