@@ -209,6 +209,18 @@ REGISTER: tuple[Workaround, ...] = (
         + _MCORE,
     ),
     Workaround(
+        name="SummedRopeKeyGradient",
+        kind="private read",
+        where="lightning_megatron.compat.mla_rope_key:SummedRopeKeyGradient",
+        package="megatron-core",
+        touches=("megatron.core.transformer.multi_latent_attention:MLASelfAttention._qkv_down_projection",),
+        why="with a column-parallel key/value down projection and tp > 1, MLA's shared RoPE key gets each rank's "
+        "heads' gradient only (never summed over TP), so training at tp > 1 leaves one process's curve; the "
+        "projection's output is gathered here and passed on whole, which Megatron's own path for a duplicated "
+        "projection reads with the sum",
+        droppable="Megatron sums the RoPE key's gradient over TP for a column-parallel down projection; " + _MCORE,
+    ),
+    Workaround(
         name="lightning_internals",
         kind="private read",
         where="lightning_megatron.compat.lightning_internals",
