@@ -621,11 +621,13 @@ def test_expert_adapter_checkpoints_hold_the_adapters_and_resume_exactly(models:
 
 
 def test_expert_adapters_go_to_peft_and_back(models: dict, tokens: torch.Tensor, tmp_path: Path) -> None:
-    """Trained adapters on every linear of an MoE model written as a PEFT adapter (attention's as target_modules,
-    each expert's on HF's fused experts as target_parameters) give our logits in PEFT, and load back here."""
+    """Trained adapters on every linear of an MoE model with a shared expert written as a PEFT adapter (attention's as
+    target_modules; each expert's on HF's fused experts and the shared expert's by their path as target_parameters,
+    since PEFT reads an MoE model's gate_proj/up_proj/down_proj targets as its experts') give our logits in PEFT, and
+    load back here; an adapter of the experts without the shared expert is refused by name."""
     import peft
 
-    arch, lora = "mixtral", {"rank": 4, "alpha": 8.0, "seed": 1}
+    arch, lora = "qwen2_moe", {"rank": 4, "alpha": 8.0, "seed": 1}
     module = MegatronLMModule.from_hf(models[arch], seq_length=SEQ, lr=5e-2, lora=lora)
     samples = torch.randint(0, 128, (8, SEQ), generator=torch.Generator().manual_seed(8))
 
@@ -637,7 +639,8 @@ def test_expert_adapters_go_to_peft_and_back(models: dict, tokens: torch.Tensor,
     loader = DataLoader(tokens, batch_size=4)
     ours = torch.cat(_trainer().predict(module, loader))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    shared = [f"mlp.shared_expert.{part}.weight" for part in ("gate_proj", "up_proj", "down_proj")]
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", *shared]
     assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(hf_model(models[arch]), tmp_path / "adapter")(input_ids=tokens).logits
@@ -647,14 +650,22 @@ def test_expert_adapters_go_to_peft_and_back(models: dict, tokens: torch.Tensor,
     assert back.lora.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     torch.testing.assert_close(torch.cat(_trainer().predict(back, loader)), ours, rtol=1e-5, atol=1e-5)
 
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "target_parameters": [
+        "gate_up_proj", "down_proj", "shared_expert.gate_proj.weight", "down_proj.weight"]}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"leave out \['mlp.shared_expert.up_proj.weight'\]: LoRA here adapts"):
+        MegatronLMModule.from_hf(models[arch], seq_length=SEQ, adapter=tmp_path / "adapter")
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "target_parameters": ["weight"]}))
+    with pytest.raises(ValueError, match=r"\['weight'\]; only a list of an MoE model's MLP projections"):
+        MegatronLMModule.from_hf(models[arch], seq_length=SEQ, adapter=tmp_path / "adapter")
 
-def test_adapters_on_a_shared_expert_have_no_peft_form(models: dict, tmp_path: Path) -> None:
-    """PEFT reads an MoE model's MLP targets as its experts': adapters on Qwen2-MoE's shared expert are refused."""
-    module = MegatronLMModule.from_hf(models["qwen2_moe"], seq_length=SEQ, lora={"rank": 4})
+
+def test_dropout_on_moe_mlp_adapters_has_no_peft_form(models: dict, tmp_path: Path) -> None:
+    """PEFT's adapters on parameters (an MoE model's MLP adapters) take no dropout: such a PEFT export is refused."""
+    module = MegatronLMModule.from_hf(models["qwen3_moe"], seq_length=SEQ, lora={"rank": 4, "dropout": 0.1})
 
     class Save(L.Callback):
         def on_predict_end(self, trainer: L.Trainer, pl_module: MegatronLMModule) -> None:  # type: ignore[override]
             pl_module.save_hf(tmp_path / "adapter", adapter=True)
 
-    with pytest.raises(ValueError, match=r"shared expert besides its experts.*no PEFT form.*save_hf\(path\)"):
+    with pytest.raises(ValueError, match=r"dropout=0.1\) on an MoE model's MLPs.*take no dropout.*save_hf\(path\)"):
         _trainer(callbacks=[Save()]).predict(module, DataLoader(torch.zeros(4, SEQ, dtype=torch.long), batch_size=4))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,6 @@ from lightning_megatron.gpt.hf.load import HFCheckpoint, check_floating, open_sa
 from lightning_megatron.gpt.hf.mapping import adapter_shapes
 from lightning_megatron.gpt.lora.config import (
     HF_BLOCK,
-    MLA_DOWN_PROJECTIONS,
     MLA_PROJECTIONS,
     PROJECTIONS,
     LoRAConfig,
@@ -49,6 +49,8 @@ _HARMLESS = {
 # PEFT's target_parameters on HF's fused MoE experts (transformers >= 5), and the Megatron linear each adapts (PEFT
 # writes them with or without the "mlp.experts." path).
 EXPERT_PARAMETERS = {"mlp.experts.gate_up_proj": "linear_fc1", "mlp.experts.down_proj": "linear_fc2"}
+# A PEFT adapter tensor's name: its decoder layer's module path, the factor.
+_ADAPTER_NAME = re.compile(r"base_model\.model\.model\.layers\.\d+\.(?P<path>.+)\.lora_[AB]\.weight")
 
 
 def _check_plain(peft_config: dict[str, Any], path: Path) -> None:
@@ -70,10 +72,18 @@ def hf_targets(lora: LoRAConfig, config: ModelConfig) -> list[str]:
 
 
 def hf_target_parameters(lora: LoRAConfig, config: ModelConfig) -> list[str]:
-    """PEFT's ``target_parameters`` for our adapters on an MoE model's experts (HF's fused expert tensors)."""
+    """PEFT's ``target_parameters`` for our adapters on an MoE model's MLPs: the experts' on HF's fused expert
+    tensors, then the dense MLPs' (dense layers ``mlp.gate_proj.weight``, ..., a shared expert
+    ``mlp.shared_experts.gate_proj.weight``, ...) by their path in the layer. PEFT (transformers >= 5) reads the
+    gate_proj/up_proj/down_proj ``target_modules`` of these models as their experts', so the dense MLPs' adapters
+    are named as parameters, which it matches by the end of their name; their tensors have the names of adapters on
+    modules."""
     if config.num_moe_experts is None:
         return []
-    return [name for name, target in EXPERT_PARAMETERS.items() if lora.adapts(target)]
+    experts = [name for name, target in EXPERT_PARAMETERS.items() if lora.adapts(target)]
+    paths = (match["path"] for name in adapter_shapes(config, lora) if (match := _ADAPTER_NAME.fullmatch(name)))
+    dense = [f"{path}.weight" for path in paths if path.startswith("mlp.") and not path.startswith("mlp.experts")]
+    return experts + list(dict.fromkeys(dense))
 
 
 def adapter_config_dict(lora: LoRAConfig, config: ModelConfig, base: str | None) -> dict[str, Any]:
@@ -100,7 +110,7 @@ def _targets(peft_targets: Any, config: ModelConfig, path: Path) -> tuple[str, .
             "(q_proj, ...; adapted in every layer) are read here"
         )
     leaves = set(peft_targets)
-    if unknown := sorted(leaves - {*PROJECTIONS, *MLA_PROJECTIONS, *MLA_DOWN_PROJECTIONS.values()}):
+    if unknown := sorted(leaves - {*PROJECTIONS, *MLA_PROJECTIONS}):
         raise ValueError(f"{path / ADAPTER_CONFIG}: target_modules {unknown} are not projections of a decoder layer")
     targets: list[str] = []
     # Column-parallel linears first: TARGETS' order, which the targets of every linear read back keep.
@@ -111,18 +121,39 @@ def _targets(peft_targets: Any, config: ModelConfig, path: Path) -> tuple[str, .
     return (*targets, *sorted(leaves))  # projections this model lacks: LoRAConfig and check_lora name them
 
 
-def _expert_targets(names: Any, config: ModelConfig, path: Path, targets: tuple[str, ...]) -> tuple[str, ...]:
-    """The Megatron linears a PEFT ``target_parameters`` list adapts (HF's fused experts of an MoE model)."""
+def _mlp_targets(names: Any, config: ModelConfig, path: Path, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The Megatron linears a PEFT ``target_parameters`` list adapts (an MoE model's MLPs: see
+    :func:`hf_target_parameters`). A name adapts, as in PEFT, every parameter whose name ends with it; the experts',
+    the shared expert's and the dense layers' projections of one linear are adapted together here, or not at all."""
     if not names:
         return ()
-    by_leaf = {name.rpartition(".")[2]: target for name, target in EXPERT_PARAMETERS.items()}
-    leaves = {name.rpartition(".")[2] for name in names} if isinstance(names, list) else {None}
-    if config.num_moe_experts is None or leaves - set(by_leaf):
+    ours = {t: hf_target_parameters(LoRAConfig(target_modules=(t,)), config) for t in ("linear_fc1", "linear_fc2")}
+    every = [name for names_of in ours.values() for name in names_of]
+    given = names if isinstance(names, list) and all(isinstance(n, str) for n in names) else []
+    matched = [{name for name in every if _ends_with(name, n)} for n in given]
+    if not given or not all(matched):  # also: no MoE model (no names of ours)
         raise ValueError(
-            f"{path / ADAPTER_CONFIG}: target_parameters={names!r}; only an MoE model's "
-            f"{sorted(EXPERT_PARAMETERS)} (its fused experts) are read here"
+            f"{path / ADAPTER_CONFIG}: target_parameters={names!r}; only a list of an MoE model's MLP projections "
+            f"is read here (this model's: {every or 'none, it has no experts'}; or the end of such a name, e.g. "
+            "'gate_up_proj')"
         )
-    return tuple(by_leaf[leaf] for leaf in by_leaf if leaf in leaves and by_leaf[leaf] not in targets)
+    adapted = set().union(*matched)
+    for target, names_of in ours.items():
+        if adapted & set(names_of) and (missing := [n for n in names_of if n not in adapted]):
+            raise ValueError(
+                f"{path / ADAPTER_CONFIG}: target_parameters={names!r} leave out {missing}: LoRA here adapts an MoE "
+                f"model's {target} projections ({names_of}: its experts', shared expert's and dense layers') "
+                "together; adapt them all, or none"
+            )
+    return tuple(t for t, names_of in ours.items() if adapted & set(names_of) and t not in targets)
+
+
+def _ends_with(name: str, given: str) -> bool:
+    """Whether PEFT's ``target_parameters`` entry ``given`` names ``name`` (the whole or its end, after a dot), ending
+    at a projection (not e.g. 'weight' alone, which would name every weight)."""
+    projection = given.removesuffix(".weight").rpartition(".")[2]
+    proper = projection in ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+    return proper and (name == given or name.endswith(f".{given}"))
 
 
 def _compared(field: str, lora: LoRAConfig, config: ModelConfig) -> Any:
@@ -144,7 +175,7 @@ def open_adapter(
     _check_plain(peft_config, path)
     given = dataclasses.asdict(lora) if isinstance(lora, LoRAConfig) else dict(lora or {})
     targets = _targets(peft_config["target_modules"], config, path)
-    targets += _expert_targets(peft_config.get("target_parameters"), config, path, targets)
+    targets += _mlp_targets(peft_config.get("target_parameters"), config, path, targets)
     found = LoRAConfig(
         rank=peft_config["r"], alpha=float(peft_config["lora_alpha"]), dropout=float(peft_config["lora_dropout"]),
         target_modules=targets,
@@ -211,19 +242,11 @@ def save_adapter(module: Any, path: str | Path, *, dtype: torch.dtype | None = N
 
     check_running(module)
     lora, config = module.lora, module.config
-    dense_mlps = not all(config.moe_layers) or config.moe_shared_expert_intermediate_size is not None
-    if hf_target_parameters(lora, config) and dense_mlps:
-        raise ValueError(
-            f"LoRAConfig(target_modules={list(lora.target_modules)}) adapts the MLPs of this MoE model's "
-            f"{'shared expert' if config.moe_shared_expert_intermediate_size else 'dense layers'} besides its experts, "
-            "and PEFT (with transformers >= 5) reads gate_proj/up_proj/down_proj targets of an MoE model as its "
-            "experts': such adapters have no PEFT form. Save the merged weights (save_hf(path)), or adapt attention "
-            "only (target_modules=('linear_qkv', 'linear_proj')) for a PEFT adapter"
-        )
     if hf_target_parameters(lora, config) and lora.dropout > 0:
         raise ValueError(
-            f"LoRAConfig(dropout={lora.dropout}) on experts: PEFT's adapters on fused experts (target_parameters) take "
-            "no dropout, so this adapter would not load there; save the merged weights (save_hf(path)) instead"
+            f"LoRAConfig(dropout={lora.dropout}) on an MoE model's MLPs: PEFT's adapters on parameters "
+            "(target_parameters, as the experts' and, on these models, the dense MLPs' are written) take no dropout, "
+            "so this adapter would not load there; save the merged weights (save_hf(path)) instead"
         )
     tensors = {}
     is_writer = torch.distributed.get_rank() == 0

@@ -19,12 +19,13 @@ TARGETS = COLUMN_TARGETS + ROW_TARGETS
 # projection (q_lora_rank=None) or the query latent's up projection, and the key/value latent's up projection. An MLA
 # model has no linear_qkv, so that name (of the default targets) stands for all of these there.
 MLA_TARGETS = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
-# MLA's down projections take none: Megatron's MLASelfAttention picks their sharding by their exact class
-# (``in [ColumnParallelLinear, ...]``) and raises for a subclass such as an adapted linear.
-MLA_DOWN_PROJECTIONS = {"linear_q_down_proj": "q_a_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa"}
+# MLA's down projections (column-parallel too, their outputs gathered over TP): adapted only where named, so that
+# linear_qkv (of the default targets) keeps meaning the projections above.
+MLA_DOWN_TARGETS = ("linear_q_down_proj", "linear_kv_down_proj")
 # Where each target's HF projections sit in an HF decoder layer (PEFT's module names are these).
 HF_BLOCK = {
-    **dict.fromkeys(("linear_qkv", "linear_proj", *MLA_TARGETS), "self_attn"), "linear_fc1": "mlp", "linear_fc2": "mlp",
+    **dict.fromkeys(("linear_qkv", "linear_proj", *MLA_TARGETS, *MLA_DOWN_TARGETS), "self_attn"), "linear_fc1": "mlp",
+    "linear_fc2": "mlp",
 }  # fmt: skip
 # The HF projections, each with the Megatron linear that holds it: targets for a part of a fused linear.
 PROJECTIONS = {
@@ -32,9 +33,10 @@ PROJECTIONS = {
     "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",
 }  # fmt: skip
 # The same for an MLA model's attention (its MLP's are PROJECTIONS').
-MLA_PROJECTIONS = {"q_proj": "linear_q_proj", "q_b_proj": "linear_q_up_proj", "kv_b_proj": "linear_kv_up_proj",
+MLA_PROJECTIONS = {"q_proj": "linear_q_proj", "q_a_proj": "linear_q_down_proj", "q_b_proj": "linear_q_up_proj",
+                   "kv_a_proj_with_mqa": "linear_kv_down_proj", "kv_b_proj": "linear_kv_up_proj",
                    "o_proj": "linear_proj"}  # fmt: skip
-NAMES = (*TARGETS, *MLA_TARGETS, *PROJECTIONS, "q_b_proj", "kv_b_proj")
+NAMES = tuple(dict.fromkeys((*TARGETS, *MLA_TARGETS, *MLA_DOWN_TARGETS, *PROJECTIONS, *MLA_PROJECTIONS)))
 """Every name ``target_modules`` takes (which of them a model has: :func:`check_lora`)."""
 
 
@@ -47,8 +49,8 @@ def layer_linears(model: ModelConfig) -> tuple[str, ...]:
     """Megatron's linears of ``model``'s decoder layers that can take adapters, in HF's order of their projections."""
     if not model.multi_latent_attention:
         return ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-    query = "linear_q_proj" if model.q_lora_rank is None else "linear_q_up_proj"
-    return (query, "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2")
+    query = ("linear_q_proj",) if model.q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
+    return (*query, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 def is_column(target: str) -> bool:
@@ -74,12 +76,15 @@ def adapter_parts(target: str, model: ModelConfig) -> tuple[tuple[str, int, int]
 
 
 def _mla_part(target: str, model: ModelConfig) -> tuple[str, int, int]:
-    """An MLA projection's HF name and full sizes (the output projection reads heads * v_head_dim values)."""
+    """An MLA projection's HF name and full sizes (the output projection reads heads * v_head_dim values; the key/value
+    down projection writes the latent and the shared RoPE key)."""
     heads, hidden = model.num_attention_heads, model.hidden_size
     query = heads * (model.qk_head_dim + model.qk_pos_emb_head_dim)
     parts = {
         "linear_q_proj": ("q_proj", hidden, query),
+        "linear_q_down_proj": ("q_a_proj", hidden, model.q_lora_rank or 0),
         "linear_q_up_proj": ("q_b_proj", model.q_lora_rank or 0, query),
+        "linear_kv_down_proj": ("kv_a_proj_with_mqa", hidden, model.kv_lora_rank + model.qk_pos_emb_head_dim),
         "linear_kv_up_proj": ("kv_b_proj", model.kv_lora_rank, heads * (model.qk_head_dim + model.v_head_dim)),
         "linear_proj": ("o_proj", heads * model.v_head_dim, hidden),
     }
@@ -102,9 +107,9 @@ class LoRAConfig:
     """What gets adapters: Megatron's linears (linear_qkv, linear_proj, linear_fc1, linear_fc2: every HF projection
     each fuses) and/or single HF projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; e.g.
     PEFT's Llama default q_proj + v_proj, where k gets none). On a Multi-Latent Attention model linear_qkv adapts
-    every query/key/value projection that takes adapters -- linear_q_up_proj (HF q_b_proj) or, with
-    q_lora_rank=None, linear_q_proj (q_proj), and linear_kv_up_proj (kv_b_proj) -- which may also be named alone;
-    its down projections take none."""
+    the query/key/value projections after the latents -- linear_q_up_proj (HF q_b_proj) or, with q_lora_rank=None,
+    linear_q_proj (q_proj), and linear_kv_up_proj (kv_b_proj) -- which may also be named alone; its down projections
+    linear_q_down_proj (q_a_proj) and linear_kv_down_proj (kv_a_proj_with_mqa) are adapted where named."""
     seed: int = 0
     """Seed of A's Kaiming-uniform initialisation (B starts at zero), drawn per layer and linear from the full
     unsharded shape, so every parallel layout builds the same adapters."""
@@ -116,20 +121,12 @@ class LoRAConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         targets = tuple(self.target_modules)
-        if down := [t for t in targets if t in MLA_DOWN_PROJECTIONS or t in MLA_DOWN_PROJECTIONS.values()]:
-            raise ValueError(
-                f"target_modules={list(targets)} names Multi-Latent Attention's down projections {down} "
-                "(linear_q_down_proj = q_a_proj, linear_kv_down_proj = kv_a_proj_with_mqa), which take no adapters: "
-                "Megatron picks their sharding by their exact class. Adapt its other projections: 'linear_q_up_proj' "
-                "('q_b_proj'; 'linear_q_proj' / 'q_proj' with q_lora_rank=None), 'linear_kv_up_proj' ('kv_b_proj'), "
-                "'linear_proj' ('o_proj'), or 'linear_qkv' for all but linear_proj"
-            )
         unknown = sorted(set(targets) - set(NAMES))
         if unknown or not targets:
             raise ValueError(
                 f"target_modules={list(targets)}: unknown {unknown or 'empty'}; pick from {list(TARGETS)} (whole "
                 f"linears) or {list(PROJECTIONS)} (HF projections), or on a Multi-Latent Attention model "
-                f"{list(MLA_TARGETS)} / {list(MLA_PROJECTIONS)}"
+                f"{[*MLA_TARGETS, *MLA_DOWN_TARGETS]} / {list(MLA_PROJECTIONS)}"
             )
         object.__setattr__(self, "target_modules", targets)  # lists from YAML become tuples
 
@@ -164,10 +161,11 @@ def check_lora(lora: LoRAConfig, model: ModelConfig) -> None:
     if missing := [t for t in lora.target_modules if t not in has]:
         mla = model.multi_latent_attention
         kind = f"multi_latent_attention={mla}" + (f", q_lora_rank={model.q_lora_rank}" if mla else "")
+        qkv = f" ('linear_qkv' names {[t for t in holds if t in MLA_TARGETS]})" if mla else ""
         raise ValueError(
             f"LoRAConfig(target_modules=...) names {missing}, which this model does not have ({kind}, "
             f"gated_linear_unit={model.gated_linear_unit}): its linears that take adapters, and the HF projections "
-            f"each holds, are {holds}" + (" ('linear_qkv' names the first two)" if mla else "")
+            f"each holds, are {holds}{qkv}"
         )
     if adapts_experts(lora, model) and model.gated_linear_unit and lora.adapts("linear_fc1"):
         fc1 = set(lora.target_modules) & {"linear_fc1", "gate_proj", "up_proj"}

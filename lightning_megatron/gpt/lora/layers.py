@@ -36,10 +36,11 @@ from megatron.core.tensor_parallel.layers import (
 )
 from torch import Tensor, nn
 
-from lightning_megatron.gpt.lora.config import MLA_TARGETS, TARGETS, LoRAConfig
+from lightning_megatron.gpt.lora.config import MLA_DOWN_TARGETS, MLA_TARGETS, TARGETS, LoRAConfig
 
-# Each linear's index in its adapters' seed (the MLA ones after the rest: GQA models keep their draws).
-SEED_ORDER = TARGETS + MLA_TARGETS
+# Each linear's index in its adapters' seed (the MLA ones after the rest, the down projections last: the linears
+# that took adapters before keep their draws). Under ten: the index is a decimal digit of the seed.
+SEED_ORDER = TARGETS + MLA_TARGETS + MLA_DOWN_TARGETS
 
 
 def _kaiming_uniform(rows: int, cols: int, generator: torch.Generator) -> Tensor:

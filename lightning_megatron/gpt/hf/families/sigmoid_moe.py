@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from lightning_megatron.gpt.hf.families.base import dense_mlp
+from lightning_megatron.gpt.hf.families.base import dense_adapters, dense_mlp
 from lightning_megatron.gpt.hf.families.moe import MoEFamily
 from lightning_megatron.gpt.hf.params import ModelShape, Param
 from lightning_megatron.gpt.moe.config import moe_layer_pattern
@@ -47,6 +47,10 @@ class SigmoidMoEFamily(MoEFamily):
     def shared_expert_params(self, c: ModelShape, m: str, hb: str) -> list[Param]:
         ffn = c.moe_shared_expert_intermediate_size or 0
         return dense_mlp(m + "mlp.shared_experts.", hb + "shared_experts.", c.hidden_size, ffn)
+
+    def shared_adapter_params(self, c: Any, lora: Any, m: str, h: str) -> list[Param]:
+        ffn = c.moe_shared_expert_intermediate_size or 0
+        return dense_adapters(c, lora, m + "shared_experts.", h + "shared_experts.", ffn)
 
     def skipped(self, name: str, hf: Any) -> bool:
         """The MTP layers' tensors (``model.layers.{i}.`` for ``num_hidden_layers <= i < num_hidden_layers +
