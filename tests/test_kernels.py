@@ -152,3 +152,13 @@ def test_torch_kernels_turn_on_compiled_fusions_only_when_asked() -> None:
         kernels="torch", compile_fusions=True
     )
     assert not gelu.bias_activation_fusion  # Megatron has no fused path for GeLU without a bias
+
+
+def test_moe_with_expert_biases_builds_with_the_compiled_fusions(megatron_state: None) -> None:
+    """GPU runs turn the compiled fusions on; Megatron's grouped experts assert bias-dropout fusion off when experts
+    carry biases (GPT-OSS), so such a model leaves it off and builds."""
+    config = tiny_gpt(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, add_bias_linear=True)
+    assert not config.to_transformer_config(kernels="torch", compile_fusions=True).bias_dropout_fusion
+    assert _gpt(config, "torch", compile_fusions=True) is not None
+    dense = tiny_gpt(add_bias_linear=True).to_transformer_config(kernels="torch", compile_fusions=True)
+    assert dense.bias_dropout_fusion  # the fusion stays on where nothing forbids it

@@ -434,6 +434,10 @@ class ModelConfig:
         model: dict[str, Any] = {name: getattr(self, name) for name in _SAME_NAME_FIELDS}
         rope = self.position_embedding_type == "rope"
         model.update(kernel_fields(kernels, compile_fusions, rope=rope, activation_fusable=self.activation_fusable))
+        if self.num_moe_experts is not None and self.add_bias_linear:
+            # Megatron's grouped-experts module asserts this fusion off when experts have biases (GPT-OSS); the
+            # unfused bias-dropout-add computes the same sum.
+            model["bias_dropout_fusion"] = False
         model["layernorm_epsilon"] = self.norm_epsilon
         model["activation_func"] = _ACTIVATIONS[self.activation]
         if self.cuda_graphs:
