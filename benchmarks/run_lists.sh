@@ -25,7 +25,8 @@
 #   ema_update  the EMA update alone (eager, compiled, offloaded) and the GPU weight-averaging tests (~2 min)
 #   mla       the GPU test of the attention variants (FlexAttention windows, sinks, soft-capping against the
 #             reference), then moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's Multi-Latent Attention)
-#             and dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared) and gptoss1b (a GPT-OSS-like
+#             and dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared; 8 layers on an H200, 5 on
+#             an H100: 16 ran out of an H100's memory on 2026-12-07) and gptoss1b (a GPT-OSS-like
 #             MoE: window-128/full layers, sinks, biases, clamped GLU, 32 experts top-4), variant a (~6 min)
 #   moe_ab    the MoE permutation's GPU test, then moe1b at BASE (a git revision, default HEAD~1, checked out beside
 #             the tree) against the checked-out commit, in turn, twice: one change's effect in one run (~6 min)
@@ -81,7 +82,9 @@ mla)
     tail -3 "$out/$section.log"
     tp --shape moe1b --variants a
     tp --shape mla_moe1b --variants a
-    tp --shape dsv3_1b --variants a
+    # 16 layers of 64 experts (about 9B parameters) outgrow one GPU's optimizer state: 8 layers on an H200, 5 on an H100
+    layers=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000) ? 8 : 5}')
+    tp --shape dsv3_1b --num-layers "$layers" --variants a
     tp --shape gptoss1b --variants a
     ;;
 moe_ab)

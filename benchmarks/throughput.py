@@ -185,7 +185,11 @@ def shape(args: argparse.Namespace) -> dict[str, Any]:
     """The ModelConfig fields of ``--shape`` (vocabulary 32,000 unless the shape has its own), ``--num-layers``,
     ``--window`` / ``--window-every``."""
     fields = {"vocab_size": VOCAB, **SHAPES[args.shape], **window_fields(args)}
-    return fields if args.num_layers is None else {**fields, "num_layers": args.num_layers}
+    if args.num_layers is None:
+        return fields
+    if isinstance(pattern := fields.get("moe_layer_freq"), tuple):  # a per-layer pattern: its first layers
+        fields["moe_layer_freq"] = pattern[: args.num_layers]
+    return {**fields, "num_layers": args.num_layers}
 
 
 def is_moe(args: argparse.Namespace) -> bool:

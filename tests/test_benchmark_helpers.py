@@ -301,3 +301,11 @@ def test_throughput_refuses_bad_window_options(argv: list[str], match: str, caps
     with pytest.raises(SystemExit):
         throughput.parse(["--variants", "a", *argv])
     assert match in capsys.readouterr().err
+
+
+def test_cutting_a_shape_cuts_its_per_layer_moe_pattern() -> None:
+    from benchmarks import throughput
+
+    config = throughput.model_config(throughput.parse(["--variants", "a", "--shape", "dsv3_1b", "--num-layers", "5"]))
+    assert config.num_layers == 5
+    assert tuple(config.moe_layer_freq) == (0, 1, 1, 1, 1)  # the dense first layer kept, 16 entries cut to 5
