@@ -182,3 +182,44 @@ def test_training_follows_transformers_and_adamw(model_path: Path) -> None:
     want, got, _, _ = train_both(model_path, {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0})
     assert len(set(want)) == 3
     assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_lora_on_the_experts_exports_merged_and_as_peft(one_process: dict, model_path: Path, tokens: torch.Tensor,
+                                                        tmp_path: Path) -> None:  # fmt: skip
+    """LoRA on GPT-OSS's experts (one adapter per expert on gate_up_proj and on down_proj; the biases frozen and still
+    added): the base model's logits at init; after two steps, the merged export (gate_up_proj re-interleaved) and the
+    PEFT adapter (target_parameters on the fused experts; B's rows on gate_up_proj interleaved like its columns)
+    give our logits in transformers and PEFT, and the adapter loads back here."""
+    import lightning as L
+    import peft
+    from safetensors.torch import load_file
+
+    from tests.test_hf_moe import hf_model
+
+    module = MegatronLMModule.from_hf(model_path, seq_length=SEQ, lr=5e-2, lora={"rank": 4, "alpha": 8.0, "seed": 1})
+    loader = DataLoader(tokens, batch_size=4)
+    torch.testing.assert_close(torch.cat(_trainer().predict(module, loader)), one_process["logits"], rtol=0, atol=1e-5)
+
+    class Save(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: MegatronLMModule) -> None:  # type: ignore[override]
+            self.trainable = sorted({n.rsplit(".", 2)[-2] for n, p in pl_module.named_parameters() if p.requires_grad})
+            self.experts = [n for n, _ in pl_module.named_parameters() if "experts.linear_fc" in n and "lora_" in n]
+            pl_module.save_hf(tmp_path / "merged")
+            pl_module.save_hf(tmp_path / "adapter", adapter=True)
+
+    samples = torch.randint(0, 128, (8, SEQ), generator=torch.Generator().manual_seed(8))
+    _trainer(max_steps=2, callbacks=[save := Save()]).fit(module, DataLoader(samples, batch_size=4))
+    assert save.trainable == ["lora_A", "lora_B"] and len(save.experts) == 8  # 2 layers x fc1/fc2 x A/B
+    ours = torch.cat(_trainer().predict(module, loader))
+    assert not torch.allclose(ours, one_process["logits"], atol=1e-3)  # the adapters moved the logits
+    torch.testing.assert_close(hf_forward(tmp_path / "merged", tokens)[0], ours, rtol=1e-4, atol=1e-4)
+    merged, base = load_file(tmp_path / "merged" / "model.safetensors"), load_file(model_path / "model.safetensors")
+    bias = "model.layers.0.mlp.experts.gate_up_proj_bias"
+    assert torch.equal(merged[bias], base[bias])  # frozen
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(hf_model(model_path), tmp_path / "adapter")(input_ids=tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+    back = MegatronLMModule.from_hf(model_path, seq_length=SEQ, adapter=tmp_path / "adapter")
+    torch.testing.assert_close(torch.cat(_trainer().predict(back, loader)), ours, rtol=1e-5, atol=1e-5)

@@ -14,9 +14,11 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-Kind = Literal["copy", "rows", "cols", "qkv", "gate_up", "halves", "fused_gate_up", "fused_gate_up_bias", "fused_down"]
+Kind = Literal["copy", "rows", "cols", "qkv", "gate_up", "halves", "fused_gate_up", "fused_gate_up_bias", "fused_down",
+               "fused_gate_up_rows"]  # fmt: skip
 SPLIT_DIM: dict[str, int | None] = {"copy": None, "rows": 0, "cols": 1, "qkv": 0, "gate_up": 0, "halves": 0,
-                                    "fused_gate_up": 1, "fused_gate_up_bias": 0, "fused_down": 0}  # fmt: skip
+                                    "fused_gate_up": 1, "fused_gate_up_bias": 0, "fused_down": 0,
+                                    "fused_gate_up_rows": 0}  # fmt: skip
 """The dimension each HF tensor of a kind is split along over tensor-parallel ranks (None: replicated). A "halves"
 tensor (an expert adapter's B on HF's fused gate_up_proj: [gate rows; up rows]) is split half by half: a rank holds
 [its gate rows; its up rows], as Megatron's fused linear_fc1 (:func:`rank_block`, :func:`join_rank_blocks`).
@@ -24,7 +26,9 @@ tensor (an expert adapter's B on HF's fused gate_up_proj: [gate rows; up rows]) 
 The ``fused_*`` kinds are one expert's piece of GPT-OSS's experts stored as ``x @ W`` (``[in, out]``, transposed
 from ``nn.Linear``): ``gate_up_proj`` ``[hidden, 2 * ffn]`` with gate and up columns interleaved (gate ``0::2``, up
 ``1::2``; its bias likewise) and ``down_proj`` ``[ffn, hidden]``. A contiguous block of the interleaved columns
-holds the same gate and up columns, which is a rank's [gate shard; up shard] once de-interleaved."""
+holds the same gate and up columns, which is a rank's [gate shard; up shard] once de-interleaved.
+``fused_gate_up_rows`` is a PEFT factor on that ``gate_up_proj`` whose rows are its output columns, interleaved the
+same way (one expert's adapter B, ``[2 * ffn, r]``)."""
 
 HFTensor = tuple[str, tuple[int, ...]]
 """An HF tensor's name and full shape."""
@@ -104,7 +108,7 @@ def combine(p: Param, parts: list[Tensor], c: ModelShape, tp: int) -> Tensor:
         return torch.cat(parts)  # [gate shard; up shard] on every rank
     if p.kind == "fused_gate_up":
         return torch.cat([parts[0][:, 0::2], parts[0][:, 1::2]], dim=1).t()
-    if p.kind == "fused_gate_up_bias":
+    if p.kind in ("fused_gate_up_bias", "fused_gate_up_rows"):
         return torch.cat([parts[0][0::2], parts[0][1::2]])
     if p.kind == "fused_down":
         return parts[0].t()
@@ -123,6 +127,9 @@ def split_local(p: Param, local: Tensor, c: ModelShape, tp: int) -> list[Tensor]
     if p.kind in ("fused_gate_up", "fused_gate_up_bias"):
         gate, up = (half.t() for half in local.chunk(2)) if local.ndim == 2 else local.chunk(2)
         return [torch.stack([gate, up], dim=-1).flatten(-2)]  # columns gate0, up0, gate1, ...
+    if p.kind == "fused_gate_up_rows":
+        gate, up = local.chunk(2)
+        return [torch.stack([gate, up], dim=1).flatten(0, 1)]  # rows gate0, up0, gate1, ...
     if p.kind == "fused_down":
         return [local.t().contiguous()]
     return [local]

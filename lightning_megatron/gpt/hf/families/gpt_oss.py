@@ -122,7 +122,16 @@ class GptOss(MoEFamily):
         return params
 
     def mlp_adapter_params(self, c: Any, lora: Any, m: str, h: str, layer: int) -> list[Param]:
-        raise ValueError(f"LoRA adapters on {ARCH} are not supported yet")
+        """Each expert's adapters as pieces of PEFT's factors on ``mlp.experts.gate_up_proj`` / ``down_proj``
+        (``target_parameters``), as the other MoE families'. PEFT's B on ``gate_up_proj`` has a row per output
+        column of it, interleaved as gate0, up0, gate1, ...: ours ([gate; up] rows) is de-interleaved like the
+        weight (kind ``fused_gate_up_rows``); the A factors and ``down_proj``'s read as on ``nn.Linear``'s layout,
+        since PEFT's ``ParamWrapper`` takes GPT-OSS's ``[E, in, out]`` experts as transposed."""
+        fc1_b = f"{m}experts.linear_fc1.lora_B.gate_up_proj"
+        return [
+            Param(p.megatron, p.hf, "fused_gate_up_rows", expert=p.expert) if p.megatron == fc1_b else p
+            for p in super().mlp_adapter_params(c, lora, m, h, layer)
+        ]
 
 
 def _qkv_bias(att: str, c: ModelShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
