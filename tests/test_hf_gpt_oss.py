@@ -209,7 +209,8 @@ def test_lora_on_the_experts_exports_merged_and_as_peft(one_process: dict, model
 
     samples = torch.randint(0, 128, (8, SEQ), generator=torch.Generator().manual_seed(8))
     _trainer(max_steps=2, callbacks=[save := Save()]).fit(module, DataLoader(samples, batch_size=4))
-    assert save.trainable == ["lora_A", "lora_B"] and len(save.experts) == 8  # 2 layers x fc1/fc2 x A/B
+    assert save.trainable == ["lora_A", "lora_B"]
+    assert len(save.experts) == 8  # 2 layers x fc1/fc2 x A/B
     ours = torch.cat(_trainer().predict(module, loader))
     assert not torch.allclose(ours, one_process["logits"], atol=1e-3)  # the adapters moved the logits
     torch.testing.assert_close(hf_forward(tmp_path / "merged", tokens)[0], ours, rtol=1e-4, atol=1e-4)
