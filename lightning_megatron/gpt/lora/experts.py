@@ -7,6 +7,7 @@ weight; their adapted versions add ``lora_A`` ``[E, r, in]`` and ``lora_B`` ``[E
 ``experts.gate_up_proj`` / ``experts.down_proj``), a SwiGLU expert's gate and up projections share one adapter:
 ``linear_fc1`` gets one adapter of ``2 x ffn`` output rows ([gate; up], the base's layout), ``linear_fc2`` one on
 ``down_proj``. The parameters are named after those projections (``lora_A.gate_up_proj``, ``lora_B.down_proj``).
+Expert biases (GPT-OSS) get no adapter: they stay frozen and are added by the MLP as without LoRA.
 
 Each expert-parallel rank holds its experts' adapters (the expert axis sharded like the base weight, reduced over
 the expert-data-parallel group like it); checkpoints store them with the global expert axis, so they load at any EP
