@@ -9,6 +9,7 @@ Lightning joins processes created outside it, as under torchrun: the run is a re
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -17,6 +18,9 @@ from importlib import import_module
 
 def rank_main(entry: str, args: dict, rank: int, world: int, port: int, cwd: str, log: str, env: dict) -> None:
     """Rank ``rank`` of ``world``: runs ``entry`` (``"module:function"``) with ``args``, output into ``log``."""
+    # The stack the fork server imported stays out of the collector's reach (as in the test process, conftest.py):
+    # each run's teardown makes a full collection, which would walk all of it and copy its pages from the server.
+    gc.freeze()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
