@@ -85,19 +85,7 @@ def moe_against_dense_table(all_rows: list[Row]) -> list[str]:
     """Each MoE throughput row beside the dense 1B row of the same file (one call, one machine) with as many layers and
     the same variant, layout, sequence, micro-batches, fp8 and CUDA graphs: the ratio of their tokens/s, the newest
     pair of each MoE configuration."""
-    shown = [r for r in all_rows if is_throughput(r) and left_out(r.data) is None]
-    same = ("variant", "devices", "tp", "pp", "seq", "micro_batch", "fp8", "cuda_graphs")
-    pairs: dict[tuple, tuple[Row, Row]] = {}
-    for moe in (r for r in shown if r.data.get("num_moe_experts")):
-        data = moe.data
-        dense = [
-            r for r in shown
-            if r.file == moe.file and not r.data.get("num_moe_experts")
-            and r.data["shape"] == "1b" and num_layers(r.data) == num_layers(data)
-            and all(r.data.get(key) == data.get(key) for key in same)
-        ]  # fmt: skip
-        if dense:
-            pairs[(*configuration(data), moe.device)] = (moe, dense[-1])
+    pairs = moe_dense_pairs(all_rows)
     if not pairs:
         return []
     out = [
@@ -115,8 +103,29 @@ def moe_against_dense_table(all_rows: list[Row]) -> list[str]:
     return [*out, ""]
 
 
+def moe_dense_pairs(all_rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
+    """The newest (MoE row, dense 1B row) pair of each MoE configuration and device, both rows from one file (one
+    call, one machine; see :func:`moe_against_dense_table`)."""
+    shown = [r for r in all_rows if is_throughput(r) and left_out(r.data) is None]
+    same = ("variant", "devices", "tp", "pp", "seq", "micro_batch", "fp8", "cuda_graphs")
+    pairs: dict[tuple, tuple[Row, Row]] = {}
+    for moe in (r for r in shown if r.data.get("num_moe_experts")):
+        data = moe.data
+        dense = [
+            r for r in shown
+            if r.file == moe.file and not r.data.get("num_moe_experts")
+            and r.data["shape"] == "1b" and num_layers(r.data) == num_layers(data)
+            and all(r.data.get(key) == data.get(key) for key in same)
+        ]  # fmt: skip
+        if dense:
+            pairs[(*configuration(data), moe.device)] = (moe, dense[-1])
+    return pairs
+
+
 # The README's headline rows: (the variant's label in the throughput tables, shape, device), each the latest row of
-# its configuration at one GPU, 2,048 tokens per sequence and micro-batches 4x2.
+# its configuration at one GPU, 2,048 tokens per sequence and micro-batches 4x2 (an MoE shape's: the latest measured
+# in one call with the dense 1B).
+MOE_SHAPES = ("moe1b",)
 HEADLINE = (
     ("(a) Trainer + MegatronStrategy", "1b", "H100"),
     ("(b) raw Megatron-Core, the project's kernels", "1b", "H100"),
@@ -145,8 +154,11 @@ def headline(all_rows: list[Row]) -> list[str]:
         "| run | model | tokens/s | MFU | date | commit | device |",
         "|---|---|---|---|---|---|---|",
     ]
+    paired = [moe for moe, _ in moe_dense_pairs(all_rows).values()]
     for label, shape, device in HEADLINE:
-        found = [row for row in table.latest.values() if headline_row(row) == (label, shape, device)]
+        # An MoE row is the newest measured beside the dense 1B in one call: the ratio quoted with it is that call's.
+        candidates = paired if shape in MOE_SHAPES else table.latest.values()
+        found = [row for row in candidates if headline_row(row) == (label, shape, device)]
         if len(found) != 1:
             raise ValueError(f"headline row {label!r} {shape} {device}: {len(found)} rows in the throughput tables")
         row = found[0]

@@ -128,6 +128,18 @@ REGISTER: tuple[Workaround, ...] = (
         droppable="megatron-core gives each parameter its own step on load; " + _MCORE,
     ),
     Workaround(
+        name="build_with_expert_biases",
+        kind="config hook",
+        where="lightning_megatron.gpt.moe.config:build_with_expert_biases",
+        package="megatron-core",
+        touches=("megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",),
+        why="TransformerConfig asserts expert tensor parallelism 1 for MoE with add_bias_linear, guarding its own "
+        "expert linears (which would add fc2's bias on every expert-TP rank); the grouped experts used on every path "
+        "add it once, so GPT-OSS at tp > 1 is built at expert TP 1 and then given its size (nothing else __post_init__ "
+        "derives differs: the expert weight-shard remat size is 1 at both)",
+        droppable="Megatron's check moves to its own expert modules; " + _MCORE,
+    ),
+    Workaround(
         name="FusedWgradLMHead",
         kind="class swap",
         where="lightning_megatron.kernels.linear:fuse_lm_head",
