@@ -319,8 +319,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Move what the imports and the collection created (~600,000 objects: torch, Lightning, Megatron, transformers)
     out of the garbage collector's reach: every run's teardown makes a full collection (parallel/state.py:destroy),
-    which otherwise walks all of them, ~0.3 s of CPU each time and a quarter of an in-process test's time. The runs'
-    own objects, created later, are collected as before."""
+    which otherwise walks all of them (~0.3 s of CPU each time; over the suite 277 s of this process's CPU, 57 s
+    with them frozen). No run exists yet; the runs' own objects, created later, are collected as before."""
     gc.collect()
     gc.freeze()
 
