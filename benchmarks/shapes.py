@@ -113,3 +113,14 @@ def attention_row(fields: dict[str, Any], windowed: tuple[bool, ...], seq: int, 
         "flops_count": "mfu: the standard count, every layer 6 x hidden x seq; flops_per_token_needed: each "
         "windowed layer's term scaled by the share of causal (query, key) pairs inside its window",
     }  # fmt: skip
+
+
+def shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The ModelConfig fields of ``--shape`` (vocabulary 32,000 unless the shape has its own), ``--num-layers``,
+    ``--window`` / ``--window-every``."""
+    fields = {"vocab_size": VOCAB, **SHAPES[args.shape], **window_fields(args)}
+    if args.num_layers is None:
+        return fields
+    if isinstance(pattern := fields.get("moe_layer_freq"), tuple):  # a per-layer pattern: its first layers
+        fields["moe_layer_freq"] = pattern[: args.num_layers]
+    return {**fields, "num_layers": args.num_layers}

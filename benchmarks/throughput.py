@@ -55,7 +55,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: benchmarks.*
 from benchmarks.recorders import hf_counts, megatron_counts, start_profiler, timeline_path, total_steps, write_profile  # noqa: E402
-from benchmarks.shapes import SHAPES, VOCAB, add_window_arguments, attention_row, window_fields, window_problem  # noqa: E402
+from benchmarks.shapes import SHAPES, VOCAB, add_window_arguments, attention_row, shape, window_fields, window_problem  # noqa: E402
 from lightning_megatron.parallel.counts import model_flops_per_token
 
 VARIANTS = {
@@ -179,17 +179,6 @@ def model_config(args: argparse.Namespace) -> Any:
         gradient_accumulation_fusion=fusion, fp8=args.fp8 if args.variant == "a" else None,
         cuda_graphs=args.cuda_graphs and args.variant in ("a", "b"), **recompute,
     )  # fmt: skip
-
-
-def shape(args: argparse.Namespace) -> dict[str, Any]:
-    """The ModelConfig fields of ``--shape`` (vocabulary 32,000 unless the shape has its own), ``--num-layers``,
-    ``--window`` / ``--window-every``."""
-    fields = {"vocab_size": VOCAB, **SHAPES[args.shape], **window_fields(args)}
-    if args.num_layers is None:
-        return fields
-    if isinstance(pattern := fields.get("moe_layer_freq"), tuple):  # a per-layer pattern: its first layers
-        fields["moe_layer_freq"] = pattern[: args.num_layers]
-    return {**fields, "num_layers": args.num_layers}
 
 
 def is_moe(args: argparse.Namespace) -> bool:
