@@ -39,7 +39,6 @@ import functools
 import json
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: benchmarks.*
+from benchmarks.recorders import elapsed_ms  # noqa: E402
 from benchmarks.shapes import attended_pairs  # noqa: E402
 
 PARTS = {
@@ -164,23 +164,6 @@ def flops(b: Built, batch: int, heads: int, seq: int, window: int | None) -> tup
     """(forward + backward FLOPs, forward FLOPs) over the (query, key) pairs attended (module docstring)."""
     pairs = batch * heads * attended_pairs(seq, window)
     return 2 * pairs * (4 * b.qk_dim + 3 * b.v_dim), 2 * pairs * (b.qk_dim + b.v_dim)
-
-
-def elapsed_ms(fn: Callable[[], Any], iters: int, device: torch.device) -> float:
-    """Mean milliseconds of ``fn`` over ``iters`` calls (CUDA events on GPU, the host clock elsewhere)."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / iters
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / iters
 
 
 def kernel_names(fn: Callable[[], Any], device: torch.device) -> list[str] | None:

@@ -15,12 +15,16 @@ to the L2 cache's size (50 MB) stay cached between calls.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Callable
 
 import torch
 
-from lightning_megatron.kernels import fp8
-from lightning_megatron.kernels.fp8_triton import amax, cast_transpose
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: benchmarks.*
+from benchmarks.recorders import elapsed_ms  # noqa: E402
+from lightning_megatron.kernels import fp8  # noqa: E402
+from lightning_megatron.kernels.fp8_triton import amax, cast_transpose  # noqa: E402
 
 SHAPES = {
     "1b_x": (8192, 2048), "1b_fc2_in": (8192, 5632), "1b_fc1_w": (11264, 2048),
@@ -32,14 +36,7 @@ def bench(fn: Callable[[], object], n: int = 50) -> float:
     """Mean microseconds per call over ``n`` calls after 5 warm-up calls (CUDA events)."""
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) / n * 1000, 1)
+    return round(elapsed_ms(fn, n, torch.device("cuda")) * 1000, 1)
 
 
 def graphed(fn: Callable[[], object], n: int = 20) -> float:

@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections.abc import Callable
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: benchmarks.*
+from benchmarks.recorders import elapsed_ms  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -59,14 +64,7 @@ def grouped_rowwise_colmajor(t: torch.Tensor, groups: int) -> tuple[torch.Tensor
 def time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return elapsed_ms(fn, iters, torch.device("cuda"))
 
 
 def main() -> None:

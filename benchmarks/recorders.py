@@ -149,3 +149,20 @@ def write_profile(profiler: Any, path: str) -> None:
         with open(path, "w") as f:
             f.write(json.dumps({"gpu_kernel_ms_total": round(kernel_ms, 2)}) + "\n" + table + "\n")
             f.write("GPU kernels by self time\n" + "\n".join(rows) + "\n")
+
+
+def elapsed_ms(fn: Any, iters: int, device: torch.device) -> float:
+    """Mean milliseconds of ``fn`` over ``iters`` calls (CUDA events on GPU, the host clock elsewhere)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / iters
