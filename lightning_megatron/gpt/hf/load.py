@@ -149,17 +149,16 @@ class HFCheckpoint:
         block-quantized, exactly the fp8 weights' scales; MXFP4, the blocks and scales of the packed weights)."""
         want = hf_weight_shapes(config, include_tied=False)
         quantizable = family_of_hf(architecture(self.config)).mxfp4_weights
-        with self.lazy_tensors(raw=True) as lazy:  # headers only
-            packed = mxfp4.packed_weights(self.mxfp4, want, self.files, lazy, self.path, quantizable)
-        missing = [name for name in want if name not in self.files and name not in packed]
-        if missing:
-            where = SAFETENSORS_INDEX if (self.path / SAFETENSORS_INDEX).is_file() else SAFETENSORS_FILE
-            raise ValueError(
-                f"{len(missing)} tensor(s) that {architecture(self.config)} with this config.json needs are missing "
-                f"from {self.path / where}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
-            )
-        stored = {name: shape for name, shape in want.items() if name not in packed}  # (packed: checked above)
         with self.lazy_tensors(raw=True) as lazy:  # headers only: nothing is read
+            packed = mxfp4.packed_weights(self.mxfp4, want, self.files, lazy, self.path, quantizable)
+            missing = [name for name in want if name not in self.files and name not in packed]
+            if missing:
+                where = SAFETENSORS_INDEX if (self.path / SAFETENSORS_INDEX).is_file() else SAFETENSORS_FILE
+                raise ValueError(
+                    f"{len(missing)} tensor(s) that {architecture(self.config)} with this config.json needs are "
+                    f"missing from {self.path / where}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                )
+            stored = {name: shape for name, shape in want.items() if name not in packed}  # (packed: checked above)
             scales = quantized.check_scales(self.quantization, stored, self.files, lazy, self.path)
             for name, expected in stored.items():  # in model order: the first wrong tensor is the one reported
                 tensor, where = lazy(name), self.path / self.files[name]
