@@ -7,8 +7,11 @@
 Parts (one JSON line per case and sequence length, then one ``summary`` line per part and length):
 
 * a: the 1B shape's core attention (``sdpa``: 16 heads of 128, ``--query-groups`` key/value heads, SDPA's kernels)
-  against Multi-Latent Attention's (``mla_sdpa``: 16 heads, query/key 128 + 64, value 128) at 2,048 and 8,192
-  tokens; issue 58's target: MLA's attention costs no more per FLOP than GQA's;
+  against Multi-Latent Attention's (``mla_sdpa``: 16 heads, query/key 128 + 64, value 128, as the model runs it:
+  values zero-padded to 192 for SDPA's flash kernel) at 2,048 and 8,192 tokens, and the kernels MLA could use
+  instead: ``mla_unpadded`` (SDPA on the unequal head sizes: its memory-efficient kernel), ``mla_cudnn`` (SDPA held
+  to cuDNN's kernel) and ``mla_flex`` (FlexAttention); issue 58's target: MLA's attention costs no more per FLOP
+  than GQA's (the FLOPs count the value's 128 columns, not the padding);
 * b: a sliding window of ``--window`` tokens (``flex_window``: FlexAttention with a block mask that skips the blocks
   outside it) against full causal attention on the same FlexAttention path (``flex_causal``) and against ``sdpa``,
   the 1B shape's default, at 8,192 and 16,384 tokens;
@@ -51,7 +54,7 @@ from benchmarks.recorders import elapsed_ms  # noqa: E402
 from benchmarks.shapes import attended_pairs  # noqa: E402
 
 PARTS = {
-    "a": ("sdpa", "mla_sdpa"),
+    "a": ("sdpa", "mla_sdpa", "mla_unpadded", "mla_cudnn", "mla_flex"),
     "b": ("flex_window", "flex_causal", "sdpa"),
     "c": ("flex_sinks", "flex_causal", "sdpa"),
 }
@@ -130,20 +133,29 @@ def build(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Buil
     """The module (or call) of ``case`` on ``device``."""
     gpu = device.type == "cuda"
     flex = "flex" if gpu else "masked_reference"  # kernels.variants: FlexAttention on GPU, the reference elsewhere
-    if case == "mla_sdpa":
-        qk = s.head_dim + s.mla_rope_dim
-        module = core_attention(model(s, mla=True), dtype, softmax_scale=qk**-0.5, k_channels=qk, v_channels=s.head_dim)
-        return Built(as_step(module.to(device)), [], qk, s.head_dim, s.heads, None, "sdpa")
-    if case == "flex_causal":
+    qk = s.head_dim + s.mla_rope_dim
+    if case in ("mla_sdpa", "mla_unpadded", "mla_cudnn"):
+        padding = None if case == "mla_sdpa" else False  # None: the model's default (values padded on CUDA)
+        module = core_attention(
+            model(s, mla=True), dtype, softmax_scale=qk**-0.5, k_channels=qk, v_channels=s.head_dim,
+            value_padding=padding,
+        )  # fmt: skip
+        step = as_step(module.to(device))
+        if case == "mla_cudnn":
+            step = with_backend(step, "CUDNN_ATTENTION")
+        return Built(step, [], qk, s.head_dim, s.heads, None, "sdpa" if case != "mla_cudnn" else "sdpa_cudnn")
+    if case in ("flex_causal", "mla_flex"):
         from lightning_megatron.kernels.variants import Variant, attend_variant
+
+        qk_dim, groups = (qk, s.heads) if case == "mla_flex" else (s.head_dim, s.groups)
 
         def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             seq, batch = q.shape[:2]  # as SDPAttention: [S, B, n, d] -> [B, n, S, d] views and back
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            out = attend_variant(q, k, v, None, Variant(), None, s.head_dim**-0.5, 0.0, False)
+            out = attend_variant(q, k, v, None, Variant(), None, qk_dim**-0.5, 0.0, False)
             return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
-        return Built(step, [], s.head_dim, s.head_dim, s.groups, None, flex)
+        return Built(step, [], qk_dim, s.head_dim, groups, None, flex)
     variant = {
         "sdpa": {},
         "flex_window": {"window_size": (s.window - 1, 0)},
@@ -153,6 +165,19 @@ def build(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Buil
     window = s.window - 1 if case == "flex_window" else None
     kernel = flex if variant else "sdpa"
     return Built(as_step(module), list(module.parameters()), s.head_dim, s.head_dim, s.groups, window, kernel)
+
+
+def with_backend(step: Callable[..., torch.Tensor], backend: str) -> Callable[..., torch.Tensor]:
+    """``step`` with SDPA held to one backend (``torch.nn.attention.SDPBackend``'s name); on CPU unchanged."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def held(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not q.is_cuda:
+            return step(q, k, v)
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return step(q, k, v)
+
+    return held
 
 
 def as_step(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
@@ -247,10 +272,12 @@ def summary(part: str, seq: int, found: dict[str, dict[str, Any]]) -> dict[str, 
     row: dict[str, Any] = {"summary": part, "seq": seq, "target": TARGETS[part]}
     if part == "a":
         mla, sdpa = found["mla_sdpa"], found["sdpa"]
-        per_flop = [None if "ms" not in r else r["ms"] / r["flops"] for r in (mla, sdpa)]
+        per_flop = {case: None if "ms" not in r else r["ms"] / r["flops"] for case, r in found.items()}
         row |= {"mla_ms_over_sdpa": ratio(ms["mla_sdpa"], ms["sdpa"]),
                 "mla_flops_over_sdpa": ratio(mla.get("flops"), sdpa.get("flops")),
-                "mla_cost_per_flop_over_sdpa": ratio(*per_flop)}  # fmt: skip
+                "mla_cost_per_flop_over_sdpa": ratio(per_flop["mla_sdpa"], per_flop["sdpa"])}  # fmt: skip
+        for case in ("mla_unpadded", "mla_cudnn", "mla_flex"):  # the other kernels MLA could use
+            row[f"{case}_ms_over_mla_sdpa"] = ratio(ms[case], ms["mla_sdpa"])
     elif part == "b":
         share = ratio(found["flex_window"].get("flops"), found["flex_causal"].get("flops"))
         row |= {"flex_causal_over_flex_window": ratio(ms["flex_causal"], ms["flex_window"]),

@@ -23,11 +23,13 @@
 #   headline  the README's headline rows from the checked-out (clean) commit: 1B variants a,b,a,b, then fp8 e4m3 with
 #             CUDA graphs against bf16 with CUDA graphs (~7 min)
 #   ema_update  the EMA update alone (eager, compiled, offloaded) and the GPU weight-averaging tests (~2 min)
-#   mla       the GPU test of the attention variants (FlexAttention windows, sinks, soft-capping against the
-#             reference), then moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's Multi-Latent Attention)
-#             and dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared; 8 layers on an H200, 5 on
-#             an H100: 16 ran out of an H100's memory on 2026-12-07) and gptoss1b (a GPT-OSS-like
-#             MoE: window-128/full layers, sinks, biases, clamped GLU, 32 experts top-4), variant a (~6 min)
+#   mla       the GPU tests of the attention variants (FlexAttention windows, sinks, soft-capping against the
+#             reference) and of MLA's padded values, then moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's
+#             Multi-Latent Attention), then mla_moe1b again under torch.profiler (its kernel table in $OUT), variant
+#             a (~6 min)
+#   moe_families  moe1b beside dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared; 8 layers on an
+#             H200, 5 on an H100: 16 ran out of an H100's memory on 2026-12-07) and gptoss1b (a GPT-OSS-like MoE:
+#             window-128/full layers, sinks, biases, clamped GLU, 32 experts top-4), variant a (~5 min)
 #   moe_ab    the MoE permutation's GPU test, then moe1b at BASE (a git revision, default HEAD~1, checked out beside
 #             the tree) against the checked-out commit, in turn, twice: one change's effect in one run (~6 min)
 #   variants  the attention kernels alone (benchmarks/attention.py: MLA against GQA, a 1024-token window against
@@ -78,10 +80,17 @@ ema_update)
     tail -3 "$out/$section.log"
     ;;
 mla)
-    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_attention_variants.py >"$out/$section.log" 2>&1
-    tail -3 "$out/$section.log"
+    for file in tests/test_attention_variants.py tests/test_mla.py; do  # one process per file (their Megatron states)
+        timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider "$file" >>"$out/$section.log" 2>&1
+    done
+    grep -E "passed|failed|error" "$out/$section.log"
     tp --shape moe1b --variants a
     tp --shape mla_moe1b --variants a
+    # where MLA's step goes: three more steps under torch.profiler, the kernel table in $out (not timed)
+    tp --shape mla_moe1b --variants a --warmup 3 --steps 3 --profile "$out/mla_moe1b_kernels" >/dev/null
+    ;;
+moe_families)
+    tp --shape moe1b --variants a
     # 16 layers of 64 experts (about 9B parameters) outgrow one GPU's optimizer state: 8 layers on an H200, 5 on an H100
     layers=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000) ? 8 : 5}')
     tp --shape dsv3_1b --num-layers "$layers" --variants a
