@@ -121,16 +121,44 @@ def test_mla_core_attention_pads_values_for_the_flash_kernel_on_gpu() -> None:
                 torch.testing.assert_close(got.double(), wanted, rtol=5e-2, atol=5e-2)
 
 
-def _gpt(config: object) -> torch.nn.Module:
+def _gpt(config: object, compile_fusions: bool = False) -> torch.nn.Module:
     from megatron.core.models.gpt import GPTModel
 
-    tc = config.to_transformer_config(kernels="torch", params_dtype=torch.float32)
+    tc = config.to_transformer_config(kernels="torch", compile_fusions=compile_fusions, params_dtype=torch.float32)
     spec = specs.block_spec(config, tc, None, "torch")
     return GPTModel(config=tc, transformer_layer_spec=spec, **config.gpt_model_kwargs("torch"))
 
 
 # A direct query projection with the key/value latent's norm (DeepSeek-V2-Lite / Moonlight), YaRN as above.
 MLA_DIRECT_NORM = {**MLA_YARN, "q_lora_rank": None}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("overrides", [MLA_DIRECT_NORM, MLA_YARN], ids=["direct_q_norm", "q_lora"])
+def test_fused_mla_rope_on_gpu_equals_the_unfused_path(overrides: dict) -> None:
+    """On GPU with YaRN, the model runs Megatron's fused MLA RoPE (Triton); logits and every gradient equal the
+    unfused elementwise path's in float32, packed rows included."""
+    config = tiny_gpt(**overrides)
+    assert config.to_transformer_config(kernels="torch", compile_fusions=True).apply_rope_fusion
+    assert not config.to_transformer_config(kernels="torch").apply_rope_fusion
+    with one_process_megatron(port=29599, cpu=False):
+        torch.manual_seed(0)
+        models = [_gpt(config, compile_fusions=fused).cuda() for fused in (True, False)]
+        models[1].load_state_dict(models[0].state_dict())
+        tokens = torch.randint(0, 256, (2, 16), device="cuda")
+        positions = torch.cat([torch.arange(n) for n in (5, 7, 4)]).cuda()[None].expand(2, -1)
+        documents = (positions == 0).cumsum(1, dtype=torch.int32)
+        layout = SequenceLayout(positions=positions, documents=documents, seq_length=16)
+        outputs, grads = [], []
+        for model in models:
+            logits = model(tokens, positions, None, packed_seq_params=layout)
+            logits.square().mean().backward()
+            outputs.append(logits)
+            grads.append({name: p.grad for name, p in model.named_parameters()})
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
+        for name, grad in grads[1].items():
+            torch.testing.assert_close(grads[0][name], grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("overrides", [MLA, MLA_DIRECT_NORM, MLA_YARN], ids=["direct_q", "direct_q_norm", "q_lora"])

@@ -24,6 +24,8 @@ _EVERYWHERE = (
     r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own pytree code on torch >= 2.10
     r"Please use DTensor instead and we are deprecating ShardedTensor",  # inside dist_checkpointing
+    # MLA's fused RoPE (on GPU): its limit is Megatron's inference contexts, which no forward of ours passes.
+    r"apply_rope_fusion for multi-latent attention only supports training",
 )
 _ON_CPU = (
     r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",

@@ -432,8 +432,9 @@ class ModelConfig:
         on CPU compiling costs more than it saves).
         """
         model: dict[str, Any] = {name: getattr(self, name) for name in _SAME_NAME_FIELDS}
-        rope = self.position_embedding_type == "rope"
-        model.update(kernel_fields(kernels, compile_fusions, rope=rope, activation_fusable=self.activation_fusable))
+        mla_yarn = self.multi_latent_attention and self.rope_type == "yarn"
+        rope, fusable = self.position_embedding_type == "rope", self.activation_fusable
+        model.update(kernel_fields(kernels, compile_fusions, rope=rope, activation_fusable=fusable, mla_yarn=mla_yarn))
         if self.num_moe_experts is not None and self.add_bias_linear:
             # Megatron's grouped-experts module asserts this fusion off when experts have biases (GPT-OSS); the
             # unfused bias-dropout-add computes the same sum.

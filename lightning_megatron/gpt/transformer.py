@@ -28,11 +28,16 @@ LOCAL_BACKEND: dict[str, Any] = {
 }
 
 
-def kernel_fields(kernels: Resolved, compile_fusions: bool, *, rope: bool, activation_fusable: bool) -> dict[str, Any]:
+def kernel_fields(
+    kernels: Resolved, compile_fusions: bool, *, rope: bool, activation_fusable: bool, mla_yarn: bool = False
+) -> dict[str, Any]:
     """``TransformerConfig`` fields that switch on a kernel set's fused paths (on top of :data:`LOCAL_BACKEND`).
 
     ``compile_fusions`` turns on Megatron's torch.compile'd activation and bias-dropout-add fusions with
-    ``'torch'`` (on GPU; on CPU compiling costs more than it saves).
+    ``'torch'`` (on GPU; on CPU compiling costs more than it saves), and for Multi-Latent Attention with YaRN RoPE
+    (``mla_yarn``) Megatron's fused MLA RoPE: Triton kernels of megatron-core itself (no Transformer Engine) that
+    rotate the query's and the shared key's RoPE slices and assemble the query, key and value heads in one pass each,
+    in place of ~20 elementwise, split and concatenation kernels per layer.
     """
     if kernels == "te":
         return {
@@ -44,5 +49,9 @@ def kernel_fields(kernels: Resolved, compile_fusions: bool, *, rope: bool, activ
         }  # fmt: skip
     if kernels == "torch" and compile_fusions:
         # Megatron's jit_fuser is torch.compile: these fusions need no TE/apex kernels.
-        return {"bias_activation_fusion": activation_fusable, "bias_dropout_fusion": True}
+        return {
+            "bias_activation_fusion": activation_fusable,
+            "bias_dropout_fusion": True,
+            "apply_rope_fusion": mla_yarn,
+        }
     return {}
