@@ -37,13 +37,12 @@ at one sequence length does. ``kernels``: the GPU kernels of one step by time (t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,32 +288,6 @@ def summary(part: str, seq: int, found: dict[str, dict[str, Any]]) -> dict[str, 
     return row
 
 
-@contextlib.contextmanager
-def megatron_state(device: torch.device) -> Iterator[None]:
-    """Megatron's parallel state for this one process (gloo; the CPU layer on CPU), unless a caller set one up."""
-    from megatron.core import parallel_state
-
-    from lightning_megatron.compat import cpu as cpu_layer
-    from lightning_megatron.parallel.sizes import ParallelSizes
-    from lightning_megatron.parallel.state import destroy, initialize, seed
-
-    if parallel_state.model_parallel_is_initialized():
-        yield
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29675")
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    on_cpu = device.type != "cuda" and not cpu_layer.is_enabled()
-    with cpu_layer.cpu_mode() if on_cpu else contextlib.nullcontext():
-        try:
-            initialize(ParallelSizes())
-            seed(0)
-            yield
-        finally:
-            destroy()
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="a,b,c", help="comma-separated: a (MLA vs GQA), b (windows), c (sinks)")
@@ -359,7 +332,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         lines.append({**row, **common})
         print(json.dumps(lines[-1]), flush=True)
 
-    with megatron_state(device):
+    from lightning_megatron.parallel.state import one_process
+
+    with one_process(29675, cpu=device.type != "cuda"):
         for part in args.parts.split(","):
             for seq in s.seqs[part]:
                 for case in PARTS[part]:

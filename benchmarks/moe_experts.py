@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,19 +31,6 @@ import torch
 import torch.nn.functional as F
 
 VARIANTS = ("loop", "grouped", "grouped_main_grad", "sequential_mlp", "dense")
-
-
-def setup_megatron() -> None:
-    """Megatron's parallel state for this one process (gloo: the experts alone communicate nothing)."""
-    from lightning_megatron.parallel.sizes import ParallelSizes
-    from lightning_megatron.parallel.state import initialize, seed
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29671")
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    initialize(ParallelSizes())
-    seed(0)
 
 
 def moe_config(args: argparse.Namespace) -> Any:
@@ -173,22 +159,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
-    setup_megatron()
-    config = moe_config(args)
-    batch = routed_batch(args)
-    counts = batch[1]
-    common = {
-        "num_moe_experts": args.experts, "moe_router_topk": args.topk, "tokens": args.tokens,
-        "routed_rows": args.tokens * args.topk, "rows_per_expert": [int(counts.min()), int(counts.max())],
-        "hidden_size": args.hidden, "moe_ffn_hidden_size": args.ffn,
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-    }  # fmt: skip
-    for variant in args.variants.split(","):
-        if variant not in VARIANTS:
-            print(json.dumps({"variant": variant, "error": f"unknown variant: one of {', '.join(VARIANTS)}"}))
-            continue
-        print(json.dumps({"variant": variant, **measure(variant, config, batch, args), **common}), flush=True)
-        torch.cuda.empty_cache()
+    from lightning_megatron.parallel.state import one_process
+
+    with one_process(29671):  # gloo: the experts alone communicate nothing
+        config = moe_config(args)
+        batch = routed_batch(args)
+        counts = batch[1]
+        common = {
+            "num_moe_experts": args.experts, "moe_router_topk": args.topk, "tokens": args.tokens,
+            "routed_rows": args.tokens * args.topk, "rows_per_expert": [int(counts.min()), int(counts.max())],
+            "hidden_size": args.hidden, "moe_ffn_hidden_size": args.ffn,
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        }  # fmt: skip
+        for variant in args.variants.split(","):
+            if variant not in VARIANTS:
+                print(json.dumps({"variant": variant, "error": f"unknown variant: one of {', '.join(VARIANTS)}"}))
+                continue
+            print(json.dumps({"variant": variant, **measure(variant, config, batch, args), **common}), flush=True)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

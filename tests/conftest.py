@@ -270,25 +270,10 @@ def one_process_trainer(max_steps: int, **kwargs: object) -> Any:
 def one_process_megatron(port: int, cpu: bool = True) -> Iterator[None]:
     """Megatron's parallel state for this one process (gloo; in CPU mode unless ``cpu=False``, for GPU tests), for
     tests of modules outside a Trainer."""
-    import torch
+    from lightning_megatron.parallel.state import one_process
 
-    from lightning_megatron.compat import cpu as cpu_layer  # not `cpu`: that is the parameter
-    from lightning_megatron.parallel.sizes import ParallelSizes
-    from lightning_megatron.parallel.state import destroy, initialize, seed
-
-    if not cpu and cpu_layer.is_enabled():  # e.g. a CPU test's module fixture still open: CUDA would become CPU
-        raise RuntimeError("one_process_megatron(cpu=False) inside CPU mode: run GPU tests apart (pytest -m gpu)")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    with cpu_layer.cpu_mode() if cpu else contextlib.nullcontext():
-        try:
-            initialize(ParallelSizes())
-            seed(0)
-            yield
-        finally:
-            destroy()
+    with one_process(port, cpu=cpu):
+        yield
 
 
 @pytest.fixture

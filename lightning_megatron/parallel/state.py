@@ -6,8 +6,10 @@ These are the only two places that touch ``megatron.core.parallel_state``'s glob
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -262,3 +264,25 @@ def resolve_seed(seed: int | None) -> int:
     if seed is not None:
         return seed
     return int(os.environ.get("PL_GLOBAL_SEED", 1234))
+
+
+@contextlib.contextmanager
+def one_process(port: int, cpu: bool = False) -> Iterator[None]:
+    """Megatron's parallel state for this one process (gloo, seed 0), for modules built and run without a Trainer:
+    tests of single modules and benchmarks of single kernels. ``cpu``: inside CPU mode (``compat.cpu``), where
+    Megatron's CUDA calls land on the CPU. Replaces any earlier state (:func:`initialize`); torn down on exit."""
+    from lightning_megatron.compat import cpu as cpu_layer
+
+    if not cpu and cpu_layer.is_enabled():  # e.g. a CPU test's fixture still open: CUDA would become CPU
+        raise RuntimeError("one_process(cpu=False) inside CPU mode: run GPU work apart from CPU-mode work")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    with cpu_layer.cpu_mode() if cpu and not cpu_layer.is_enabled() else contextlib.nullcontext():
+        try:
+            initialize(ParallelSizes())
+            seed(0)
+            yield
+        finally:
+            destroy()
