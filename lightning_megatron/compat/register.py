@@ -25,7 +25,7 @@ class Workaround:
     ``sys.modules`` entry, a rewrite of Megatron config hooks, or a read of internal or private names."""
     where: str
     """Where it lives in this package, ``module:qualified.name``."""
-    package: Literal["megatron-core", "lightning", "litdata"]
+    package: Literal["megatron-core", "lightning", "litdata", "torch"]
     """The upstream package whose behaviour it works around."""
     touches: tuple[str, ...]
     """The upstream names it replaces or reads: ``module:Qualified.name`` (must resolve), or ``module:Class#attr``
@@ -36,7 +36,11 @@ class Workaround:
     """The upstream change that makes it unneeded, and the version it was last checked against."""
 
 
-CHECKED: dict[str, tuple[str, str]] = {"megatron-core": ("0.19.0", "0.20"), "lightning": ("2.6.0", "2.7")}
+CHECKED: dict[str, tuple[str, str]] = {
+    "megatron-core": ("0.19.0", "0.20"),
+    "lightning": ("2.6.0", "2.7"),
+    "torch": ("2.11", "2.15"),
+}
 """The versions the register was checked against: ``(lowest, first not checked)`` per upstream package."""
 
 _MCORE = "not fixed upstream as of megatron-core 0.19.2"
@@ -208,6 +212,17 @@ REGISTER: tuple[Workaround, ...] = (
         why="the distributed optimizer's sharded state is built one parameter at a time into host buffers (Megatron "
         "gathers every state on the device first), from its buffers' and ranges' layout",
         droppable="megatron-core builds the fully_reshardable state without device-wide gathers; " + _MCORE,
+    ),
+    Workaround(
+        name="compiled block masks",
+        kind="private read",
+        where="lightning_megatron.kernels.variants:_build_block_mask",
+        package="torch",
+        touches=("torch.nn.attention.flex_attention:create_block_mask",),
+        why="create_block_mask's private _compile=True builds a FlexAttention block mask block by block on the GPU; "
+        "the public eager build materialises the [B, S_q, S] boolean mask first (gigabytes at 16K tokens); the "
+        "packed-document mask of kernels/documents.py:_block_mask passes it too",
+        droppable="torch makes compiled block-mask construction public or the default; private as of torch 2.14",
     ),
     Workaround(
         name="DirectQueryNorms",
