@@ -30,8 +30,9 @@
 #   moe_families  moe1b beside dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared; 8 layers on an
 #             H200, 5 on an H100: 16 ran out of an H100's memory on 2026-12-07) and gptoss1b (a GPT-OSS-like MoE:
 #             window-128/full layers, sinks, biases, clamped GLU, 32 experts top-4), variant a (~5 min)
-#   moe_ab    the MoE permutation's GPU test, then moe1b at BASE (a git revision, default HEAD~1, checked out beside
-#             the tree) against the checked-out commit, in turn, twice: one change's effect in one run (~6 min)
+#   moe_ab    the MoE permutation's GPU test, then SHAPE (default moe1b; e.g. mla_moe1b) at BASE (a git revision,
+#             default HEAD~1, checked out beside the tree) against the checked-out commit, in turn, twice: one
+#             change's effect in one run (~6 min)
 #   variants  the attention kernels alone (benchmarks/attention.py: MLA against GQA, a 1024-token window against
 #             full causal attention, sinks against none), then the 1B shape at 16K tokens all-full against Gemma 3's
 #             5:1 windowed layers (window 1024), variant a (~5 min, estimated)
@@ -102,8 +103,8 @@ moe_ab)
     base=/tmp/ab_base
     rm -rf "$base" && git worktree prune && git worktree add -f --detach "$base" "${BASE:-HEAD~1}" >/dev/null
     for _ in 1 2; do
-        (cd "$base" && timeout 300 python3 benchmarks/throughput.py --shape moe1b --variants a) | tee -a "$log"
-        tp --shape moe1b --variants a
+        (cd "$base" && timeout 300 python3 benchmarks/throughput.py --shape "${SHAPE:-moe1b}" --variants a) | tee -a "$log"
+        tp --shape "${SHAPE:-moe1b}" --variants a
     done
     ;;
 variants)
