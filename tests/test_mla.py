@@ -140,7 +140,7 @@ def test_fused_mla_rope_on_gpu_equals_the_unfused_path(overrides: dict) -> None:
     """On GPU with YaRN, the model runs Megatron's fused MLA RoPE (Triton); logits and every gradient equal the
     unfused elementwise path's in float32, packed rows included. mscale unlike mscale_all_dim: the cos/sin carry
     YaRN's correction (equal ones cancel)."""
-    config = tiny_gpt(**overrides, mscale=0.8)
+    config = tiny_gpt(**{**overrides, "mscale": 0.8})
     assert config.to_transformer_config(kernels="torch", compile_fusions=True).apply_rope_fusion
     assert not config.to_transformer_config(kernels="torch").apply_rope_fusion
     with one_process_megatron(port=29599, cpu=False):
