@@ -384,6 +384,39 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / f"{name}.ckpt" for name in ("full", "weights", "adapters")}
 
 
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny random HF MoE checkpoints of ``tests/hf_moe_models.py`` (one per ``ARCHS`` entry), written once for
+    the modules that read them."""
+    from tests.hf_moe_models import ARCHS, make_hf_model
+
+    root = tmp_path_factory.mktemp("hf_moe")
+    return {arch: make_hf_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def moe_tokens() -> Any:
+    """The rows the MoE tests predict and validate on (``tests/hf_moe_models.py``: ``make_tokens``)."""
+    from tests.hf_moe_models import make_tokens
+
+    return make_tokens()
+
+
+@pytest.fixture(scope="session")
+def moe_layouts(moe_models: dict[str, Path], moe_tokens: Any, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The shared two-process MoE launch: every job of ``tests/hf_moe_models.py``'s ``LAYOUTS`` through
+    ``tests/hf_worker.py``, in two 2-process runs side by side, once per session; per job its ranks' results, logits
+    and files (``layout_results``)."""
+    from tests.hf_moe_models import layout_results, layout_runs
+
+    tmp = tmp_path_factory.mktemp("hf_moe_layouts")
+    runs, env = layout_runs(moe_models, moe_tokens, tmp), child_env(CUDA_VISIBLE_DEVICES="")
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:  # each run's ranks wait on each other
+        list(pool.map(lambda args: run_forked("hf_worker:main", args, 2, tmp, env,
+                                              expect=Path(f"{args['out']}.rank1.json")), runs))  # fmt: skip
+    return layout_results(runs)
+
+
 _OPENED: list[str] | None = None  # while recording_opens() runs: the paths Python opened
 
 

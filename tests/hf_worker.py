@@ -1,9 +1,11 @@
-"""HF import/export jobs at several layouts in one set of processes, launched by tests/test_hf.py.
+"""HF import/export jobs at several layouts in one set of processes, launched by tests/test_hf.py and by
+tests/conftest.py's ``moe_layouts`` (the MoE jobs of tests/hf_moe_models.py).
 
 ``python tests/hf_worker.py '{"devices": 2, "tokens": "t.pt", "out": "r.json", "jobs": [...]}'``; each job is
 ``{"model": DIR, "tp": 2, "pp": 1, "vpp": null, "ep": 1, "save": DIR?, "train_steps": 0, "logprobs": false,
 "grad_norms": false}`` (optional: ``"overrides"``, ModelConfig fields; ``"optim"``, the module's optimizer arguments;
-``"sampler": false``, training rows in order without Lightning's distributed sampler).
+``"sampler": false``, training rows in order without Lightning's distributed sampler; ``"reference": DIR``, the float
+checkpoint the untrained export is compared with, by default the model).
 Per job every rank runs ``predict`` (with ``logprobs``: also the log-probs of the tokens) and ``validate`` on the
 tokens (after ``train_steps`` steps of ``fit`` when > 0, saving with
 ``save_hf`` at the end of training), exports the HF weights during validation and compares them with the source
@@ -167,7 +169,7 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
         trainer.fit(module, data, ckpt_path=job.get("resume"))
         result["train_losses"], result["buckets"], result["grad_norms"] = losses.values, save.buckets, norms.steps
         result["trainable"] = sorted({n.split(".")[-2] for n, p in module.named_parameters() if p.requires_grad})
-    check = ExportCheck(None if trained else Path(job["model"]))
+    check = ExportCheck(None if trained else Path(job.get("reference", job["model"])))
     callbacks = [] if module.lora else [check]  # adapters: the export is not the source's
     result["val_loss"] = _trainer(devices, job, callbacks=callbacks).validate(module, loader)[0]["val_loss"]
     result["elements_read"] = CountingSafeOpen.elements  # the model was built by the first Trainer call

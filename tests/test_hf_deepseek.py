@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, ModelConfig
 from lightning_megatron.gpt.hf.mapping import family
-from tests.test_hf_moe import Export, _trainer, hf_forward, save_randomised
+from tests.hf_moe_models import Export, cpu_trainer, hf_forward, save_randomised
 
 SEQ = 16
 YARN = {
@@ -89,8 +89,8 @@ def one_process(models: dict[str, Path], tokens: torch.Tensor, tmp_path_factory:
         module = MegatronLMModule.from_hf(path, seq_length=SEQ)
         export = Export(tmp_path_factory.mktemp("saved") / name)
         loader = DataLoader(tokens, batch_size=4)
-        logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
-        val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+        logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, loader))
+        val_loss = cpu_trainer().validate(module, loader)[0]["val_loss"]
         results[name] = {"logits": logits, "val_loss": val_loss, "export": export, "module": module}
     return results
 
@@ -177,7 +177,7 @@ def test_a_kimi_k2_style_directory_imports_without_remote_code(
     assert ModelConfig.from_hf(kimi) == ModelConfig.from_hf(source)
     module = MegatronLMModule.from_hf(kimi, seq_length=SEQ)
     export = Export(tmp_path / "out")
-    logits = torch.cat(_trainer(callbacks=[export]).predict(module, DataLoader(tokens, batch_size=4)))
+    logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, DataLoader(tokens, batch_size=4)))
     torch.testing.assert_close(logits, one_process["q_lora_yarn"]["logits"], rtol=1e-5, atol=1e-5)
     written = json.loads((export.path / "config.json").read_text())
     assert (written["model_type"], written["auto_map"]) == ("kimi_k2", config["auto_map"])

@@ -27,7 +27,7 @@ from lightning_megatron import MegatronLMModule
 from lightning_megatron.gpt.hf.load import HFCheckpoint, open_pretrained, read_shard
 from lightning_megatron.gpt.hf.params import Kind, rank_block
 from lightning_megatron.gpt.hf.quantized import DequantizedSlice
-from tests.test_hf_moe import Export, _trainer, hf_forward
+from tests.hf_moe_models import Export, cpu_trainer, hf_forward
 
 SEQ = 16
 UNCONVERTED = "model.layers.1.mlp.down_proj"  # listed in modules_to_not_convert: stays float32
@@ -117,8 +117,8 @@ def one_process(models: dict, tokens: torch.Tensor, tmp_path_factory: pytest.Tem
         module = MegatronLMModule.from_hf(path, seq_length=SEQ)
         export = ExportBoth(tmp_path_factory.mktemp("saved") / name)
         loader = DataLoader(tokens, batch_size=4)
-        logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
-        val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+        logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, loader))
+        val_loss = cpu_trainer().validate(module, loader)[0]["val_loss"]
         results[name] = {"logits": logits, "val_loss": val_loss, "export": export, "module": module}
     return results
 

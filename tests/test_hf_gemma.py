@@ -23,7 +23,7 @@ from lightning_megatron import MegatronLMModule, ModelConfig, tiny_gpt
 from lightning_megatron.gpt.hf.config import check_exportable
 from lightning_megatron.gpt.hf.mapping import family
 from lightning_megatron.gpt.hf.registry import family_of
-from tests.test_hf_moe import Export, _trainer, hf_forward, train_both
+from tests.hf_moe_models import Export, cpu_trainer, hf_forward, train_both
 
 SEQ = 16
 BASE = {
@@ -75,8 +75,8 @@ def one_process(model_path: Path, tokens: torch.Tensor, tmp_path_factory: pytest
     module = MegatronLMModule.from_hf(model_path, seq_length=SEQ)
     export = Export(tmp_path_factory.mktemp("saved") / "gemma3")
     loader = DataLoader(tokens, batch_size=4)
-    logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
-    val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+    logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, loader))
+    val_loss = cpu_trainer().validate(module, loader)[0]["val_loss"]
     return {"logits": logits, "val_loss": val_loss, "export": export, "module": module}
 
 
@@ -117,7 +117,7 @@ def test_a_model_not_from_hf_is_written_as_gemma3(model_path: Path, tokens: torc
     config = ModelConfig.from_hf(model_path, seq_length=SEQ)
     export = Export(tmp_path / "out")
     module = MegatronLMModule(config)
-    logits = torch.cat(_trainer(callbacks=[export]).predict(module, DataLoader(tokens, batch_size=4)))
+    logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, DataLoader(tokens, batch_size=4)))
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["architectures"] == ["Gemma3ForCausalLM"]
     assert (written["sliding_window"], written["query_pre_attn_scalar"]) == (4, 24)
@@ -192,10 +192,10 @@ def test_gemma2_matches_transformers_with_both_softcaps(tokens: torch.Tensor, tm
     module = MegatronLMModule.from_hf(tmp_path / "gemma2", seq_length=SEQ)
     export = Export(tmp_path / "saved")
     loader = DataLoader(tokens, batch_size=4)
-    logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
-    val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+    logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, loader))
+    val_loss = cpu_trainer().validate(module, loader)[0]["val_loss"]
     module.prediction = "logprobs"
-    logprobs = torch.cat([p["logprobs"] for p in _trainer().predict(module, loader)])
+    logprobs = torch.cat([p["logprobs"] for p in cpu_trainer().predict(module, loader)])
     want_logits, want_loss, want_logprobs = hf_forward(tmp_path / "gemma2", tokens)
     assert want_logits.abs().max() <= 3.0  # capped
     torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)

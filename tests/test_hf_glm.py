@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from lightning_megatron import MegatronLMModule, ModelConfig, tiny_gpt
 from lightning_megatron.gpt.hf.mapping import family
 from lightning_megatron.gpt.hf.registry import family_of
-from tests.test_hf_moe import Export, _trainer, hf_forward, save_randomised, train_both
+from tests.hf_moe_models import Export, cpu_trainer, hf_forward, save_randomised, train_both
 
 SEQ = 16
 BASE = {
@@ -106,8 +106,8 @@ def one_process(models: dict[str, Path], tokens: torch.Tensor, tmp_path_factory:
             module = MegatronLMModule.from_hf(path, seq_length=SEQ)
         export = Export(tmp_path_factory.mktemp("saved") / name)
         loader = DataLoader(tokens, batch_size=4)
-        logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
-        val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+        logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, loader))
+        val_loss = cpu_trainer().validate(module, loader)[0]["val_loss"]
         mtp = [str(w.message) for w in caught if "multi-token-prediction" in str(w.message)]
         results[name] = {"logits": logits, "val_loss": val_loss, "export": export, "module": module, "mtp": mtp}
     return results
@@ -217,7 +217,7 @@ def test_scaled_partial_rope_matches_transformers(rope: dict, tokens: torch.Tens
     path = make_model(tmp_path / "model", **{**VARIANTS["qk_norm"], "rope_parameters": rope})
     module = MegatronLMModule.from_hf(path, seq_length=SEQ)
     assert module.config.rotary_percent == 0.5
-    logits = torch.cat(_trainer().predict(module, DataLoader(tokens, batch_size=4)))
+    logits = torch.cat(cpu_trainer().predict(module, DataLoader(tokens, batch_size=4)))
     torch.testing.assert_close(logits, hf_forward(path, tokens)[0], rtol=1e-4, atol=1e-4)
 
 
@@ -236,7 +236,7 @@ def test_a_model_not_from_hf_is_written_as_glm(models: dict, tokens: torch.Tenso
     included, that transformers loads with our logits."""
     export = Export(tmp_path / "out")
     module = MegatronLMModule(ModelConfig.from_hf(models["qk_norm"], seq_length=SEQ))
-    logits = torch.cat(_trainer(callbacks=[export]).predict(module, DataLoader(tokens, batch_size=4)))
+    logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, DataLoader(tokens, batch_size=4)))
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["architectures"] == ["Glm4MoeForCausalLM"]
     assert written["rope_parameters"]["partial_rotary_factor"] == 0.5
@@ -270,7 +270,7 @@ def test_a_bf16_export_keeps_the_correction_bias_in_float32(models: dict[str, Pa
             module.save_hf(tmp_path / "bf16", dtype=torch.bfloat16)
 
     module = MegatronLMModule.from_hf(models["plain"], seq_length=SEQ)
-    _trainer(callbacks=[Save()]).predict(module, DataLoader(tokens, batch_size=4))
+    cpu_trainer(callbacks=[Save()]).predict(module, DataLoader(tokens, batch_size=4))
     written = load_file(tmp_path / "bf16" / "model.safetensors")
     bias = {name: t.dtype for name, t in written.items() if name.endswith("e_score_correction_bias")}
     assert bias

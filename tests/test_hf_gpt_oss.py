@@ -17,57 +17,20 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, ModelConfig
 from lightning_megatron.gpt.hf.mapping import family
 from lightning_megatron.gpt.hf.registry import family_of
-from tests.test_hf_moe import Export, _trainer, hf_forward, train_both
+from tests.hf_gpt_oss_models import GPT_OSS, NOT_CONVERTED, PACKED, make_gpt_oss, quantize_mxfp4
+from tests.hf_moe_models import Export, cpu_trainer, hf_forward, hf_model, train_both
 
 SEQ = 16
-BASE: dict[str, Any] = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 64,
-    "initializer_range": 0.1,
-    "sliding_window": 4,
-    "layer_types": ["sliding_attention", "full_attention"],
-    "swiglu_limit": 0.5,  # small, so that the clamps bite
-    "rope_parameters": {
-        "rope_type": "yarn",
-        "rope_theta": 150000.0,
-        "factor": 8.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 8,
-    },  # fmt: skip
-}
-
-
-def make_model(path: Path, **overrides: Any) -> Path:
-    config = transformers.GptOssConfig(**{**BASE, **overrides})
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():  # biases, sinks and norms start at 0 / 1: randomise them so that a wrong mapping shows
-        for name, tensor in model.named_parameters():
-            if tensor.ndim == 1 or name.endswith("_bias"):
-                tensor.copy_(torch.randn_like(tensor) * 0.3 + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("hf_gpt_oss") / "gpt_oss")
+    return make_gpt_oss(tmp_path_factory.mktemp("hf_gpt_oss") / "gpt_oss")
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +51,8 @@ def one_process(model_path: Path, tokens: torch.Tensor, tmp_path_factory: pytest
     module = MegatronLMModule.from_hf(model_path, seq_length=SEQ)
     export = ExportBoth(tmp_path_factory.mktemp("saved") / "gpt_oss")
     loader = DataLoader(tokens, batch_size=4)
-    logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
-    val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+    logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, loader))
+    val_loss = cpu_trainer().validate(module, loader)[0]["val_loss"]
     return {"logits": logits, "val_loss": val_loss, "export": export, "module": module}
 
 
@@ -122,11 +85,9 @@ def test_export_loads_in_transformers_with_our_logits(one_process: dict, tokens:
 
 
 def test_a_float_gpt_oss_is_written_in_mxfp4_as_released(one_process: dict, model_path: Path) -> None:
-    """``weight_format="mxfp4"``: every expert projection in MXFP4, the same bytes as tests/test_hf_gpt_oss_mxfp4.py's
+    """``weight_format="mxfp4"``: every expert projection in MXFP4, the same bytes as tests/hf_gpt_oss_models.py's
     quantizer gives, the rest as stored, with the releases' modules_to_not_convert."""
     from safetensors.torch import load_file
-
-    from tests.test_hf_gpt_oss_mxfp4 import NOT_CONVERTED, PACKED, quantize_mxfp4
 
     saved = one_process["export"].path.with_name("gpt_oss_mxfp4")
     config = json.loads((saved / "config.json").read_text())
@@ -147,8 +108,8 @@ def test_export_of_a_generated_config(model_path: Path, tmp_path: Path) -> None:
 
     written = hf_config_dict(ModelConfig.from_hf(model_path, seq_length=SEQ))
     assert written["architectures"] == ["GptOssForCausalLM"]
-    assert (written["sliding_window"], written["layer_types"]) == (4, BASE["layer_types"])
-    assert written["rope_parameters"] == {**BASE["rope_parameters"], "rope_type": "yarn"}
+    assert (written["sliding_window"], written["layer_types"]) == (4, GPT_OSS["layer_types"])
+    assert written["rope_parameters"] == {**GPT_OSS["rope_parameters"], "rope_type": "yarn"}
     assert (written["swiglu_limit"], written["num_local_experts"], written["intermediate_size"]) == (0.5, 4, 32)
 
 
@@ -160,7 +121,7 @@ def test_export_of_a_generated_config(model_path: Path, tmp_path: Path) -> None:
         ({"swiglu_alpha": 1.5}, "swiglu_alpha=1.5"),
         ({"attention_bias": False}, "attention_bias=False"),
         ({"layer_types": ["chunked_attention"] * 2}, "layer_types="),
-        ({"rope_parameters": {**BASE["rope_parameters"], "attention_factor": 2.0}}, "attention_factor"),
+        ({"rope_parameters": {**GPT_OSS["rope_parameters"], "attention_factor": 2.0}}, "attention_factor"),
     ],
 )
 def test_unsupported_gpt_oss_settings_are_named(model_path: Path, change: dict, match: str) -> None:
@@ -194,11 +155,10 @@ def test_lora_on_the_experts_exports_merged_and_as_peft(one_process: dict, model
     import peft
     from safetensors.torch import load_file
 
-    from tests.test_hf_moe import hf_model
-
     module = MegatronLMModule.from_hf(model_path, seq_length=SEQ, lr=5e-2, lora={"rank": 4, "alpha": 8.0, "seed": 1})
     loader = DataLoader(tokens, batch_size=4)
-    torch.testing.assert_close(torch.cat(_trainer().predict(module, loader)), one_process["logits"], rtol=0, atol=1e-5)
+    at_init = torch.cat(cpu_trainer().predict(module, loader))
+    torch.testing.assert_close(at_init, one_process["logits"], rtol=0, atol=1e-5)
 
     class Save(L.Callback):
         def on_train_end(self, trainer: L.Trainer, pl_module: MegatronLMModule) -> None:  # type: ignore[override]
@@ -208,10 +168,10 @@ def test_lora_on_the_experts_exports_merged_and_as_peft(one_process: dict, model
             pl_module.save_hf(tmp_path / "adapter", adapter=True)
 
     samples = torch.randint(0, 128, (8, SEQ), generator=torch.Generator().manual_seed(8))
-    _trainer(max_steps=2, callbacks=[save := Save()]).fit(module, DataLoader(samples, batch_size=4))
+    cpu_trainer(max_steps=2, callbacks=[save := Save()]).fit(module, DataLoader(samples, batch_size=4))
     assert save.trainable == ["lora_A", "lora_B"]
     assert len(save.experts) == 8  # 2 layers x fc1/fc2 x A/B
-    ours = torch.cat(_trainer().predict(module, loader))
+    ours = torch.cat(cpu_trainer().predict(module, loader))
     assert not torch.allclose(ours, one_process["logits"], atol=1e-3)  # the adapters moved the logits
     torch.testing.assert_close(hf_forward(tmp_path / "merged", tokens)[0], ours, rtol=1e-4, atol=1e-4)
     merged, base = load_file(tmp_path / "merged" / "model.safetensors"), load_file(model_path / "model.safetensors")
@@ -223,4 +183,4 @@ def test_lora_on_the_experts_exports_merged_and_as_peft(one_process: dict, model
         theirs = peft.PeftModel.from_pretrained(hf_model(model_path), tmp_path / "adapter")(input_ids=tokens).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
     back = MegatronLMModule.from_hf(model_path, seq_length=SEQ, adapter=tmp_path / "adapter")
-    torch.testing.assert_close(torch.cat(_trainer().predict(back, loader)), ours, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(cpu_trainer().predict(back, loader)), ours, rtol=1e-5, atol=1e-5)

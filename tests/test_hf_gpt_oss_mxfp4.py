@@ -1,15 +1,16 @@
-"""GPT-OSS MXFP4 checkpoints in and out: the tiny random GPT-OSS of ``tests/test_hf_gpt_oss.py`` (2 layers, 4 experts,
-intermediate size 64 so that both expert projections span two 32-value blocks), its experts quantized here with plain
-torch to MXFP4 as GPT-OSS ships them (``*_blocks`` uint8 ``[E, out, in / 32, 16]``, ``*_scales`` e8m0 ``[E, out,
-in / 32]``, in a second file named by an index), layer 1's experts left in float32 and listed in
+"""GPT-OSS MXFP4 checkpoints in and out: the tiny random GPT-OSS of ``tests/hf_gpt_oss_models.py`` (2 layers, 4
+experts, intermediate size 64 so that both expert projections span two 32-value blocks), its experts quantized there
+with plain torch to MXFP4 as GPT-OSS ships them (``*_blocks`` uint8 ``[E, out, in / 32, 16]``, ``*_scales`` e8m0
+``[E, out, in / 32]``, in a second file named by an index), layer 1's experts left in float32 and listed in
 ``modules_to_not_convert``.
 
-At one process, logits and validation loss equal ``transformers`` on the dequantized weights (dequantized here,
-independently of the loader, and checked against ``transformers``' own MXFP4 dequantization); an expert-parallel rank
-reads only its experts' blocks and scales, and a tensor-parallel slice equals that slice of the dequantized tensor;
-unsupported settings and inconsistent files are refused by name; the ``save_hf`` export loads in ``transformers`` (no
-``quantization_config``) with our logits; ``weight_format="mxfp4"`` writes the source's bytes back (a float GPT-OSS
-source's experts: ``tests/test_hf_gpt_oss.py``, with this file's quantizer).
+At one process, logits and validation loss equal ``transformers`` on the dequantized weights (dequantized by the
+helper, independently of the loader, and checked here against ``transformers``' own MXFP4 dequantization); an
+expert-parallel rank reads only its experts' blocks and scales, and a tensor-parallel slice equals that slice of the
+dequantized tensor; unsupported settings and inconsistent files are refused by name; the ``save_hf`` export loads in
+``transformers`` (no ``quantization_config``) with our logits; ``weight_format="mxfp4"`` writes the source's bytes
+back (a float GPT-OSS source's experts: ``tests/test_hf_gpt_oss.py``, with the helper's quantizer). The whole model
+at EP=2 against ``transformers``: ``tests/test_hf_moe_layouts.py``.
 """
 
 from __future__ import annotations
@@ -32,60 +33,10 @@ from lightning_megatron.gpt.hf.load import ExpertPieces, HFCheckpoint, open_pret
 from lightning_megatron.gpt.hf.mapping import chunk_params
 from lightning_megatron.gpt.hf.mxfp4 import quantize
 from lightning_megatron.gpt.hf.params import expert_piece, rank_block
-from tests.test_hf_gpt_oss import make_model
-from tests.test_hf_moe import Export, _trainer, hf_forward
+from tests.hf_gpt_oss_models import dequantize_mxfp4, make_gpt_oss, make_mxfp4, quantize_mxfp4
+from tests.hf_moe_models import Export, cpu_trainer, hf_forward
 
 SEQ = 16
-UNCONVERTED = "model.layers.1.mlp.experts"  # listed in modules_to_not_convert: its experts stay float32
-NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
-FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-PACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float ``[E, in, out]`` expert weight -> (blocks, scales) as GPT-OSS stores it: per 32 values along ``in``
-    one power-of-two scale ``2 ** (floor(log2 amax) - 2)`` (the OCP MX rule; 127-biased in a byte) and the nearest
-    e2m1 value of each (saturating at 6), packed two to a byte, the first in the low nibble."""
-    groups = w.transpose(1, 2).reshape(w.shape[0], w.shape[2], -1, 32).double()  # [E, out, in / 32, 32]
-    exponent = torch.floor(torch.log2(groups.abs().amax(-1))) - 2
-    scaled = groups / torch.exp2(exponent)[..., None]
-    magnitude = (scaled.abs().clamp(max=6.0)[..., None] - FP4.double()).abs().argmin(-1)
-    codes = magnitude + 8 * torch.signbit(scaled)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks.to(torch.uint8), (exponent + 127).to(torch.uint8)
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(blocks, scales) -> the float32 ``[E, in, out]`` weight they store."""
-    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2).long()  # [E, out, in / 32, 32]
-    values = torch.where(codes >= 8, -1.0, 1.0) * FP4[codes % 8] * torch.exp2(scales.double() - 127)[..., None]
-    return values.flatten(-2).transpose(1, 2).float().contiguous()
-
-
-def make_mxfp4(source: Path, path: Path) -> tuple[Path, Path]:
-    """``source`` with its experts' projections in MXFP4 (blocks and scales in a second file, named by an index; layer
-    1's left float), and the reference: ``source`` with those weights replaced by their dequantized values."""
-    tensors = load_file(source / "model.safetensors")
-    weights, packed, reference = {}, {}, dict(tensors)
-    for name, tensor in tensors.items():
-        if name.endswith(PACKED) and not name.startswith(UNCONVERTED):
-            packed[name + "_blocks"], packed[name + "_scales"] = quantize_mxfp4(tensor)
-            reference[name] = dequantize_mxfp4(packed[name + "_blocks"], packed[name + "_scales"])
-        else:
-            weights[name] = tensor
-    path.mkdir()
-    files = {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": packed}
-    for file, part in files.items():
-        save_file(part, path / file, metadata={"format": "pt"})
-    weight_map = {name: file for file, part in files.items() for name in part}
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((source / "config.json").read_text())
-    quantization = {"quant_method": "mxfp4", "modules_to_not_convert": [*NOT_CONVERTED, UNCONVERTED]}
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    ref = path.with_name(path.name + "_dequantized")
-    shutil.copytree(source, ref)
-    save_file(reference, ref / "model.safetensors", metadata={"format": "pt"})
-    return path, ref
 
 
 def stored(path: Path) -> dict[str, torch.Tensor]:
@@ -96,7 +47,7 @@ def stored(path: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("hf_mxfp4")
-    return make_mxfp4(make_model(root / "source", intermediate_size=64), root / "mxfp4")
+    return make_mxfp4(make_gpt_oss(root / "source", intermediate_size=64), root / "mxfp4")
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +70,8 @@ def one_process(models: tuple[Path, Path], tokens: torch.Tensor, tmp_path_factor
     module = MegatronLMModule.from_hf(models[0], seq_length=SEQ)
     export = ExportAll(tmp_path_factory.mktemp("saved") / "gpt_oss")
     loader = DataLoader(tokens, batch_size=4)
-    logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
-    val_loss = _trainer().validate(module, loader)[0]["val_loss"]
+    logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, loader))
+    val_loss = cpu_trainer().validate(module, loader)[0]["val_loss"]
     return {"logits": logits, "val_loss": val_loss, "export": export}
 
 

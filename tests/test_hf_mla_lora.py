@@ -1,6 +1,6 @@
-"""LoRA on a Multi-Latent Attention model (tiny random DeepSeek-V3 checkpoints of :mod:`tests.test_hf_moe`; nothing
-is downloaded): adapters on MLA's projections and the MLPs train, export merged and as a PEFT adapter that ``peft``
-loads with our logits, and read back.
+"""LoRA on a Multi-Latent Attention model (tiny random DeepSeek-V3 checkpoints of :mod:`tests.hf_moe_models`;
+nothing is downloaded): adapters on MLA's projections and the MLPs train, export merged and as a PEFT adapter that
+``peft`` loads with our logits, and read back.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron import LoRAConfig, MegatronLMModule
 from tests.conftest import child_env, run_forked
-from tests.test_hf_moe import SEQ, Export, _trainer, hf_forward, hf_model, make_hf_model
+from tests.hf_moe_models import SEQ, Export, cpu_trainer, hf_forward, hf_model, make_hf_model
 
 # The latent query of DeepSeek-V3 (q_lora_rank=24: q_a_proj, q_b_proj) and a direct one (DeepSeek-V2-Lite: q_proj).
 QUERY = {"latent": 24, "direct": None}
@@ -38,7 +38,7 @@ def _trained(base: Path, lora: LoRAConfig, tokens: torch.Tensor, save: L.Callbac
     """A module on ``base`` whose adapters took two steps (``save`` runs at the end of training)."""
     module = MegatronLMModule.from_hf(base, seq_length=SEQ, lora=lora, lr=1e-2, warmup_steps=0,
                                       config_overrides=OVERRIDES)  # fmt: skip
-    _trainer(max_steps=2, callbacks=[save] if save else []).fit(module, DataLoader(tokens, batch_size=4))
+    cpu_trainer(max_steps=2, callbacks=[save] if save else []).fit(module, DataLoader(tokens, batch_size=4))
     return module
 
 
@@ -71,7 +71,7 @@ def test_lora_on_every_deepseek_linear_trains_merges_and_goes_to_peft(bases: dic
     ) for f in "AB"}  # fmt: skip
     export = Export(tmp_path / "merged")
     loader = DataLoader(tokens, batch_size=4)
-    logits = torch.cat(_trainer(callbacks=[export]).predict(module, loader))
+    logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, loader))
     torch.testing.assert_close(hf_forward(export.path, tokens)[0], logits, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(logits, hf_forward(bases["latent"], tokens)[0], atol=1e-3)  # the adapters moved them
 
@@ -86,7 +86,7 @@ def test_lora_on_every_deepseek_linear_trains_merges_and_goes_to_peft(bases: dic
     back = MegatronLMModule.from_hf(bases["latent"], seq_length=SEQ, adapter=tmp_path / "adapter")
     assert back.lora.target_modules == ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                                         "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2")  # fmt: skip
-    torch.testing.assert_close(torch.cat(_trainer().predict(back, loader)), logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(cpu_trainer().predict(back, loader)), logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("query", list(QUERY))
@@ -99,7 +99,7 @@ def test_mla_adapters_go_to_peft_and_back(query: str, bases: dict, tokens: torch
     lora = LoRAConfig(rank=4, alpha=8.0, seed=2, target_modules=("linear_qkv", "linear_proj", "linear_kv_down_proj"))
     module = _trained(bases[query], lora, tokens, SaveAdapter(tmp_path / "adapter"))
     loader = DataLoader(tokens, batch_size=4)
-    ours = torch.cat(_trainer().predict(module, loader))
+    ours = torch.cat(cpu_trainer().predict(module, loader))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     q = "q_b_proj" if query == "latent" else "q_proj"
     assert config["target_modules"] == [q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -110,7 +110,7 @@ def test_mla_adapters_go_to_peft_and_back(query: str, bases: dict, tokens: torch
     back = MegatronLMModule.from_hf(bases[query], seq_length=SEQ, adapter=tmp_path / "adapter")
     linear = "linear_q_up_proj" if query == "latent" else "linear_q_proj"
     assert back.lora.target_modules == (linear, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
-    torch.testing.assert_close(torch.cat(_trainer().predict(back, loader)), ours, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(cpu_trainer().predict(back, loader)), ours, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.multiprocess

@@ -238,7 +238,7 @@ def test_tiny_mla_model_trains_at_one_process(overrides: dict) -> None:
 def test_mla_model_continues_at_tp2(tmp_path: Path) -> None:
     # One process trains 4 steps, checkpointing at step 2; TP=2 resumes that checkpoint and must follow the
     # one-process curve and validation (the heads, the query and up-projections and the latent down-projection
-    # split; a query latent at TP=2 is in tests/test_hf_moe.py's DeepSeek-V3 layouts).
+    # split; a query latent at TP=2 is in tests/test_hf_moe_layouts.py's DeepSeek-V3 layouts).
     assert_continues_at_tp2_with_sp({**MLA_DIRECT_NORM, "kernels": "torch"}, tmp_path)
 
 
