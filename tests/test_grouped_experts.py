@@ -13,28 +13,13 @@ import torch.nn.functional as F
 from lightning_megatron.kernels import expert_mlp, experts
 from lightning_megatron.kernels.expert_counts import ExpertCounts
 from tests.conftest import one_process_megatron
-
-COUNTS = [5, 0, 7, 3]  # uneven, one expert without tokens
-HIDDEN, FFN = 32, 48
+from tests.moe_kernel_inputs import COUNTS, FFN, HIDDEN, moe_config, routing
 
 
 @pytest.fixture(scope="module")
 def megatron_state() -> Iterator[None]:
     with one_process_megatron(port=29641):
         yield
-
-
-def moe_config(**overrides: Any) -> Any:
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from lightning_megatron.gpt.transformer import LOCAL_BACKEND
-
-    fields = dict(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
-        num_moe_experts=len(COUNTS), moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, params_dtype=torch.float32, moe_grouped_gemm=True,
-    )  # fmt: skip
-    return TransformerConfig(**{**LOCAL_BACKEND, **fields, **overrides})
 
 
 def build(kind: str, config: Any, fuse_wgrad: bool = False) -> torch.nn.Module:
@@ -393,7 +378,6 @@ def test_dispatch_and_experts_forward_without_host_synchronisation() -> None:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from lightning_megatron.gpt.moe.dispatch import QueuedCountsDispatcher
-    from tests.test_permute import routing
 
     with one_process_megatron(port=29644, cpu=False):
         grouped, loop = _gpu_pair(fuse_wgrad=True)

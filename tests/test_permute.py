@@ -9,14 +9,7 @@ from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
 from lightning_megatron.compat import patches
 from lightning_megatron.kernels import permute
-
-
-def routing(tokens: int, experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A top-k routing map [tokens, experts] (bool) and its probabilities."""
-    scores = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed)).softmax(-1)
-    top = scores.topk(k, dim=-1)
-    probs = torch.zeros_like(scores).scatter(1, top.indices, top.values)
-    return probs > 0, probs
+from tests.moe_kernel_inputs import moe_config, routing
 
 
 @pytest.mark.parametrize(("experts", "k"), [(8, 2), (4, 1), (6, 6)])
@@ -78,7 +71,6 @@ def test_queued_counts_dispatcher_equals_megatrons() -> None:
     from lightning_megatron.gpt.moe.dispatch import QueuedCountsDispatcher, queued_counts_apply
     from lightning_megatron.kernels.expert_counts import ExpertCounts
     from tests.conftest import one_process_megatron
-    from tests.test_grouped_experts import moe_config
 
     tokens, k = 23, 2
     with one_process_megatron(port=29643):
