@@ -1,5 +1,6 @@
 """The other tables of benchmarks/README.md, one benchmark each: fp8 against bf16 (the loss), EMA of the weights, MoE
-experts in fp8, packed rows and their attention kernels, the async-save writer's memory, and the per-step batch check.
+experts in fp8, packed rows and their attention kernels, the attention kernels alone, the async-save writer's memory,
+and the per-step batch check.
 """
 
 from __future__ import annotations
@@ -236,3 +237,43 @@ def writer_memory_table(all_rows: list[Row]) -> list[str]:
             f"{data.get('torch', '-')} | {cell(row)}"
         )
     return [*out, ""]
+
+
+def attention_kernel_table(all_rows: list[Row]) -> list[str]:
+    """benchmarks/attention.py on a GPU: the latest row of each case and sequence length."""
+    latest: dict[tuple[str, int], Row] = {}
+    for row in all_rows:
+        data = row.data
+        if data.get("benchmark") == "attention" and "case" in data and "ms" in data and data.get("device") != "cpu":
+            latest[(data["case"], data["seq"])] = row
+    if not latest:
+        return []
+    out = [
+        "#### Attention kernels",
+        "",
+        "`python benchmarks/attention.py`: the core attention modules alone, forward + backward, bf16, 16,384 tokens "
+        "per call, 16 heads (query/key/value heads of 128; MLA's query/key 192, value 128). TFLOP/s counts the "
+        "attended (query, key) pairs; a window's `causal-equivalent` counts full causal attention's pairs; `longest "
+        "kernel`: the GPU kernel of the most time in one step (torch.profiler), which names SDPA's backend.",
+        "",
+        "| case | kernel | tokens per sequence | ms | forward ms | TFLOP/s | causal-equivalent TFLOP/s "
+        "| longest kernel | date | commit | device |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case, seq in sorted(latest, key=lambda key: (key[1], key[0])):
+        data = latest[(case, seq)].data
+        out.append(
+            f"| `{case}` | {data.get('kernel', '-')} | {seq:,} | {number(data['ms'], 3)} | "
+            f"{number(data.get('fwd_ms'), 3)} | {number(data.get('tflops'))} | "
+            f"{number(data.get('tflops_causal_equivalent'))} | {_longest_kernel(data)} | {cell(latest[(case, seq)])}"
+        )
+    return [*out, ""]
+
+
+def _longest_kernel(data: dict[str, Any]) -> str:
+    """The first of a row's ``kernels`` (longest first), its name cut to 48 characters, in backticks."""
+    kernels = data.get("kernels") or []
+    if not kernels:
+        return "-"
+    name = re.sub(r" \([\d.]+ ms\)$", "", kernels[0]).replace("|", "/")
+    return f"`{name[:48]}`"

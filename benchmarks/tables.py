@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from benchmarks.table_checkpoints import checkpoint_summary, checkpoint_table  # noqa: E402
 from benchmarks.table_rows import HERE, RESULTS, rows, throughput  # noqa: E402
 from benchmarks.table_sections import (  # noqa: E402
+    attention_kernel_table,
     batch_check_table,
     ema_tables,
     fp8_loss_table,
@@ -62,6 +63,7 @@ def render(results: Path = RESULTS) -> str:
         *moe_against_dense_table(all_rows),
         *moe_fp8_table(all_rows),
         *packing_tables(all_rows),
+        *attention_kernel_table(all_rows),
         *checkpoint_table(all_rows),
         *writer_memory_table(all_rows),
         *batch_check_table(all_rows),
