@@ -363,25 +363,43 @@ def checkpoint_metadata(path: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One process's checkpoints of the tiny GPT (``tests/test_faults.py``'s model and data), shared by the tests that
+    """One process's checkpoints of the tiny GPT (``tests/tiny_gpt_runs.py``'s model and data), shared by the tests that
     damage or tamper with copies of them: a full checkpoint (step 2), a weights-only one, and an adapter-only one
     (LoRA on the full one's weights)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
     from lightning_megatron import MegatronLMModule
-    from tests.test_faults import DATA, _fit, _trainer
+    from tests.tiny_gpt_runs import DATA, tiny_fit, tiny_trainer
 
     root = tmp_path_factory.mktemp("saved")
-    _fit(2, ModelCheckpoint(dirpath=root, filename="full", every_n_train_steps=2))
-    trainer = _trainer(1)
+    tiny_fit(2, ModelCheckpoint(dirpath=root, filename="full", every_n_train_steps=2))
+    trainer = tiny_trainer(1)
     module = MegatronLMModule.load_from_checkpoint(root / "full.ckpt")
     trainer.validate(module, DataLoader(DATA[:8], batch_size=8), verbose=False)
     trainer.save_checkpoint(root / "weights.ckpt", weights_only=True)
     lora = MegatronLMModule.load_from_checkpoint(root / "full.ckpt", lora={"rank": 2, "alpha": 4.0})
     saver = ModelCheckpoint(dirpath=root, filename="adapters", every_n_train_steps=1)
-    _trainer(1, callbacks=[saver], enable_checkpointing=True).fit(lora, DataLoader(DATA, batch_size=8))
+    tiny_trainer(1, callbacks=[saver], enable_checkpointing=True).fit(lora, DataLoader(DATA, batch_size=8))
     return {name: root / f"{name}.ckpt" for name in ("full", "weights", "adapters")}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny random HF dense checkpoints of ``tests/hf_dense_models.py`` (one per ``ARCHS`` entry), written once
+    for the modules that read them."""
+    from tests.hf_dense_models import ARCHS, make_hf_model
+
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: make_hf_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def hf_tokens() -> Any:
+    """The rows the dense HF tests predict and validate on (``tests/hf_dense_models.py``: ``make_tokens``)."""
+    from tests.hf_dense_models import make_tokens
+
+    return make_tokens()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""HF import/export jobs at several layouts in one set of processes, launched by tests/test_hf.py and by
+"""HF import/export jobs at several layouts in one set of processes, launched by tests/test_hf_layouts.py and by
 tests/conftest.py's ``moe_layouts`` (the MoE jobs of tests/hf_moe_models.py).
 
 ``python tests/hf_worker.py '{"devices": 2, "tokens": "t.pt", "out": "r.json", "jobs": [...]}'``; each job is
@@ -179,7 +179,7 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
         module.prediction = "logprobs"
         result["logprobs"] = torch.cat([p["logprobs"] for p in _trainer(devices, job).predict(module, loader)]).tolist()
         module.prediction = "logits"
-    if job.get("packed"):  # packed rows of documents (tests/test_hf.py: PACKED_LENGTHS)
+    if job.get("packed"):  # packed rows of documents (tests/hf_dense_models.py: PACKED_LENGTHS)
         rows = DataLoader(packed, batch_size=len(packed))
         result["packed_val_loss"] = _trainer(devices, job).validate(module, rows)[0]["val_loss"]
         module.prediction = "logprobs"

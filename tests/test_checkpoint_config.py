@@ -12,9 +12,7 @@ import re
 import pytest
 
 from lightning_megatron import CheckpointConfig, MegatronStrategy
-
-SETTINGS = {"async_save": True, "save_model_weights": False, "keep_host_buffers": False, "read_threads": 4}
-"""A value other than the default for every setting (test_cli.py sets them from a YAML)."""
+from tests.checkpoint_settings import SETTINGS
 
 
 def test_every_setting_is_a_field_with_a_docstring() -> None:

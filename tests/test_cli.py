@@ -12,8 +12,8 @@ import yaml
 
 from lightning_megatron import CheckpointConfig, MegatronStrategy
 from lightning_megatron.cli import build_cli, main
+from tests.checkpoint_settings import SETTINGS
 from tests.conftest import child_env
-from tests.test_checkpoint_config import SETTINGS
 
 CONFIG = Path(__file__).parent.parent / "examples" / "configs" / "tiny_cpu.yaml"
 

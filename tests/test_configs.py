@@ -15,7 +15,7 @@ import yaml
 from lightning_megatron import MegatronLMFromHF, MegatronStrategy
 from lightning_megatron.cli import build_cli
 from lightning_megatron.data.tokens import write_token_file
-from tests.test_hf import hf_forward, make_hf_model
+from tests.hf_dense_models import hf_forward, make_hf_model
 
 CONFIGS = sorted((Path(__file__).parent.parent / "examples" / "configs").glob("*.yaml"))
 

@@ -19,46 +19,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_megatron import CheckpointConfig, MegatronLMModule, MegatronStrategy, Preempted, tiny_gpt
+from lightning_megatron import CheckpointConfig, MegatronLMModule, MegatronStrategy, Preempted
 from lightning_megatron.checkpointing.integrity import checksums
 from lightning_megatron.checkpointing.save.saving import WriterLock
-from lightning_megatron.data.corpus import synthetic_tokens
 from tests.conftest import Payload, flip_bit
-
-DATA = synthetic_tokens(48, 32, 256, seed=5)
-
-
-def _trainer(max_steps: int = 4, strategy: MegatronStrategy | None = None, **kwargs: object) -> L.Trainer:
-    defaults: dict = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
-    return L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy or MegatronStrategy(micro_batch_size=2), max_steps=max_steps,
-        enable_model_summary=False, num_sanity_val_steps=0, **{**defaults, **kwargs},
-    )  # fmt: skip
-
-
-def _model(**kwargs: object) -> MegatronLMModule:
-    return MegatronLMModule(tiny_gpt(), decay_steps=8, **kwargs)
-
-
-class Losses(L.Callback):
-    def __init__(self) -> None:
-        self.losses: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        self.losses[trainer.global_step] = float(outputs["loss"])
-
-
-def _fit(
-    steps: int, *callbacks: L.Callback, ckpt_path: str | None = None, batch_size: int = 8, **kwargs: object
-) -> dict[int, float]:
-    losses = Losses()
-    enable = any(isinstance(c, Checkpoint) for c in callbacks)
-    trainer = _trainer(steps, callbacks=[losses, *callbacks], enable_checkpointing=enable, **kwargs)
-    trainer.fit(_model(), DataLoader(DATA, batch_size=batch_size), ckpt_path=ckpt_path)
-    return losses.losses
+from tests.tiny_gpt_runs import DATA, tiny_fit, tiny_model, tiny_trainer
 
 
 # ---------------------------------------------------------------------------------------------- SIGTERM
@@ -77,7 +45,7 @@ def test_sigterm_ends_the_fit_with_status_143_and_its_final_checkpoint_resumes_e
     previous = signal.signal(signal.SIGTERM, users_handler)
     try:
         with pytest.raises(Preempted) as stop:
-            _fit(4, SendSigterm(), OnExceptionCheckpoint(tmp_path))
+            tiny_fit(4, SendSigterm(), OnExceptionCheckpoint(tmp_path))
         assert signal.getsignal(signal.SIGTERM) is users_handler  # back after the fit
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -86,8 +54,8 @@ def test_sigterm_ends_the_fit_with_status_143_and_its_final_checkpoint_resumes_e
     assert "every rank stopped at global step 2" in str(stop.value)
     assert received == [signal.SIGTERM]  # still called
     # The final checkpoint holds step 2 and the position after its batch: the rest of the curve is unchanged.
-    full = _fit(4)
-    resumed = _fit(4, ckpt_path=str(tmp_path / "on_exception.ckpt"))
+    full = tiny_fit(4)
+    resumed = tiny_fit(4, ckpt_path=str(tmp_path / "on_exception.ckpt"))
     assert resumed == {step: full[step] for step in (3, 4)}
 
 
@@ -118,8 +86,8 @@ def test_sigterm_inside_an_accumulation_window_finishes_it_and_resumes_exactly(t
 
     def fit(losses: WindowLosses, *callbacks: L.Callback, ckpt_path: str | None = None) -> dict[int, float]:
         schedule = GradientAccumulationScheduler({0: 1, 1: 2})
-        trainer = _trainer(9, callbacks=[losses, schedule, *callbacks], enable_checkpointing=bool(callbacks))
-        trainer.fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=ckpt_path)
+        trainer = tiny_trainer(9, callbacks=[losses, schedule, *callbacks], enable_checkpointing=bool(callbacks))
+        trainer.fit(tiny_model(), DataLoader(DATA, batch_size=8), ckpt_path=ckpt_path)
         return losses.losses
 
     with pytest.raises(Preempted, match="stopped at global step 7"):
@@ -145,10 +113,10 @@ class SigtermWhileSaving(L.Callback):
 def test_sigterm_during_a_save_lets_it_finish_then_stops(tmp_path: Path) -> None:
     saver = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2, save_top_k=-1)
     with pytest.raises(Preempted, match="stopped at global step 2"):
-        _fit(4, SigtermWhileSaving(), saver)
+        tiny_fit(4, SigtermWhileSaving(), saver)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt"]
-    full = _fit(4)
-    assert _fit(4, ckpt_path=str(tmp_path / "step=2.ckpt")) == {step: full[step] for step in (3, 4)}
+    full = tiny_fit(4)
+    assert tiny_fit(4, ckpt_path=str(tmp_path / "step=2.ckpt")) == {step: full[step] for step in (3, 4)}
 
 
 def test_sigterm_in_the_last_step_still_stops_the_run() -> None:
@@ -158,7 +126,7 @@ def test_sigterm_in_the_last_step_still_stops_the_run() -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
 
     with pytest.raises(Preempted, match="stopped at global step 2"):  # at the end of the fit, not silently lost
-        _fit(2, LastStep())
+        tiny_fit(2, LastStep())
 
 
 def _signal_after_the_last_check(redeliver: bool, ran_on: str) -> None:
@@ -211,7 +179,7 @@ def test_a_handler_registered_during_setup_is_chained_and_left_in_place() -> Non
     previous = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(Preempted, match="stopped at global step 2"):
-            _fit(4, registers, SendSigterm())
+            tiny_fit(4, registers, SendSigterm())
         assert registers.calls == 1  # called while ours noted the signal
         assert signal.getsignal(signal.SIGTERM) == registers.handle  # Lightning restored it; ours is gone
     finally:
@@ -225,9 +193,9 @@ class SigtermInValidation(L.Callback):
 
 
 def test_sigterm_during_validate_stops_it() -> None:
-    trainer = _trainer(callbacks=[SigtermInValidation()])
+    trainer = tiny_trainer(callbacks=[SigtermInValidation()])
     with pytest.raises(Preempted, match="stopped at global step 0"):
-        trainer.validate(_model(), DataLoader(DATA[:24], batch_size=8), verbose=False)  # stops before batch 1
+        trainer.validate(tiny_model(), DataLoader(DATA[:24], batch_size=8), verbose=False)  # stops before batch 1
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
@@ -250,11 +218,14 @@ def _tamper_common_state(path: Path, marker: Path) -> None:
 
 
 def _validate(path: Path) -> None:
-    _trainer().validate(_model(), DataLoader(DATA[:8], batch_size=8), ckpt_path=str(path), verbose=False)
+    tiny_trainer().validate(tiny_model(), DataLoader(DATA[:8], batch_size=8), ckpt_path=str(path), verbose=False)
 
 
 LOADS: dict[str, tuple[str, Callable[[Path], object]]] = {
-    "fit": ("full", lambda path: _trainer(3).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))),
+    "fit": (
+        "full",
+        lambda path: tiny_trainer(3).fit(tiny_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path)),
+    ),
     "validate": ("full", _validate),
     "load_from_checkpoint": ("full", MegatronLMModule.load_from_checkpoint),
     "weights-only": ("weights", MegatronLMModule.load_from_checkpoint),
@@ -281,12 +252,12 @@ def test_a_flipped_bit_is_found_and_named(saved: dict, tmp_path: Path, prefix: s
     shutil.copytree(saved["full"], path)
     fqn = flip_bit(path, prefix)
     with pytest.raises(ValueError, match=rf"checkpoint {path} is damaged: __0_0\.distcp differs .* hold .*{fqn}"):
-        _trainer(3).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
+        tiny_trainer(3).fit(tiny_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
 
     # The weights path (load_from_checkpoint loads them as the chunks are built) verifies what it reads: a damaged
     # weight stops it, a damaged optimizer moment does not concern it.
     def predict() -> list:
-        return _trainer().predict(MegatronLMModule.load_from_checkpoint(path), DataLoader(DATA[:4], batch_size=4))
+        return tiny_trainer().predict(MegatronLMModule.load_from_checkpoint(path), DataLoader(DATA[:4], batch_size=4))
 
     if prefix.startswith("decoder"):
         with pytest.raises(ValueError, match=rf"__0_0\.distcp differs .* hold .*{fqn}"):
@@ -325,7 +296,7 @@ def test_the_optimizer_state_is_verified_while_it_is_read(
         strategy = MegatronStrategy(micro_batch_size=2, checkpoint=checkpoint)
         verified.clear()
         applied.clear()
-        _trainer(3, strategy=strategy).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
+        tiny_trainer(3, strategy=strategy).fit(tiny_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
         return strategy
 
     path = tmp_path / "full.ckpt"
@@ -369,7 +340,7 @@ def test_damaged_metadata_and_foreign_files_are_named(saved: dict, tmp_path: Pat
 
 
 def test_a_truncated_safetensors_file_is_named(tmp_path: Path) -> None:
-    from tests.test_hf import make_hf_model
+    from tests.hf_dense_models import make_hf_model
 
     hf = make_hf_model("llama", tmp_path / "hf")
     weights = hf / "model.safetensors"
@@ -397,11 +368,11 @@ def test_no_space_left_is_named_and_the_last_checkpoint_stays(
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
     strategy = MegatronStrategy(micro_batch_size=2, async_save=async_save)
     with pytest.raises(OSError, match=r"writing checkpoint .*step=4\.ckpt failed: no space left on the device"):
-        _fit(6, saver, strategy=strategy)
+        tiny_fit(6, saver, strategy=strategy)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt"]  # no .partial left, no lock
-    full = _fit(4)
-    assert _fit(4, ckpt_path=str(tmp_path / "step=2.ckpt")) == {step: full[step] for step in (3, 4)}
+    full = tiny_fit(4)
+    assert tiny_fit(4, ckpt_path=str(tmp_path / "step=2.ckpt")) == {step: full[step] for step in (3, 4)}
 
 
 def test_a_writer_process_that_dies_between_saves_is_replaced_by_the_next_save(tmp_path: Path) -> None:
@@ -415,11 +386,11 @@ def test_a_writer_process_that_dies_between_saves_is_replaced_by_the_next_save(t
 
     saver = ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=2, save_top_k=-1, filename="{step}")
     strategy = MegatronStrategy(micro_batch_size=2, async_save=True)
-    _fit(4, saver, KillTheIdleWriter(), strategy=strategy)
+    tiny_fit(4, saver, KillTheIdleWriter(), strategy=strategy)
     assert strategy.checkpoint_writer.background.writers_started == 2  # step 4's save started a new one
     assert strategy.checkpoint_writer.background.writer is None  # and it ended with the run
-    full = _fit(5)
-    assert _fit(5, ckpt_path=str(tmp_path / "a" / "step=4.ckpt")) == {5: full[5]}
+    full = tiny_fit(5)
+    assert tiny_fit(5, ckpt_path=str(tmp_path / "a" / "step=4.ckpt")) == {5: full[5]}
     # (A writer process killed while it writes: that save fails naming it, on every rank, and the previous
     # checkpoint stays: tests/test_failures.py::test_a_save_failing_on_one_rank_fails_on_both_naming_it.)
 
@@ -430,19 +401,19 @@ def test_a_second_writer_of_the_same_checkpoint_is_named(tmp_path: Path) -> None
     try:
         saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True, save_top_k=0)
         with pytest.raises(RuntimeError, match=rf"checkpoint {tmp_path}/last\.ckpt is being written by host .* pid "):
-            _fit(2, saver)
+            tiny_fit(2, saver)
     finally:
         other.release()
 
 
 # ---------------------------------------------------------------------------------------------- resume position
 def test_resuming_mid_epoch_with_another_global_batch_size_is_refused(tmp_path: Path) -> None:
-    _fit(3, ModelCheckpoint(dirpath=tmp_path, filename="mid", every_n_train_steps=3))  # 3 of 6 batches of 8
+    tiny_fit(3, ModelCheckpoint(dirpath=tmp_path, filename="mid", every_n_train_steps=3))  # 3 of 6 batches of 8
     with pytest.raises(ValueError, match=r"saved 3 batches into an epoch of global batches of 8 samples.*is 4"):
-        _fit(4, ckpt_path=str(tmp_path / "mid.ckpt"), batch_size=4)
+        tiny_fit(4, ckpt_path=str(tmp_path / "mid.ckpt"), batch_size=4)
     # 3 batches are a whole epoch of batches of 16, but not of the saved run's: still mid-epoch
     with pytest.raises(ValueError, match=r"saved 3 batches into an epoch of global batches of 8 samples.*is 16"):
-        _fit(4, ckpt_path=str(tmp_path / "mid.ckpt"), batch_size=16)
+        tiny_fit(4, ckpt_path=str(tmp_path / "mid.ckpt"), batch_size=16)
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename"])

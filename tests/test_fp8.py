@@ -15,6 +15,7 @@ from lightning_megatron.data.corpus import synthetic_tokens
 from lightning_megatron.gpt import plan as resolve
 from lightning_megatron.kernels import fp8, linear
 from tests.conftest import one_process_megatron, run_in_triton_interpreter
+from tests.linear_pairs import linear_pair
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,6 @@ GRAD_DTYPES = {"hybrid": fp8.E5M2, "e4m3": fp8.E4M3}  # ModelConfig.fp8's format
 def _pair(
     kind: str, bias: bool, tokens: int = 16, fmt: str = "hybrid"
 ) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
-    from tests.test_fused_wgrad import linear_pair
-
     reference, layer = linear_pair(kind, bias, linear.FP8_LINEARS[fmt], (32, 48))
     return reference, layer, torch.randn(tokens // 2, 2, 32)  # [S, B, H]
 
@@ -335,7 +334,6 @@ def test_fp8_linear_gradients_on_gpu_equal_the_dequantized_reference(kind: str, 
     """The three GEMMs of the real GPU path (Triton casts, CUDA ``_scaled_mm``) through Megatron's layer, against
     float64 GEMMs of the dequantized operands: the forward output, the input gradient and the fp32 weight gradient
     accumulated into ``main_grad``."""
-    from tests.test_fused_wgrad import linear_pair
 
     def dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [..., K] -> [N, K], as the GEMMs see it
         return _dequantized(t.detach().reshape(-1, t.shape[-1]), dtype)

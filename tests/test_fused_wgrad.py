@@ -14,6 +14,7 @@ from lightning_megatron.data.corpus import synthetic_tokens
 from lightning_megatron.gpt import plan as resolve
 from lightning_megatron.kernels import linear
 from tests.conftest import one_process_megatron
+from tests.linear_pairs import linear_pair
 
 
 @pytest.fixture(scope="module")
@@ -33,23 +34,6 @@ def test_accumulate_wgrad_adds_the_weight_gradient() -> None:
     main = torch.zeros(6, 4)
     linear.accumulate_wgrad(main, g.bfloat16(), x.bfloat16())
     torch.testing.assert_close(main, g.bfloat16().float().t() @ x.bfloat16().float())
-
-
-def linear_pair(
-    kind: str, bias: bool, classes: tuple[type, type], sizes: tuple[int, int]
-) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Megatron's column- or row-parallel linear and one of ``classes`` (column, row subclass) of ``sizes`` (in,
-    out), with the same weights."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    config = tiny_gpt().to_transformer_config(params_dtype=torch.float32)
-    base, subclass = (ColumnParallelLinear, classes[0]) if kind == "column" else (RowParallelLinear, classes[1])
-    extra = {"gather_output": False} if kind == "column" else {"input_is_parallel": True}
-    kwargs = dict(config=config, init_method=torch.nn.init.normal_, bias=bias, skip_bias_add=False, **extra)
-    torch.manual_seed(0)
-    reference, layer = base(*sizes, **kwargs), subclass(*sizes, **kwargs)
-    layer.load_state_dict(reference.state_dict())
-    return reference, layer
 
 
 def _pair(kind: str, bias: bool) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -27,6 +27,9 @@ from lightning_megatron import MegatronLMModule
 from lightning_megatron.gpt.hf.load import HFCheckpoint, open_pretrained, read_shard
 from lightning_megatron.gpt.hf.params import Kind, rank_block
 from lightning_megatron.gpt.hf.quantized import DequantizedSlice
+from tests.hf_deepseek_models import VARIANTS
+from tests.hf_deepseek_models import make_model as make_deepseek
+from tests.hf_dense_models import make_hf_model
 from tests.hf_moe_models import Export, cpu_trainer, hf_forward
 
 SEQ = 16
@@ -83,10 +86,6 @@ def make_fp8(source: Path, path: Path, block: list[int]) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    from tests.test_hf import make_hf_model
-    from tests.test_hf_deepseek import VARIANTS
-    from tests.test_hf_deepseek import make_model as make_deepseek
-
     root = tmp_path_factory.mktemp("hf_fp8")
     sources = {
         "qwen3": make_hf_model("qwen3", root / "qwen3_source"),

@@ -22,6 +22,7 @@ from lightning_megatron import LoRAConfig, MegatronLMModule, MegatronStrategy
 from lightning_megatron.gpt.hf.load import HFCheckpoint, open_pretrained
 from lightning_megatron.gpt.hf.peft import open_adapter
 from tests.conftest import Payload
+from tests.hf_dense_models import make_hf_model, make_peft_adapter
 
 NAME = "model.layers.0.mlp.up_proj.weight"
 SEQ = 16
@@ -29,8 +30,6 @@ SEQ = 16
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_hf import make_hf_model
-
     return make_hf_model("llama", tmp_path_factory.mktemp("source") / "hf")
 
 
@@ -106,8 +105,6 @@ def test_a_hub_cache_snapshot_loads(source: Path, tmp_path: Path) -> None:
 
 
 def test_a_peft_adapter_file_leaving_its_directory_is_refused(hf: Path, tmp_path: Path) -> None:
-    from tests.test_hf import make_peft_adapter
-
     adapter = make_peft_adapter(hf, tmp_path / "adapter", targets=("q_proj", "v_proj"))
     _, config = open_pretrained(hf)
     open_adapter(adapter, config)  # as made: loads
@@ -132,8 +129,6 @@ def test_a_pickle_named_by_the_safetensors_index_needs_the_opt_in(hf: Path, tmp_
 
 
 def test_a_pickled_peft_adapter_is_refused(hf: Path, tmp_path: Path) -> None:
-    from tests.test_hf import make_peft_adapter
-
     adapter = make_peft_adapter(hf, tmp_path / "adapter", targets=("q_proj", "v_proj"))
     (adapter / "adapter_model.safetensors").unlink()
     marker = tmp_path / "pwned"

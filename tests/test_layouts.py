@@ -52,7 +52,8 @@ LAYOUTS = {
     "tp2_pp2": {"devices": 4, "tp": 2, "pp": 2, "logs": True, "metrics": True, "summary": "subclass"},
     "tp2_sp": {"devices": 2, "tp": 2, "sp": True},
     # context parallelism (kernels='auto' is the torch-native attention, on CPU too): K/V all-gathered;
-    # with SP each CP shard's tokens split over TP. (CP=2 alone, unpacked: tests/test_hf.py against transformers.)
+    # with SP each CP shard's tokens split over TP. (CP=2 alone, unpacked: tests/test_hf_layouts.py against
+    # transformers.)
     "tp2_sp_cp2": {
         "devices": 4,
         "tp": 2,
@@ -64,7 +65,7 @@ LAYOUTS = {
     # data-parallel groups of ranks {0, 2} and {1, 3}: the one layout whose data-parallel group is neither every rank
     # nor one rank (torchmetrics sync within each; the training curve too)
     "dp2_tp2": {"devices": 4, "tp": 2, "metrics": True},
-    "cp2": {"devices": 2, "cp": 2},  # GPU only here (NCCL); on CPU, CP=2 alone runs in tests/test_hf.py
+    "cp2": {"devices": 2, "cp": 2},  # GPU only here (NCCL); on CPU, CP=2 alone runs in tests/test_hf_layouts.py
 }
 # On CPU, tp2_sp_cp2 covers sequence parallelism (tp2_sp runs on GPUs). "metrics": torchmetrics Sum/Mean/Cat metrics
 # of the validation batches (tests/logged_module.py's Metered) equal one process's: synced over the data-parallel
@@ -73,7 +74,7 @@ CPU_LAYOUTS = [name for name in LAYOUTS if name not in ("tp2_sp", "cp2", "dp2")]
 # Packed rows (documents of 3-20 tokens in rows of 32, attention and loss per document) from the same checkpoint.
 # The reference names kernels='torch'; kernels='auto' must pick kernels that take such rows (test_torchrun_launch).
 PACKED = {"packed": True, "model": {"kernels": "torch"}}
-# (CP=2 alone on packed rows: tests/test_hf.py, against transformers per document.)
+# (CP=2 alone on packed rows: tests/test_hf_layouts.py, against transformers per document.)
 PACKED_LAYOUTS = {
     "tp2_sp_cp2": {"devices": 4, "tp": 2, "cp": 2, "sp": True},
     "cp2_pp2": {"devices": 4, "cp": 2, "pp": 2},  # context x pipeline parallelism
@@ -298,7 +299,7 @@ def test_sanity_validation_runs_with_pipeline_parallelism(tmp_path: Path) -> Non
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["pp2"])  # TP=2 and CP=2 logits: tests/test_hf.py, against transformers
+@pytest.mark.parametrize("name", ["pp2"])  # TP=2 and CP=2 logits: tests/test_hf_layouts.py, against transformers
 def test_validate_and_predict_parity(name: str, reference: dict, tmp_path: Path) -> None:
     # One process and the layout: validation loss and predicted logits from the reference checkpoint (two
     # independent runs, launched side by side).

@@ -84,7 +84,7 @@ def lp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.multiprocess
-# Log-probs gathered across pipeline stages (PP=2 x VPP=2) and CP ranks: tests/test_hf.py, against transformers.
+# Log-probs gathered across pipeline stages (PP=2 x VPP=2) and CP ranks: tests/test_hf_layouts.py, against transformers.
 @pytest.mark.parametrize("layout", [{"devices": 2, "tp": 2}], ids=["tp2"])
 def test_logprobs_and_entropy_at_tp2(layout: dict, lp_checkpoint: dict, tmp_path: Path) -> None:
     args = {**layout, "mode": "predict", "prediction": "logprobs+entropy", "resume": lp_checkpoint["ckpt"]}

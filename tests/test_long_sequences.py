@@ -1,8 +1,8 @@
 """Packed sequences, context parallelism and token-budget micro-batches: conventions, kernels and errors (one process).
 
 The multi-process runs (packed and CP layouts resuming one process's checkpoint, token budgets at PP=2) are in
-tests/test_layouts.py; parity with ``transformers`` per document (1 process, TP=2, PP=2 x VPP=2, CP=2) in
-tests/test_hf.py.
+tests/test_layouts.py; parity with ``transformers`` per document (1 process: tests/test_hf.py; TP=2, PP=2 x VPP=2,
+CP=2: tests/test_hf_layouts.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """LoRA (lightning_megatron.gpt.lora): configuration errors, frozen base, seeded adapters, training at one process.
-(TP=2 + SP and PP=2 against one process, from HF weights: tests/test_hf.py.)"""
+(TP=2 + SP and PP=2 against one process, from HF weights: tests/test_hf_layouts.py.)"""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def test_lora_checkpoint_reshards_to_tp2_sp(lora_one_process: dict, tmp_path) ->
     """A one-process LoRA checkpoint (adapters, their optimizer state, the frozen base) resumed at TP=2 + SP,
     where B of column-parallel (gate/up rows of linear_fc1 included) and A of row-parallel linears are sharded,
     continues the one-process curve; with B far from zero, A's tensor-parallel gradients shape steps 3 and 4.
-    (TP=2 without SP: test_hf's adapter-only checkpoint resumed at TP=2.)"""
+    (TP=2 without SP: test_hf_layouts' adapter-only checkpoint resumed at TP=2.)"""
     from tests.conftest import run_worker
 
     tp2 = run_worker({**LORA_RUN, "devices": 2, "tp": 2, "sp": True, "resume": lora_one_process["ckpt"]}, tmp_path)

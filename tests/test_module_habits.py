@@ -19,7 +19,7 @@ from torchmetrics import MeanMetric, MetricCollection, SumMetric
 from lightning_megatron import MegatronLMModule, tiny_gpt
 from lightning_megatron.parallel.metrics import metric_process_group
 from lightning_megatron.training.offload import Offloader
-from tests.test_faults import DATA, _model, _trainer
+from tests.tiny_gpt_runs import DATA, tiny_model, tiny_trainer
 
 
 # ---------------------------------------------------------------------------------------------- torchmetrics
@@ -41,14 +41,14 @@ def _broken(*args: object, **kwargs: object) -> None:
 def test_metrics_sync_over_the_data_parallel_group_during_a_run_only(
     monkeypatch: pytest.MonkeyPatch, teardown_fails: bool
 ) -> None:
-    model, own = _model(), object()  # a group of the user's (never computed here)
+    model, own = tiny_model(), object()  # a group of the user's (never computed here)
     model.rows, model.changed, model.own = SumMetric(), SumMetric(), SumMetric(process_group=own)
     model.nested = MetricCollection({"mean": MeanMetric()})
     groups = Groups()
     if teardown_fails:  # a teardown step before the metrics' raises: they still get their default back
         monkeypatch.setattr(Offloader, "reload", _broken)
     with pytest.raises(RuntimeError, match="teardown step failed") if teardown_fails else contextlib.nullcontext():
-        _trainer(callbacks=[groups]).validate(model, DataLoader(DATA[:8], batch_size=8), verbose=False)
+        tiny_trainer(callbacks=[groups]).validate(model, DataLoader(DATA[:8], batch_size=8), verbose=False)
     assert groups.run is not None  # one process: a data-parallel group of one rank, not torchmetrics' default
     assert groups.seen == {"rows": groups.run, "nested": groups.run, "changed": groups.run, "own": own}
     assert model.rows.process_group is None
@@ -59,7 +59,7 @@ def test_metrics_sync_over_the_data_parallel_group_during_a_run_only(
 
 # ---------------------------------------------------------------------------------------------- load_from_checkpoint
 def _validate(module: MegatronLMModule) -> float:
-    out = _trainer().validate(module, DataLoader(DATA[:8], batch_size=8), verbose=False)
+    out = tiny_trainer().validate(module, DataLoader(DATA[:8], batch_size=8), verbose=False)
     return out[0]["val_loss"]
 
 

@@ -1,4 +1,4 @@
-"""LoRA in and out of Hugging Face PEFT at one process (CPU, fp32; TP=2: tests/test_hf.py): an adapter made by
+"""LoRA in and out of Hugging Face PEFT at one process (CPU, fp32; TP=2: tests/test_hf_layouts.py): an adapter made by
 ``peft`` loads into our module with PEFT's logits and trains step for step like PEFT + ``torch.optim.AdamW``; ours
 saves as a PEFT adapter that ``peft`` loads (and unloads back to the untouched base), as merged weights that
 ``transformers`` loads, and streams in buckets equal to the per-tensor export."""
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lightning_megatron import LoRAConfig, MegatronLMFromHF, MegatronLMModule, MegatronStrategy, SaveHF
-from tests.test_hf import SEQ, hf_forward, make_hf_model, make_peft_adapter
+from tests.hf_dense_models import SEQ, hf_forward, make_hf_model, make_peft_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

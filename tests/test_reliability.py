@@ -335,7 +335,7 @@ def test_no_pickle_runs_in_this_process() -> None:
 def _pickled_hf(tmp_path: Path) -> tuple[Path, Path]:
     from safetensors.torch import load_file
 
-    from tests.test_hf import make_hf_model
+    from tests.hf_dense_models import make_hf_model
 
     safe = make_hf_model("llama", tmp_path / "safe")
     pickled = tmp_path / "pickled"

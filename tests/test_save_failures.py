@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException, _wrap_exceptio
 from lightning_megatron import MegatronStrategy
 from lightning_megatron.checkpointing.save import saving, write_process
 from lightning_megatron.checkpointing.save.saving import WriterLock
-from tests.test_faults import _fit
+from tests.tiny_gpt_runs import tiny_fit
 
 PRECIOUS = b"someone else's file\n"
 
@@ -39,7 +39,7 @@ def test_a_symlink_planted_as_the_lock_file_is_replaced_not_written_through(
 ) -> None:
     target = _outside(tmp_path_factory)
     (tmp_path / "step=2.ckpt.lock").symlink_to(target)
-    _fit(2, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, filename="{step}"))
+    tiny_fit(2, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, filename="{step}"))
     assert _unchanged(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt"]  # the link is gone with the lock
 
@@ -108,7 +108,7 @@ def test_a_refused_write_is_named_by_its_errno(
     meaning = {errno.EFBIG: "file too large", errno.EDQUOT: "disk quota exceeded"}[code]
     cause = rf"{meaning} \({name}: \[Errno {code}\] [^)]*step=4\.ckpt\.partial/__0_0\.distcp'\) on rank 0: "
     with pytest.raises(OSError, match=rf"writing checkpoint .*step=4\.ckpt failed: {cause}") as failed:
-        _fit(4, saver, strategy=strategy)
+        tiny_fit(4, saver, strategy=strategy)
     assert failed.value.errno == code
     assert "unexpected pos" not in str(failed.value)
     assert list(tmp_path.iterdir()) == []  # no .partial, no lock (nor its link), no checkpoint

@@ -20,7 +20,7 @@ from lightning_megatron import MegatronLMModule
 from lightning_megatron.checkpointing import opening
 from lightning_megatron.checkpointing.integrity import checks, checksums
 from tests.conftest import flip_bit, recording_opens
-from tests.test_faults import DATA, _model, _trainer
+from tests.tiny_gpt_runs import DATA, tiny_model, tiny_trainer
 
 
 def _copy(saved: dict[str, Path], tmp_path: Path, which: str = "full") -> Path:
@@ -30,11 +30,13 @@ def _copy(saved: dict[str, Path], tmp_path: Path, which: str = "full") -> Path:
 
 
 def _resume(path: Path) -> None:
-    _trainer(3).fit(_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
+    tiny_trainer(3).fit(tiny_model(), DataLoader(DATA, batch_size=8), ckpt_path=str(path))
 
 
 def _validate(path: Path) -> None:
-    _trainer().validate(MegatronLMModule.load_from_checkpoint(path), DataLoader(DATA[:8], batch_size=8), verbose=False)
+    tiny_trainer().validate(
+        MegatronLMModule.load_from_checkpoint(path), DataLoader(DATA[:8], batch_size=8), verbose=False
+    )
 
 
 def _rewrite_metadata(path: Path, change: object) -> None:
@@ -112,10 +114,10 @@ def test_a_checkpoint_without_any_checksums_loads_with_a_warning(
     """As one written by another tool or an older version: nothing says it had checksums."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from tests.test_faults import _fit
+    from tests.tiny_gpt_runs import tiny_fit
 
     monkeypatch.setattr(checksums, "SCHEME", None)  # what a checkpoint saved without the marker holds
-    _fit(1, ModelCheckpoint(dirpath=tmp_path, filename="old", every_n_train_steps=1))
+    tiny_fit(1, ModelCheckpoint(dirpath=tmp_path, filename="old", every_n_train_steps=1))
     path = tmp_path / "old.ckpt"
     for table in [path / "metadata_checksums.json", *path.glob("checksums_*.json")]:
         table.unlink()

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, Sto
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronEMA, MegatronLMModule, MegatronWeightAveraging, ModelConfig, tiny_gpt
-from tests.test_faults import DATA, _trainer
+from tests.tiny_gpt_runs import DATA, tiny_trainer
 
 VAL = DataLoader(DATA[:8], batch_size=8)
 
@@ -39,7 +39,7 @@ def _fit(
     averaging: L.Callback, *callbacks: L.Callback, steps: int = 4, ckpt_path: str | None = None, **kwargs: object
 ) -> tuple[Snapshots, MegatronLMModule]:
     snapshots, model = Snapshots(), MegatronLMModule(tiny_gpt(), decay_steps=8)
-    trainer = _trainer(
+    trainer = tiny_trainer(
         steps, callbacks=[snapshots, averaging, *callbacks],
         enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks),
         limit_val_batches=1, val_check_interval=2, **kwargs,
@@ -79,13 +79,13 @@ def test_the_average_resumes_exactly_validates_in_place_of_the_weights_and_loads
     # load_from_checkpoint builds the model with the checkpoint's averaged weights (Lightning's WeightAveraging saves
     # them as the checkpoint's state_dict): its validation loss is the average's.
     module = MegatronLMModule.load_from_checkpoint(tmp_path / "step=4.ckpt")
-    (metrics,) = _trainer().validate(module, VAL, verbose=False)
+    (metrics,) = tiny_trainer().validate(module, VAL, verbose=False)
     assert metrics["val_loss"] == pytest.approx(full.val[4], rel=1e-6)
 
 
 def test_lightnings_ema_callback_is_adopted_with_its_settings_and_rule() -> None:
     lightning_ema = EMAWeightAveraging(decay=0.5, update_starting_at_step=2)
-    trainer = _trainer(4, callbacks=[lightning_ema], precision="32-true")
+    trainer = tiny_trainer(4, callbacks=[lightning_ema], precision="32-true")
     snapshots = Snapshots()
     trainer.callbacks.insert(0, snapshots)
     trainer.fit(MegatronLMModule(tiny_gpt(), decay_steps=8), DataLoader(DATA, batch_size=8))
@@ -122,7 +122,7 @@ class OwnHook(WeightAveraging):
 )  # fmt: skip
 def test_weight_averaging_that_cannot_work_is_refused_at_connect(callback: L.Callback, message: str) -> None:
     with pytest.raises(TypeError, match=message):
-        _trainer(2, callbacks=[callback]).fit(MegatronLMModule(tiny_gpt()), DataLoader(DATA, batch_size=8))
+        tiny_trainer(2, callbacks=[callback]).fit(MegatronLMModule(tiny_gpt()), DataLoader(DATA, batch_size=8))
 
 
 # ---------------------------------------------------------------------------------------------- module state
@@ -151,14 +151,14 @@ def _own_state(module: MegatronLMModule) -> dict[str, torch.Tensor]:
 def test_the_modules_own_state_survives_resume_and_load_from_checkpoint(tmp_path: Path) -> None:
     saver = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2, save_top_k=-1)
     first = WithState()
-    trainer = _trainer(2, callbacks=[saver], enable_checkpointing=True)
+    trainer = tiny_trainer(2, callbacks=[saver], enable_checkpointing=True)
     trainer.fit(first, DataLoader(DATA, batch_size=8))
     saved = _own_state(first)
     assert int(saved["steps_seen"]) == 2
     trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
 
     resumed = WithState()
-    _trainer(4).fit(resumed, DataLoader(DATA, batch_size=8), ckpt_path=str(tmp_path / "step=2.ckpt"))
+    tiny_trainer(4).fit(resumed, DataLoader(DATA, batch_size=8), ckpt_path=str(tmp_path / "step=2.ckpt"))
     assert sorted(resumed.at_start) == sorted(saved)
     for name, value in saved.items():
         assert torch.equal(resumed.at_start[name], value), name  # restored before training went on
@@ -166,21 +166,21 @@ def test_the_modules_own_state_survives_resume_and_load_from_checkpoint(tmp_path
 
     for path in ("step=2.ckpt", "weights.ckpt"):  # full and weights-only: restored when the chunks are built
         loaded = WithState.load_from_checkpoint(tmp_path / path)
-        _trainer().validate(loaded, VAL, verbose=False)
+        tiny_trainer().validate(loaded, VAL, verbose=False)
         assert all(torch.equal(_own_state(loaded)[name], value) for name, value in saved.items()), path
 
 
 def test_a_checkpoint_without_the_modules_own_state_is_refused_unless_loading_is_not_strict(tmp_path: Path) -> None:
     saver = ModelCheckpoint(dirpath=tmp_path, filename="plain", every_n_train_steps=2)
-    _trainer(2, callbacks=[saver], enable_checkpointing=True).fit(
+    tiny_trainer(2, callbacks=[saver], enable_checkpointing=True).fit(
         MegatronLMModule(tiny_gpt(), decay_steps=8), DataLoader(DATA, batch_size=8)
     )
     with pytest.raises(RuntimeError, match=r"outside its Megatron chunks: missing \['head.bias', 'head.weight', 'st"):
-        _trainer(3).fit(WithState(), DataLoader(DATA, batch_size=8), ckpt_path=str(tmp_path / "plain.ckpt"))
+        tiny_trainer(3).fit(WithState(), DataLoader(DATA, batch_size=8), ckpt_path=str(tmp_path / "plain.ckpt"))
     lenient = WithState()
     lenient.strict_loading = False
     before = _own_state(lenient)
-    _trainer(3).fit(lenient, DataLoader(DATA, batch_size=8), ckpt_path=str(tmp_path / "plain.ckpt"))
+    tiny_trainer(3).fit(lenient, DataLoader(DATA, batch_size=8), ckpt_path=str(tmp_path / "plain.ckpt"))
     assert torch.equal(lenient.at_start["head.weight"], before["head.weight"])  # kept its own values
 
 
@@ -215,8 +215,8 @@ def test_a_trainable_parameter_outside_the_chunks_is_refused_when_fit_starts() -
     with pytest.raises(
         ValueError, match=r"WithState has trainable parameters outside its Megatron chunks: head.weight"
     ):
-        _trainer(1).fit(module, DataLoader(DATA, batch_size=8))
-    _trainer().validate(module, VAL, verbose=False)  # evaluation trains nothing: nothing to refuse
+        tiny_trainer(1).fit(module, DataLoader(DATA, batch_size=8))
+    tiny_trainer().validate(module, VAL, verbose=False)  # evaluation trains nothing: nothing to refuse
 
 
 def test_bf16_weights_reach_a_users_averaging_function_in_fp32() -> None:
@@ -242,19 +242,19 @@ def test_an_average_is_its_runs_own(tmp_path: Path) -> None:
     assert ema.average is not None
     assert ema.average.num_averaged == 1  # started at step 2 from the loaded weights, then step 3 copied in
     later = ModelCheckpoint(dirpath=tmp_path / "later", filename="{step}", every_n_train_steps=4)
-    trainer = _trainer(4, callbacks=[later], enable_checkpointing=True)
+    trainer = tiny_trainer(4, callbacks=[later], enable_checkpointing=True)
     trainer.fit(model, DataLoader(DATA, batch_size=8))  # the module of the first fit, no averaging now
     loaded = MegatronLMModule.load_from_checkpoint(tmp_path / "later" / "step=4.ckpt")
-    (metrics,) = _trainer().validate(loaded, VAL, verbose=False)
-    (own,) = _trainer().validate(model, VAL, verbose=False)
+    (metrics,) = tiny_trainer().validate(loaded, VAL, verbose=False)
+    (own,) = tiny_trainer().validate(model, VAL, verbose=False)
     assert metrics["val_loss"] == pytest.approx(own["val_loss"], rel=1e-6)  # its own trained weights
     saver = ModelCheckpoint(dirpath=tmp_path / "ema", filename="{step}", every_n_train_steps=2, save_top_k=-1)
-    fit_trainer = _trainer(4, callbacks=[saver, MegatronEMA(decay=0.5)], enable_checkpointing=True)
+    fit_trainer = tiny_trainer(4, callbacks=[saver, MegatronEMA(decay=0.5)], enable_checkpointing=True)
     module = MegatronLMModule(tiny_gpt(), decay_steps=8)
     fit_trainer.fit(module, DataLoader(DATA, batch_size=8))
     step2 = str(tmp_path / "ema" / "step=2.ckpt")
     (same_trainer,) = fit_trainer.validate(module, VAL, ckpt_path=step2, verbose=False)
-    (fresh,) = _trainer().validate(MegatronLMModule(tiny_gpt()), VAL, ckpt_path=step2, verbose=False)
+    (fresh,) = tiny_trainer().validate(MegatronLMModule(tiny_gpt()), VAL, ckpt_path=step2, verbose=False)
     assert same_trainer["val_loss"] == fresh["val_loss"]  # step 2's average, on either Trainer
 
 
@@ -267,7 +267,7 @@ def test_the_average_of_lora_adapters_resumes_exactly_from_lean_async_checkpoint
         checkpoint = CheckpointConfig(async_save=True, save_model_weights=False)
         strategy = MegatronStrategy(micro_batch_size=2, checkpoint=checkpoint)
         snapshots, model = Snapshots(), MegatronLMModule(tiny_gpt(), decay_steps=8, lora={"rank": 2, "alpha": 4.0})
-        trainer = _trainer(
+        trainer = tiny_trainer(
             4, strategy=strategy, callbacks=[snapshots, MegatronEMA(decay=0.5), *callbacks], limit_val_batches=1,
             val_check_interval=2, enable_checkpointing=bool(callbacks),
         )  # fmt: skip
