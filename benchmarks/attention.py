@@ -7,11 +7,11 @@
 Parts (one JSON line per case and sequence length, then one ``summary`` line per part and length):
 
 * a: the 1B shape's core attention (``sdpa``: 16 heads of 128, ``--query-groups`` key/value heads, SDPA's kernels)
-  against Multi-Latent Attention's (``mla_sdpa``: 16 heads, query/key 128 + 64, value 128, as the model runs it:
-  values zero-padded to 192 for SDPA's flash kernel) at 2,048 and 8,192 tokens, and the kernels MLA could use
-  instead: ``mla_unpadded`` (SDPA on the unequal head sizes: its memory-efficient kernel), ``mla_cudnn`` (SDPA held
-  to cuDNN's kernel) and ``mla_flex`` (FlexAttention); issue 58's target: MLA's attention costs no more per FLOP
-  than GQA's (the FLOPs count the value's 128 columns, not the padding);
+  against Multi-Latent Attention's as the model runs it (``mla_sdpa``: 16 heads, query/key 128 + 64, value 128, SDPA
+  choosing its kernel) at 2,048 and 8,192 tokens, and the ways MLA could run instead: ``mla_padded`` (values
+  zero-padded to 192, one head size for SDPA's flash kernels), ``mla_cudnn`` (SDPA held to cuDNN's kernel) and
+  ``mla_flex`` (FlexAttention); issue 58's target: MLA's attention costs no more per FLOP than GQA's (the FLOPs
+  count the value's 128 columns, not the padding);
 * b: a sliding window of ``--window`` tokens (``flex_window``: FlexAttention with a block mask that skips the blocks
   outside it) against full causal attention on the same FlexAttention path (``flex_causal``) and against ``sdpa``,
   the 1B shape's default, at 8,192 and 16,384 tokens;
@@ -53,7 +53,7 @@ from benchmarks.recorders import elapsed_ms  # noqa: E402
 from benchmarks.shapes import attended_pairs  # noqa: E402
 
 PARTS = {
-    "a": ("sdpa", "mla_sdpa", "mla_unpadded", "mla_cudnn", "mla_flex"),
+    "a": ("sdpa", "mla_sdpa", "mla_padded", "mla_cudnn", "mla_flex"),
     "b": ("flex_window", "flex_causal", "sdpa"),
     "c": ("flex_sinks", "flex_causal", "sdpa"),
 }
@@ -133,16 +133,16 @@ def build(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Buil
     gpu = device.type == "cuda"
     flex = "flex" if gpu else "masked_reference"  # kernels.variants: FlexAttention on GPU, the reference elsewhere
     qk = s.head_dim + s.mla_rope_dim
-    if case in ("mla_sdpa", "mla_unpadded", "mla_cudnn"):
-        padding = None if case == "mla_sdpa" else False  # None: the model's default (values padded on CUDA)
+    if case in ("mla_sdpa", "mla_padded", "mla_cudnn"):
         module = core_attention(
-            model(s, mla=True), dtype, softmax_scale=qk**-0.5, k_channels=qk, v_channels=s.head_dim,
-            value_padding=padding,
+            model(s, mla=True), dtype, softmax_scale=qk**-0.5, k_channels=qk, v_channels=s.head_dim
         )  # fmt: skip
         step = as_step(module.to(device))
-        if case == "mla_cudnn":
+        if case == "mla_padded":
+            step = values_padded(step, s.heads)
+        elif case == "mla_cudnn":
             step = with_backend(step, "CUDNN_ATTENTION")
-        return Built(step, [], qk, s.head_dim, s.heads, None, "sdpa" if case != "mla_cudnn" else "sdpa_cudnn")
+        return Built(step, [], qk, s.head_dim, s.heads, None, "sdpa_cudnn" if case == "mla_cudnn" else "sdpa")
     if case in ("flex_causal", "mla_flex"):
         from lightning_megatron.kernels.variants import Variant, attend_variant
 
@@ -164,6 +164,17 @@ def build(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Buil
     window = s.window - 1 if case == "flex_window" else None
     kernel = flex if variant else "sdpa"
     return Built(as_step(module), list(module.parameters()), s.head_dim, s.head_dim, s.groups, window, kernel)
+
+
+def values_padded(step: Callable[..., torch.Tensor], heads: int) -> Callable[..., torch.Tensor]:
+    """``step`` on values zero-padded to the query/key head size (one head size for SDPA's flash kernels, as
+    Megatron pads MLA's values for Transformer Engine's packed path), its output cut back to the value size."""
+
+    def padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = step(q, k, torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1])))
+        return out.unflatten(-1, (heads, q.shape[-1]))[..., : v.shape[-1]].flatten(-2)
+
+    return padded
 
 
 def with_backend(step: Callable[..., torch.Tensor], backend: str) -> Callable[..., torch.Tensor]:
@@ -275,7 +286,7 @@ def summary(part: str, seq: int, found: dict[str, dict[str, Any]]) -> dict[str, 
         row |= {"mla_ms_over_sdpa": ratio(ms["mla_sdpa"], ms["sdpa"]),
                 "mla_flops_over_sdpa": ratio(mla.get("flops"), sdpa.get("flops")),
                 "mla_cost_per_flop_over_sdpa": ratio(per_flop["mla_sdpa"], per_flop["sdpa"])}  # fmt: skip
-        for case in ("mla_unpadded", "mla_cudnn", "mla_flex"):  # the other kernels MLA could use
+        for case in ("mla_padded", "mla_cudnn", "mla_flex"):  # the other kernels MLA could use
             row[f"{case}_ms_over_mla_sdpa"] = ratio(ms[case], ms["mla_sdpa"])
     elif part == "b":
         share = ratio(found["flex_window"].get("flops"), found["flex_causal"].get("flops"))

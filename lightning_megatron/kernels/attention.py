@@ -65,7 +65,6 @@ class SDPAttention(MegatronModule):
         v_channels: int | None = None,
         softcap: float | None = None,
         local_rotary: Rotary | None = None,
-        value_padding: bool | None = None,
     ) -> None:
         super().__init__(config=config)
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -87,12 +86,6 @@ class SDPAttention(MegatronModule):
             raise ValueError(f"SDPAttention runs attention variants for causal attention only (got {attn_mask_type})")
         # SDPA takes the value head size from the value tensor: only the query/key size sets the default scale.
         head_dim = k_channels or config.kv_channels
-        # MLA's value heads are narrower than its query/key heads (e.g. 128 against 192), which SDPA's flash kernel
-        # does not take: it would fall back to the slower memory-efficient kernel. ``value_padding`` (None: on
-        # CUDA) zero-pads the values to the query/key size for the flash kernel and cuts the output back: the
-        # padded columns' outputs are zeros and get no gradient, so results equal the unpadded call's.
-        narrower = v_channels is not None and k_channels is not None and v_channels < k_channels
-        self.value_padding = value_padding if narrower else False
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         # Megatron's DotProductAttention draws dropout from the model-parallel RNG stream except under SP.
@@ -135,8 +128,7 @@ class SDPAttention(MegatronModule):
             context = self._variant(q, k, v, None, dropout)
             return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
         mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
-        causal = self.causal and mask is None
-        context = _sdpa(q, k, v, mask, dropout, causal, self.softmax_scale, self.fork_rng, self._pads(q))
+        context = _sdpa(q, k, v, mask, dropout, self.causal and mask is None, self.softmax_scale, self.fork_rng)
         # [B, n, S, d] -> [S, B, n * d]
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
@@ -163,14 +155,10 @@ class SDPAttention(MegatronModule):
             return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
         def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Any, causal: bool) -> Tensor:
-            return _sdpa(q, k, v, mask, dropout, causal, self.softmax_scale, self.fork_rng, self._pads(q))
+            return _sdpa(q, k, v, mask, dropout, causal, self.softmax_scale, self.fork_rng)
 
         context = attend(q, k, v, layout, sdpa, dropout, self.softmax_scale)
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # [B, n, S_local, d] -> [S_local, B, n * d]
-
-    def _pads(self, query: Tensor) -> bool:
-        """Whether the values are padded to the query/key head size (``value_padding``; None: on CUDA)."""
-        return query.is_cuda if self.value_padding is None else self.value_padding
 
     @property
     def _has_variant(self) -> bool:
@@ -196,20 +184,8 @@ class SDPAttention(MegatronModule):
 
 
 def _sdpa(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    dropout: float,
-    causal: bool,
-    scale: float,
-    fork_rng: bool,
-    pad_values: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, causal: bool, scale: float, fork_rng: bool
 ) -> Tensor:
-    value_dim = v.shape[-1]
-    if pad_values and value_dim < q.shape[-1]:  # SDPAttention's value_padding
-        v = F.pad(v, (0, q.shape[-1] - value_dim))
-        return _sdpa(q, k, v, mask, dropout, causal, scale, fork_rng)[..., :value_dim]
     gqa = q.shape[1] != k.shape[1]
     if dropout == 0.0 or not fork_rng:
         return F.scaled_dot_product_attention(q, k, v, mask, dropout, causal, scale=scale, enable_gqa=gqa)
