@@ -146,6 +146,12 @@ CASES = [
         id="topk > experts",
     ),
     pytest.param(
+        lambda: tiny_gpt(num_moe_experts=4, moe_router_topk=2, add_bias_linear=True, kernels="te"),
+        ValueError,
+        r"kernels='te' with experts that have biases .* use kernels='torch' or 'auto'",
+        id="biased experts on te",
+    ),
+    pytest.param(
         lambda: ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2),
         TypeError,
         r"vocab_size",

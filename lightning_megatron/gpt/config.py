@@ -21,7 +21,7 @@ from lightning_megatron.gpt.gemma import check_gemma
 from lightning_megatron.gpt.mla import check_mla, check_mla_parallel, mla_fields
 from lightning_megatron.gpt.moe.config import build_with_expert_biases, check_moe, check_moe_parallel, moe_layer_pattern
 from lightning_megatron.gpt.plan import Kernels, Resolved
-from lightning_megatron.gpt.transformer import LOCAL_BACKEND, kernel_fields
+from lightning_megatron.gpt.transformer import LOCAL_BACKEND, fused_mla_rope_fits, kernel_fields
 from lightning_megatron.gpt.yarn import check_yarn, yarn_attributes
 from lightning_megatron.parallel.sizes import ParallelSizes
 from lightning_megatron.validation import check_choice, check_positive_int, divisors, next_multiple
@@ -428,11 +428,11 @@ class ModelConfig:
         """Build Megatron's TransformerConfig; `parallel` (TP/PP/dtypes/...) is passed through unchanged.
 
         ``kernels`` is the resolved kernel set (:func:`lightning_megatron.gpt.plan.resolve`); with ``'torch'``,
-        ``compile_fusions`` turns on Megatron's torch.compile'd activation and bias-dropout-add fusions (on GPU;
-        on CPU compiling costs more than it saves).
+        ``compile_fusions`` turns on Megatron's compiled fusions on GPU (``gpt.transformer.kernel_fields``).
         """
         model: dict[str, Any] = {name: getattr(self, name) for name in _SAME_NAME_FIELDS}
         mla_yarn = self.multi_latent_attention and self.rope_type == "yarn"
+        mla_yarn = mla_yarn and fused_mla_rope_fits(self.qk_head_dim, self.v_head_dim, self.qk_pos_emb_head_dim)
         rope, fusable = self.position_embedding_type == "rope", self.activation_fusable
         model.update(kernel_fields(kernels, compile_fusions, rope=rope, activation_fusable=fusable, mla_yarn=mla_yarn))
         if self.num_moe_experts is not None and self.add_bias_linear:

@@ -184,13 +184,7 @@ class KernelPlan:
         if config.multi_latent_attention and kernels == "te":  # 'auto' with TE: MLA's core attention is ours
             kernels = "torch"
         if config.num_moe_experts is not None and config.add_bias_linear and kernels == "te":
-            if config.kernels == "te":  # the experts' biases (GPT-OSS) are added by our grouped experts' forward
-                raise ValueError(
-                    "ModelConfig(kernels='te') with experts that have biases (num_moe_experts with "
-                    "add_bias_linear=True, as GPT-OSS has): they run on the torch-native grouped experts only; use "
-                    "kernels='torch' or 'auto'"
-                )
-            kernels = "torch"
+            kernels = "torch"  # 'auto' with TE: biased experts (GPT-OSS) are ours ('te' is refused by ModelConfig)
         if config.attention_variants and config.kernels == "auto":  # our block-sparse windows, sinks, soft-capping
             kernels = "torch"
         if config.attention_variants and kernels == "local" and device_type != "cuda":

@@ -35,9 +35,10 @@ def kernel_fields(
 
     ``compile_fusions`` turns on Megatron's torch.compile'd activation and bias-dropout-add fusions with
     ``'torch'`` (on GPU; on CPU compiling costs more than it saves), and for Multi-Latent Attention with YaRN RoPE
-    (``mla_yarn``) Megatron's fused MLA RoPE: Triton kernels of megatron-core itself (no Transformer Engine) that
-    rotate the query's and the shared key's RoPE slices and assemble the query, key and value heads in one pass each,
-    in place of ~20 elementwise, split and concatenation kernels per layer.
+    and head sizes its kernels take (``mla_yarn``: :func:`fused_mla_rope_fits`) Megatron's fused MLA RoPE: Triton
+    kernels of megatron-core itself (no Transformer Engine) that rotate the query's and the shared key's RoPE slices
+    and assemble the query, key and value heads in one pass each, in place of the elementwise, split and
+    concatenation kernels of its unfused path.
     """
     if kernels == "te":
         return {
@@ -55,3 +56,10 @@ def kernel_fields(
             "apply_rope_fusion": mla_yarn,
         }
     return {}
+
+
+def fused_mla_rope_fits(qk_head_dim: int, v_head_dim: int, rope_dim: int) -> bool:
+    """Whether Megatron's fused MLA RoPE kernels take these head sizes: their Triton ranges need powers of two for
+    the query/key and value head sizes and half the RoPE slice, which must be a multiple of 4 (DeepSeek-V3's 128, 128
+    and 64 are)."""
+    return all(n > 0 and n & (n - 1) == 0 for n in (qk_head_dim, v_head_dim, rope_dim // 2)) and rope_dim % 4 == 0

@@ -270,7 +270,8 @@ def resolve_seed(seed: int | None) -> int:
 def one_process(port: int, cpu: bool = False) -> Iterator[None]:
     """Megatron's parallel state for this one process (gloo, seed 0), for modules built and run without a Trainer:
     tests of single modules and benchmarks of single kernels. ``cpu``: inside CPU mode (``compat.cpu``), where
-    Megatron's CUDA calls land on the CPU. Replaces any earlier state (:func:`initialize`); torn down on exit."""
+    Megatron's CUDA calls land on the CPU. ``port``: the default group's ``MASTER_PORT`` unless the environment sets
+    one. Replaces any earlier state (:func:`initialize`); torn down on exit."""
     from lightning_megatron.compat import cpu as cpu_layer
 
     if not cpu and cpu_layer.is_enabled():  # e.g. a CPU test's fixture still open: CUDA would become CPU
@@ -279,6 +280,8 @@ def one_process(port: int, cpu: bool = False) -> Iterator[None]:
     os.environ.setdefault("MASTER_PORT", str(port))
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    elif torch.distributed.get_world_size() != 1:
+        raise RuntimeError(f"one_process() in a group of {torch.distributed.get_world_size()} processes")
     with cpu_layer.cpu_mode() if cpu and not cpu_layer.is_enabled() else contextlib.nullcontext():
         try:
             initialize(ParallelSizes())

@@ -66,6 +66,8 @@ class MoERequest(Protocol):
     moe_shared_expert_gate: bool
     moe_layer_freq: int | tuple[int, ...]
     moe_grouped_gemm: bool | None
+    add_bias_linear: bool
+    kernels: str
 
 
 def moe_layer_pattern(num_layers: int, freq: int | tuple[int, ...]) -> tuple[bool, ...]:
@@ -195,6 +197,11 @@ def _check_losses(config: MoERequest) -> None:
         )
     if config.moe_grouped_gemm not in (None, True, False):
         raise ValueError(f"moe_grouped_gemm={config.moe_grouped_gemm!r} must be None (auto), True or False")
+    if config.add_bias_linear and config.kernels == "te":  # the biases are added by our grouped experts' forward
+        raise ValueError(
+            "kernels='te' with experts that have biases (num_moe_experts with add_bias_linear=True, as GPT-OSS has): "
+            "they run on the torch-native grouped experts only; use kernels='torch' or 'auto'"
+        )
 
 
 def _check_layers(config: MoERequest) -> None:
