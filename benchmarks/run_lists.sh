@@ -35,8 +35,9 @@
 #             default HEAD~1, checked out beside the tree) against the checked-out commit, in turn, twice: one
 #             change's effect in one run (~6 min)
 #   variants  the attention kernels alone (benchmarks/attention.py: MLA against GQA, a 1024-token window against
-#             full causal attention, sinks against none), then the 1B shape at 16K tokens all-full against Gemma 3's
-#             5:1 windowed layers (window 1024), variant a (~5 min, estimated)
+#             full causal attention, sinks against none; PARTS=b,c leaves out part a's ten MLA/GQA cases: on an
+#             H100 on 2026-12-07 part a and part b at 8K alone took 200 s), then the 1B shape at 16K tokens
+#             all-full against Gemma 3's 5:1 windowed layers (window 1024), variant a (~6 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -109,7 +110,8 @@ moe_ab)
     done
     ;;
 variants)
-    timeout 180 python3 benchmarks/attention.py --iters 10 --warmup 3 2>"$out/$section.log" | tee -a "$log"
+    timeout 240 python3 benchmarks/attention.py --parts "${PARTS:-a,b,c}" --iters 10 --warmup 3 2>"$out/$section.log" \
+        | tee -a "$log"
     grep -E "Error|Traceback" "$out/$section.log" | tail -3  # the script's own failure (each case's: in its row)
     long=(--shape 1b --variants a --seq-length 16384 --micro-batch-size 1 --micro-batches 2)
     tp "${long[@]}"
