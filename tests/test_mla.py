@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from lightning_megatron import tiny_gpt
-from lightning_megatron.gpt import specs
 from lightning_megatron.kernels.attention import SDPAttention
 from lightning_megatron.kernels.documents import SequenceLayout
 from tests.conftest import assert_continues_at_tp2_with_sp, child_env, one_process_megatron, one_process_trainer
+from tests.mla_models import mla_gpt
 
 QK, ROPE, V = 16, 8, 16  # tiny_gpt's MLA head sizes: query/key 16 + 8, value 16
 MLA = {"multi_latent_attention": True}
@@ -111,14 +111,6 @@ def test_mla_core_attention_on_gpu_equals_the_float64_reference() -> None:
             torch.testing.assert_close(got.double(), wanted, rtol=5e-2, atol=5e-2)
 
 
-def _gpt(config: object, compile_fusions: bool = False) -> torch.nn.Module:
-    from megatron.core.models.gpt import GPTModel
-
-    tc = config.to_transformer_config(kernels="torch", compile_fusions=compile_fusions, params_dtype=torch.float32)
-    spec = specs.block_spec(config, tc, None, "torch")
-    return GPTModel(config=tc, transformer_layer_spec=spec, **config.gpt_model_kwargs("torch"))
-
-
 # A direct query projection with the key/value latent's norm (DeepSeek-V2-Lite / Moonlight), YaRN as above.
 MLA_DIRECT_NORM = {**MLA_YARN, "q_lora_rank": None}
 
@@ -169,7 +161,7 @@ def test_fused_mla_rope_on_gpu_equals_the_unfused_path(overrides: dict, dtype: t
     assert not config.to_transformer_config(kernels="torch").apply_rope_fusion
     with one_process_megatron(port=29599, cpu=False):
         torch.manual_seed(0)
-        models = [_gpt(config, compile_fusions=fused).to("cuda", dtype) for fused in (True, False)]
+        models = [mla_gpt(config, compile_fusions=fused).to("cuda", dtype) for fused in (True, False)]
         models[1].load_state_dict(models[0].state_dict())
         tokens = torch.randint(0, 256, (2, 16), device="cuda")
         positions = torch.cat([torch.arange(n) for n in (5, 7, 4)]).cuda()[None].expand(2, -1)
@@ -195,7 +187,7 @@ def test_packed_mla_rows_equal_their_documents_alone(megatron_state: None, overr
     # Megatron's MLA rotates at positions within the row; attention inside each document makes that the documents'
     # own positions (RoPE scores depend on differences only): a packed row's logits are each document's alone.
     torch.manual_seed(0)
-    model = _gpt(tiny_gpt(**overrides)).eval()
+    model = mla_gpt(tiny_gpt(**overrides)).eval()
     lengths = (5, 7, 4)
     tokens = torch.randint(0, 256, (1, sum(lengths)))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
