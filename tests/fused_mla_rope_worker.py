@@ -17,7 +17,7 @@ import triton.runtime.autotuner as autotuner  # noqa: E402
 from lightning_megatron import tiny_gpt  # noqa: E402
 from lightning_megatron.kernels.documents import SequenceLayout  # noqa: E402
 from lightning_megatron.parallel.state import one_process  # noqa: E402
-from tests.mla_models import mla_gpt  # noqa: E402
+from tests.torch_gpt_models import torch_gpt  # noqa: E402
 
 # The interpreter has no device to time the kernels' configurations on: take the first one.
 autotuner.Autotuner._bench = lambda self, *args, **kwargs: [0.0, 0.0, 0.0]
@@ -33,7 +33,7 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     with one_process(29612, cpu=True):
         torch.manual_seed(0)
-        models = [mla_gpt(tiny_gpt(**YARN), compile_fusions=fused) for fused in (True, False)]
+        models = [torch_gpt(tiny_gpt(**YARN), compile_fusions=fused) for fused in (True, False)]
         models[1].load_state_dict(models[0].state_dict())
         tokens = torch.randint(0, 256, (2, 16))
         positions = torch.cat([torch.arange(n) for n in (5, 7, 4)])[None].expand(2, -1)

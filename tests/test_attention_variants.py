@@ -18,6 +18,7 @@ from lightning_megatron.gpt.attention_variants import window_layers
 from lightning_megatron.kernels.attention import SDPAttention
 from lightning_megatron.kernels.documents import SequenceLayout
 from tests.conftest import one_process_megatron, one_process_trainer
+from tests.torch_gpt_models import torch_gpt
 
 SEQ, BATCH, HEADS, GROUPS, DIM = 16, 2, 4, 2, 16  # tiny_gpt's heads of 16, grouped-query attention
 SINKS = torch.tensor([-1.0, 0.0, 1.0, 2.5])  # large enough to take a visible share of the softmax
@@ -115,14 +116,6 @@ def test_variant_equals_float64_reference(megatron_state: None, variant: str, pa
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5, msg=message)
 
 
-def _gpt(config: Any) -> torch.nn.Module:
-    from megatron.core.models.gpt import GPTModel
-
-    tc = config.to_transformer_config(kernels="torch", params_dtype=torch.float32)
-    spec = specs.block_spec(config, tc, None, "torch")
-    return GPTModel(config=tc, transformer_layer_spec=spec, **config.gpt_model_kwargs("torch"))
-
-
 @pytest.mark.parametrize(
     ("freq", "windowed"),
     [(None, (True,) * 4), (2, (True, False, True, False)), ((1, 1, 0, 1), (True, True, False, True))],
@@ -130,7 +123,7 @@ def _gpt(config: Any) -> torch.nn.Module:
 def test_window_layers_follow_megatrons_pattern(megatron_state: None, freq: Any, windowed: tuple) -> None:
     config = tiny_gpt(window_size=(5, 0), window_attn_skip_freq=freq, softmax_type="learnable")
     assert window_layers(config) == windowed
-    model = _gpt(config)
+    model = torch_gpt(config)
     for layer, want in zip(model.decoder.layers, windowed, strict=True):
         variant = layer.self_attention.core_attention.variant
         assert (variant is not None and variant.window == 5) == want
@@ -145,7 +138,7 @@ def test_packed_rows_with_variants_equal_their_documents_alone(megatron_state: N
     # alone (RoPE at positions within each document).
     torch.manual_seed(0)
     config = tiny_gpt(window_size=(3, 0), window_attn_skip_freq=2, softmax_type="learnable", attn_logit_softcapping=5.0)
-    model = _gpt(config).eval()
+    model = torch_gpt(config).eval()
     lengths = (5, 7, 4)
     tokens = torch.randint(0, 256, (1, sum(lengths)))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]

@@ -17,7 +17,7 @@ from lightning_megatron import tiny_gpt
 from lightning_megatron.kernels.attention import SDPAttention
 from lightning_megatron.kernels.documents import SequenceLayout
 from tests.conftest import assert_continues_at_tp2_with_sp, child_env, one_process_megatron, one_process_trainer
-from tests.mla_models import mla_gpt
+from tests.torch_gpt_models import torch_gpt
 
 QK, ROPE, V = 16, 8, 16  # tiny_gpt's MLA head sizes: query/key 16 + 8, value 16
 MLA = {"multi_latent_attention": True}
@@ -161,7 +161,7 @@ def test_fused_mla_rope_on_gpu_equals_the_unfused_path(overrides: dict, dtype: t
     assert not config.to_transformer_config(kernels="torch").apply_rope_fusion
     with one_process_megatron(port=29599, cpu=False):
         torch.manual_seed(0)
-        models = [mla_gpt(config, compile_fusions=fused).to("cuda", dtype) for fused in (True, False)]
+        models = [torch_gpt(config, compile_fusions=fused).to("cuda", dtype) for fused in (True, False)]
         models[1].load_state_dict(models[0].state_dict())
         tokens = torch.randint(0, 256, (2, 16), device="cuda")
         positions = torch.cat([torch.arange(n) for n in (5, 7, 4)]).cuda()[None].expand(2, -1)
@@ -187,7 +187,7 @@ def test_packed_mla_rows_equal_their_documents_alone(megatron_state: None, overr
     # Megatron's MLA rotates at positions within the row; attention inside each document makes that the documents'
     # own positions (RoPE scores depend on differences only): a packed row's logits are each document's alone.
     torch.manual_seed(0)
-    model = mla_gpt(tiny_gpt(**overrides)).eval()
+    model = torch_gpt(tiny_gpt(**overrides)).eval()
     lengths = (5, 7, 4)
     tokens = torch.randint(0, 256, (1, sum(lengths)))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]

@@ -1,5 +1,5 @@
-"""A bare Megatron GPTModel of a ModelConfig on the torch-native kernels, for the MLA tests (tests/test_mla.py) and
-the fused-RoPE worker (tests/fused_mla_rope_worker.py)."""
+"""A bare Megatron GPTModel of a ModelConfig on the torch-native kernels, for tests of the layers outside a Trainer
+(tests/test_mla.py, tests/test_attention_variants.py, the fused-RoPE worker tests/fused_mla_rope_worker.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from lightning_megatron.gpt import specs
 
 
-def mla_gpt(config: Any, compile_fusions: bool = False) -> torch.nn.Module:
+def torch_gpt(config: Any, compile_fusions: bool = False) -> torch.nn.Module:
     """``config``'s GPTModel in float32 with the ``'torch'`` kernels (``compile_fusions``: the GPU's fused paths,
     Megatron's fused MLA RoPE among them)."""
     from megatron.core.models.gpt import GPTModel
