@@ -244,7 +244,7 @@ def run_in_triton_interpreter(module: str, function: str) -> None:
     ``TRITON_INTERPRET=1`` (read when the kernels are defined, so not in this process); fail with its stderr."""
     pytest.importorskip("triton")
     code = f"from {module} import {function} as checks; checks()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = child_env(TRITON_INTERPRET="1")  # without the launch variables: its own MASTER_PORT if it needs one
     root = Path(__file__).parents[1]
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

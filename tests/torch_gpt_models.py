@@ -1,5 +1,5 @@
 """A bare Megatron GPTModel of a ModelConfig on the torch-native kernels, for tests of the layers outside a Trainer
-(tests/test_mla.py, tests/test_attention_variants.py, the fused-RoPE worker tests/fused_mla_rope_worker.py)."""
+(tests/test_mla.py, tests/test_attention_variants.py)."""
 
 from __future__ import annotations
 
