@@ -139,7 +139,7 @@ def _interpreted_fused_rope_checks() -> None:
     # The interpreter has no device to time the kernels' configurations on: take the first one.
     autotuner.Autotuner._bench = lambda self, *args, **kwargs: [0.0, 0.0, 0.0]
     config = tiny_gpt(**{**MLA_YARN, "mscale": 0.8})  # mscale unlike mscale_all_dim: equal ones cancel
-    with one_process_megatron(port=29612):
+    with one_process_megatron(port=29627):
         torch.manual_seed(0)
         models = [torch_gpt(config, compile_fusions=fused) for fused in (True, False)]
         assert [m.config.apply_rope_fusion for m in models] == [True, False]
