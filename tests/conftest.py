@@ -396,8 +396,9 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def hf_tokens() -> Any:
-    """The rows the dense HF tests predict and validate on (``tests/hf_dense_models.py``: ``make_tokens``)."""
-    from tests.hf_dense_models import make_tokens
+    """The rows the dense HF tests predict and validate on (the MoE tests' rows: ``tests/hf_moe_models.py``'s
+    ``make_tokens``)."""
+    from tests.hf_moe_models import make_tokens
 
     return make_tokens()
 

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, pack_sequences
-from tests.hf_moe_models import cpu_trainer
+from tests.hf_moe_models import cpu_trainer, hf_model, save_randomised
+from tests.hf_moe_models import hf_forward as moe_hf_forward
 
 SEQ = 16
 LLAMA3_ROPE = {
@@ -54,22 +55,9 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def make_hf_model(arch: str, path: Path) -> Path:
-    """The tiny random model of ``ARCHS[arch]`` (seed 0) written to ``path``."""
+    """The tiny random model of ``ARCHS[arch]`` (seed 0, norms and biases randomised) written to ``path``."""
     config_name, overrides = ARCHS[arch]
-    config = getattr(transformers, config_name)(**{**BASE, **overrides})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms start at 1 and biases at 0: randomise them so that a wrong mapping shows
-        for name, param in model.named_parameters():
-            if param.ndim == 1:
-                param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(path)
-    return path
-
-
-def make_tokens() -> torch.Tensor:
-    """The 4 rows of ``SEQ`` tokens the dense HF tests predict and validate on."""
-    return torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    return save_randomised(getattr(transformers, config_name)(**{**BASE, **overrides}), path)
 
 
 def make_peft_adapter(base: Path, path: Path, targets: tuple[str, ...] | None = None) -> Path:
@@ -91,10 +79,8 @@ def make_peft_adapter(base: Path, path: Path, targets: tuple[str, ...] | None = 
 
 def hf_forward(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
     """transformers' logits and loss on ``tokens`` (float32, eager attention)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        out = model(input_ids=tokens, labels=tokens)
-    return out.logits, float(out.loss)
+    logits, loss, _ = moe_hf_forward(path, tokens)
+    return logits, loss
 
 
 # Documents packed first-fit into 4 rows of SEQ tokens: [9, 7], [12, 4], [5, 10, one pad token], [3, 13].
@@ -109,7 +95,7 @@ def packed_documents() -> list[torch.Tensor]:
 def hf_per_document(path: Path) -> tuple[float, torch.Tensor]:
     """``transformers`` on each document alone: the token-weighted loss, and the log-probs laid out like the packed
     rows' ``logprobs`` (position t: log p(token t+1); 0 at each document's last token and on padding)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model = hf_model(path)
     rows = pack_sequences(packed_documents(), SEQ)
     want = torch.zeros(len(rows), SEQ)
     total, count = 0.0, 0

@@ -9,14 +9,14 @@ MoE launch (``tests/hf_moe_models.py``) import it.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from tests.quantized_files import write_quantized
 
 GPT_OSS: dict[str, Any] = {
     "vocab_size": 128,
@@ -94,16 +94,5 @@ def make_mxfp4(source: Path, path: Path) -> tuple[Path, Path]:
             reference[name] = dequantize_mxfp4(packed[name + "_blocks"], packed[name + "_scales"])
         else:
             weights[name] = tensor
-    path.mkdir()
-    files = {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": packed}
-    for file, part in files.items():
-        save_file(part, path / file, metadata={"format": "pt"})
-    weight_map = {name: file for file, part in files.items() for name in part}
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((source / "config.json").read_text())
     quantization = {"quant_method": "mxfp4", "modules_to_not_convert": [*NOT_CONVERTED, UNCONVERTED]}
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    ref = path.with_name(path.name + "_dequantized")
-    shutil.copytree(source, ref)
-    save_file(reference, ref / "model.safetensors", metadata={"format": "pt"})
-    return path, ref
+    return write_quantized(source, path, (weights, packed), quantization, reference)

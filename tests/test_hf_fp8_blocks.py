@@ -31,6 +31,7 @@ from tests.hf_deepseek_models import VARIANTS
 from tests.hf_deepseek_models import make_model as make_deepseek
 from tests.hf_dense_models import make_hf_model
 from tests.hf_moe_models import Export, cpu_trainer, hf_forward
+from tests.quantized_files import write_quantized
 
 SEQ = 16
 UNCONVERTED = "model.layers.1.mlp.down_proj"  # listed in modules_to_not_convert: stays float32
@@ -68,20 +69,9 @@ def make_fp8(source: Path, path: Path, block: list[int]) -> tuple[Path, Path]:
             reference[name] = dequantize_blocks(weights[name], scales[name + "_scale_inv"], block)
         else:
             weights[name] = tensor
-    path.mkdir()
-    files = {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": scales}
-    for file, part in files.items():
-        save_file(part, path / file, metadata={"format": "pt"})
-    weight_map = {name: file for file, part in files.items() for name in part}
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((source / "config.json").read_text())
     quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block,
                     "modules_to_not_convert": ["lm_head", UNCONVERTED]}  # fmt: skip
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    ref = path.with_name(path.name + "_dequantized")
-    shutil.copytree(source, ref)
-    save_file(reference, ref / "model.safetensors", metadata={"format": "pt"})
-    return path, ref
+    return write_quantized(source, path, (weights, scales), quantization, reference)
 
 
 @pytest.fixture(scope="module")

@@ -181,10 +181,11 @@ class KernelPlan:
                         "(Transformer Engine fuses the norms into its linear layers); use kernels='torch' or 'auto'"
                     )
                 kernels = "torch"
-        if config.multi_latent_attention and kernels == "te":  # 'auto' with TE: MLA's core attention is ours
+        # 'auto' with TE, for layers only we build: MLA's core attention, experts with biases (GPT-OSS); ModelConfig
+        # refuses an explicit 'te' for both.
+        biased_experts = config.num_moe_experts is not None and config.add_bias_linear
+        if kernels == "te" and (config.multi_latent_attention or biased_experts):
             kernels = "torch"
-        if config.num_moe_experts is not None and config.add_bias_linear and kernels == "te":
-            kernels = "torch"  # 'auto' with TE: biased experts (GPT-OSS) are ours ('te' is refused by ModelConfig)
         if config.attention_variants and config.kernels == "auto":  # our block-sparse windows, sinks, soft-capping
             kernels = "torch"
         if config.attention_variants and kernels == "local" and device_type != "cuda":
