@@ -22,51 +22,14 @@ from typing import Any
 
 import lightning as L
 import torch
+from safe_open_reads import RecordingSafeOpen  # tests/ is this script's directory
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, MegatronStrategy
 from lightning_megatron.gpt.hf import load as hf_load
 
-
-class CountingSafeOpen:
-    """``safe_open`` that counts the tensor elements read through ``get_slice(name)[...]``."""
-
-    elements = 0
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._inner = _SAFE_OPEN(*args, **kwargs)
-
-    def __enter__(self) -> CountingSafeOpen:
-        self._inner.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._inner.__exit__(*exc)
-
-    def keys(self) -> list[str]:
-        return self._inner.keys()
-
-    def get_slice(self, name: str) -> Any:
-        inner = self._inner.get_slice(name)
-
-        class Counted:
-            def get_shape(self) -> list[int]:
-                return inner.get_shape()
-
-            def get_dtype(self) -> str:
-                return inner.get_dtype()
-
-            def __getitem__(self, index: Any) -> torch.Tensor:
-                tensor = inner[index]
-                CountingSafeOpen.elements += tensor.numel()
-                return tensor
-
-        return Counted()
-
-
-_SAFE_OPEN = hf_load.safe_open
-hf_load.safe_open = CountingSafeOpen  # type: ignore[assignment,misc]
+hf_load.safe_open = RecordingSafeOpen  # type: ignore[assignment,misc]
 
 
 class ExportCheck(L.Callback):
@@ -137,7 +100,7 @@ def _trainer(devices: int, job: dict, **kwargs: Any) -> L.Trainer:
 
 
 def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tuple[dict, torch.Tensor]:
-    CountingSafeOpen.elements = 0
+    RecordingSafeOpen.reads = []
     overrides = {"kernels": "torch"} if job.get("packed") else {}  # packed rows need SDPAttention on CPU
     overrides = {**overrides, **job.get("overrides", {})} or None  # ModelConfig fields a job sets
     lora = job.get("lora")  # LoRAConfig fields: adapters trained on the frozen HF weights
@@ -172,7 +135,7 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
     check = ExportCheck(None if trained else Path(job.get("reference", job["model"])))
     callbacks = [] if module.lora else [check]  # adapters: the export is not the source's
     result["val_loss"] = _trainer(devices, job, callbacks=callbacks).validate(module, loader)[0]["val_loss"]
-    result["elements_read"] = CountingSafeOpen.elements  # the model was built by the first Trainer call
+    result["elements_read"] = RecordingSafeOpen.elements()  # the model was built by the first Trainer call
     result["export_shapes"], result["export_max_diff"] = check.shapes, check.max_diff
     logits = torch.cat(_trainer(devices, job).predict(module, loader))
     if job.get("logprobs"):

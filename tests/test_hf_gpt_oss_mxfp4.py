@@ -35,6 +35,7 @@ from lightning_megatron.gpt.hf.mxfp4 import quantize
 from lightning_megatron.gpt.hf.params import expert_piece, rank_block
 from tests.hf_gpt_oss_models import dequantize_mxfp4, make_gpt_oss, make_mxfp4, quantize_mxfp4
 from tests.hf_moe_models import Export, cpu_trainer, hf_forward
+from tests.safe_open_reads import RecordingSafeOpen
 
 SEQ = 16
 
@@ -143,41 +144,6 @@ def test_quantize_gives_dequantized_values_back_and_agrees_with_the_test_quantiz
     again = quantize(values)
     assert torch.equal(again[0], blocks)
     assert torch.equal(again[1], scales)
-
-
-class RecordingSafeOpen:
-    """``safe_open`` recording ``(tensor, index, shape)`` of every lazy-slice read."""
-
-    reads: list[tuple[str, Any, tuple[int, ...]]] = []
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.inner = _SAFE_OPEN(*args, **kwargs)
-
-    def __enter__(self) -> RecordingSafeOpen:
-        self.inner.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.inner.__exit__(*exc)
-
-    def keys(self) -> list[str]:
-        return self.inner.keys()
-
-    def get_slice(self, name: str) -> Any:
-        inner = self.inner.get_slice(name)
-
-        class Recorded:
-            get_shape, get_dtype = inner.get_shape, inner.get_dtype
-
-            def __getitem__(self, index: Any) -> torch.Tensor:
-                tensor = inner[index]
-                RecordingSafeOpen.reads.append((name, index, tuple(tensor.shape)))
-                return tensor
-
-        return Recorded()
-
-
-_SAFE_OPEN = hf_load.safe_open
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
