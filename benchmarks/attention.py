@@ -15,8 +15,10 @@ Parts (one JSON line per case and sequence length, then one ``summary`` line per
 * b: a sliding window of ``--window`` tokens (``flex_window``: FlexAttention with a block mask that skips the blocks
   outside it) against full causal attention on the same FlexAttention path (``flex_causal``) and against ``sdpa``,
   the 1B shape's default, at 8,192 and 16,384 tokens;
-* c: learnable attention sinks (``flex_sinks``: ``softmax_type='learnable'``, FlexAttention and its log-sum-exp)
-  against ``flex_causal`` (the same kernel without sinks) and ``sdpa`` at 8,192 tokens; issue 59's target: sinks
+* c: learnable attention sinks (``flex_sinks``: ``softmax_type='learnable'``, FlexAttention and its log-sum-exp,
+  the output rescaled by eager kernels) against ``flex_causal`` (the same kernel without sinks) and ``sdpa`` at
+  8,192 tokens, and the candidate ``flex_sinks_fused`` (the rescaling compiled into one function with the
+  FlexAttention call, so Inductor can fuse it; this file's own code, not yet the model's); issue 59's target: sinks
   cost <= 5% over plain attention.
 
 Entry points: ``SDPAttention`` built from the layer spec as the model builds it (``specs.layer_spec``; MLA's with the
@@ -55,7 +57,7 @@ from benchmarks.shapes import attended_pairs  # noqa: E402
 PARTS = {
     "a": ("sdpa", "mla_sdpa", "mla_padded", "mla_cudnn", "mla_flex"),
     "b": ("flex_window", "flex_causal", "sdpa"),
-    "c": ("flex_sinks", "flex_causal", "sdpa"),
+    "c": ("flex_sinks", "flex_sinks_fused", "flex_causal", "sdpa"),
 }
 TARGETS = {
     "a": "mla_cost_per_flop_over_sdpa <= 1 (issue 58)",
@@ -155,6 +157,8 @@ def build(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Buil
             return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
         return Built(step, [], qk_dim, s.head_dim, groups, None, flex)
+    if case == "flex_sinks_fused":
+        return sinks_fused(s, device, dtype)
     variant = {
         "sdpa": {},
         "flex_window": {"window_size": (s.window - 1, 0)},
@@ -164,6 +168,53 @@ def build(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Buil
     window = s.window - 1 if case == "flex_window" else None
     kernel = flex if variant else "sdpa"
     return Built(as_step(module), list(module.parameters()), s.head_dim, s.head_dim, s.groups, window, kernel)
+
+
+def sinks_fused(s: Sizes, device: torch.device, dtype: torch.dtype) -> Built:
+    """Learnable sinks as ``kernels.variants`` computes them (``out * sigmoid(lse - sink)``) with the rescaling and
+    the FlexAttention call compiled as one function, on a causal block mask built once. On CPU (no FlexAttention
+    backward there) the output and log-sum-exp come from a dense masked softmax instead, eager."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    sink = torch.nn.Parameter(torch.zeros(s.heads, device=device, dtype=dtype))
+    scale = s.head_dim**-0.5
+    gpu = device.type == "cuda"
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        if gpu:
+            out, aux = flex_attention(
+                q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                return_aux=AuxRequest(lse=True),
+            )  # fmt: skip
+            lse = aux.lse
+        else:
+            out, lse = dense_causal(q, k, v, scale)
+        factor = torch.sigmoid(lse - sink.float().view(1, -1, 1))
+        return (out.float() * factor.unsqueeze(-1)).to(out.dtype)
+
+    run = torch.compile(attention) if gpu else attention
+    masks: dict[int, Any] = {}
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seq, batch = q.shape[:2]
+        if gpu and seq not in masks:
+            causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
+            masks[seq] = create_block_mask(causal, None, None, seq, seq, device=device)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        return run(q, k, v, masks.get(seq)).permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    return Built(step, [sink], s.head_dim, s.head_dim, s.groups, None, "flex" if gpu else "dense_reference")
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal softmax attention's output and natural-log log-sum-exp ([B, n, S]) from the full score matrix, in
+    float32 (keys/values repeated over grouped heads)."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(repeat, dim=1).float() for t in (k, v))
+    scores = q.float() @ k.transpose(-2, -1) * scale
+    seq = q.shape[2]
+    scores = scores.masked_fill(~torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return (scores.softmax(-1) @ v).to(q.dtype), scores.logsumexp(-1)
 
 
 def values_padded(step: Callable[..., torch.Tensor], heads: int) -> Callable[..., torch.Tensor]:
@@ -251,7 +302,7 @@ def measure(case: str, seq: int, s: Sizes, args: argparse.Namespace, device: tor
         "case": case, "kernel": b.kernel, "seq": seq, "batch": batch, "heads": s.heads, "query_groups": b.groups,
         "head_dim_qk": b.qk_dim, "head_dim_v": b.v_dim,
         "window_size": None if b.window is None else [b.window, 0],
-        "softmax_type": "learnable" if case == "flex_sinks" else "vanilla",
+        "softmax_type": "learnable" if case.startswith("flex_sinks") else "vanilla",
         "ms": round(ms, 4), "fwd_ms": round(fwd_ms, 4), "flops": total, "tflops": round(total / ms / 1e9, 2),
         "tflops_model_count": round(3 * fwd / ms / 1e9, 2),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if device.type == "cuda" else None,
@@ -295,7 +346,8 @@ def summary(part: str, seq: int, found: dict[str, dict[str, Any]]) -> dict[str, 
                 "flex_causal_over_sdpa": ratio(ms["flex_causal"], ms["sdpa"]), "window_flops_share": share}  # fmt: skip
     else:
         row |= {"sinks_over_flex_causal": ratio(ms["flex_sinks"], ms["flex_causal"]),
-                "sinks_over_sdpa": ratio(ms["flex_sinks"], ms["sdpa"])}  # fmt: skip
+                "sinks_over_sdpa": ratio(ms["flex_sinks"], ms["sdpa"]),
+                "fused_sinks_over_flex_causal": ratio(ms["flex_sinks_fused"], ms["flex_causal"])}  # fmt: skip
     return row
 
 

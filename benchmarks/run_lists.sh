@@ -35,9 +35,12 @@
 #             default HEAD~1, checked out beside the tree) against the checked-out commit, in turn, twice: one
 #             change's effect in one run (~6 min)
 #   variants  the attention kernels alone (benchmarks/attention.py: MLA against GQA, a 1024-token window against
-#             full causal attention, sinks against none; PARTS=b,c leaves out part a's ten MLA/GQA cases: on an
-#             H100 on 2026-12-07 part a and part b at 8K alone took 200 s), then the 1B shape at 16K tokens
-#             all-full against Gemma 3's 5:1 windowed layers (window 1024), variant a (~6 min)
+#             full causal attention, sinks against none and the fused-rescaling candidate; PARTS=b,c leaves out part
+#             a's ten MLA/GQA cases: on an H100 on 2026-12-07 part a and part b at 8K alone took 200 s), then the 1B
+#             shape at 16K tokens all-full against Gemma 3's 5:1 windowed layers (window 1024), variant a (the two
+#             16K runs need ~5 min together: give them the call's remaining time; ~8 min)
+#   gptoss    moe1b beside gptoss1b, then gptoss1b under torch.profiler (its kernel table in $OUT): where the
+#             GPT-OSS-like MoE's step goes (0.51x moe1b's tokens/s on 2026-12-07 on an H100), variant a (~5 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -116,6 +119,11 @@ variants)
     long=(--shape 1b --variants a --seq-length 16384 --micro-batch-size 1 --micro-batches 2)
     tp "${long[@]}"
     tp "${long[@]}" --window 1024 --window-every 6
+    ;;
+gptoss)
+    tp --shape moe1b --variants a
+    tp --shape gptoss1b --variants a
+    tp --shape gptoss1b --variants a --warmup 3 --steps 3 --profile "$out/gptoss1b_kernels" >/dev/null
     ;;
 ema)
     for _ in 1 2; do

@@ -396,8 +396,7 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def hf_tokens() -> Any:
-    """The rows the dense HF tests predict and validate on (the MoE tests' rows: ``tests/hf_moe_models.py``'s
-    ``make_tokens``)."""
+    """The rows the HF tests (dense and MoE) predict and validate on (``tests/hf_moe_models.py``: ``make_tokens``)."""
     from tests.hf_moe_models import make_tokens
 
     return make_tokens()
@@ -414,22 +413,14 @@ def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def moe_tokens() -> Any:
-    """The rows the MoE tests predict and validate on (``tests/hf_moe_models.py``: ``make_tokens``)."""
-    from tests.hf_moe_models import make_tokens
-
-    return make_tokens()
-
-
-@pytest.fixture(scope="session")
-def moe_layouts(moe_models: dict[str, Path], moe_tokens: Any, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def moe_layouts(moe_models: dict[str, Path], hf_tokens: Any, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The shared two-process MoE launch: every job of ``tests/hf_moe_models.py``'s ``LAYOUTS`` through
     ``tests/hf_worker.py``, in two 2-process runs side by side, once per session; per job its ranks' results, logits
     and files (``layout_results``)."""
     from tests.hf_moe_models import layout_results, layout_runs
 
     tmp = tmp_path_factory.mktemp("hf_moe_layouts")
-    runs, env = layout_runs(moe_models, moe_tokens, tmp), child_env(CUDA_VISIBLE_DEVICES="")
+    runs, env = layout_runs(moe_models, hf_tokens, tmp), child_env(CUDA_VISIBLE_DEVICES="")
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:  # each run's ranks wait on each other
         list(pool.map(lambda args: run_forked("hf_worker:main", args, 2, tmp, env,
                                               expect=Path(f"{args['out']}.rank1.json")), runs))  # fmt: skip

@@ -35,14 +35,12 @@ from tests.hf_moe_models import (
 
 
 @pytest.fixture(scope="module")
-def one_process(
-    moe_models: dict[str, Path], moe_tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory
-) -> dict:
+def one_process(moe_models: dict[str, Path], hf_tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict:
     results = {}
     for arch, path in moe_models.items():
         module = MegatronLMModule.from_hf(path, seq_length=SEQ)
         export = Export(tmp_path_factory.mktemp("saved") / arch)
-        loader = DataLoader(moe_tokens, batch_size=4)
+        loader = DataLoader(hf_tokens, batch_size=4)
         logits = torch.cat(cpu_trainer(callbacks=[export]).predict(module, loader))
         val_loss = cpu_trainer().validate(module, loader)[0]["val_loss"]
         module.prediction = "logprobs"
@@ -110,9 +108,9 @@ def test_qwen_moe_configs_without_biases_or_with_sparse_steps_map(moe_models: di
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_one_process_matches_transformers(
-    arch: str, one_process: dict, moe_models: dict, moe_tokens: torch.Tensor
+    arch: str, one_process: dict, moe_models: dict, hf_tokens: torch.Tensor
 ) -> None:
-    logits, loss, logprobs = hf_forward(moe_models[arch], moe_tokens)
+    logits, loss, logprobs = hf_forward(moe_models[arch], hf_tokens)
     got = one_process[arch]
     torch.testing.assert_close(got["logits"], logits, rtol=1e-4, atol=1e-4)
     assert got["val_loss"] == pytest.approx(loss, rel=1e-5)
@@ -120,7 +118,7 @@ def test_one_process_matches_transformers(
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_export_is_the_hf_checkpoint(arch: str, one_process: dict, moe_models: dict, moe_tokens: torch.Tensor) -> None:
+def test_export_is_the_hf_checkpoint(arch: str, one_process: dict, moe_models: dict, hf_tokens: torch.Tensor) -> None:
     """Per-tensor and bucketed exports, save_hf and the family's to_hf/from_hf all give back the HF files."""
     original = load_file(moe_models[arch] / "model.safetensors")
     export = one_process[arch]["export"]
@@ -141,18 +139,18 @@ def test_export_is_the_hf_checkpoint(arch: str, one_process: dict, moe_models: d
     assert all(torch.equal(t, original[n]) for n, t in adapter.to_hf(params, module.config).items())
 
 
-def test_a_moe_model_not_from_hf_is_written_in_its_family(tmp_path: Path, moe_tokens: torch.Tensor) -> None:
+def test_a_moe_model_not_from_hf_is_written_in_its_family(tmp_path: Path, hf_tokens: torch.Tensor) -> None:
     """A ModelConfig-built Qwen3-MoE-shaped model gets a generated config.json that transformers loads."""
     from lightning_megatron import tiny_gpt
 
     config = tiny_gpt(num_layers=2, vocab_size=128, num_query_groups=2, seq_length=SEQ, qk_layernorm=True,
                       num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=(0, 1))  # fmt: skip
     export = Export(tmp_path / "out")
-    loader = DataLoader(moe_tokens, batch_size=4)
+    loader = DataLoader(hf_tokens, batch_size=4)
     logits = torch.cat(cpu_trainer(callbacks=[export]).predict(MegatronLMModule(config), loader))
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (written["architectures"], written["mlp_only_layers"]) == (["Qwen3MoeForCausalLM"], [0])
-    torch.testing.assert_close(hf_forward(tmp_path / "out", moe_tokens)[0], logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hf_forward(tmp_path / "out", hf_tokens)[0], logits, rtol=1e-4, atol=1e-4)
 
 
 AUX_COEF = 0.05
@@ -214,20 +212,20 @@ def test_training_follows_transformers_and_adamw(arch: str, aux: bool, moe_model
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_value_module_on_an_moe_checkpoint(arch: str, moe_models: dict, moe_tokens: torch.Tensor) -> None:
+def test_value_module_on_an_moe_checkpoint(arch: str, moe_models: dict, hf_tokens: torch.Tensor) -> None:
     """The critic imports the MoE body (not its LM head): values = head(final hidden states of transformers)."""
     module = MegatronValueModule.from_hf(moe_models[arch], seq_length=SEQ)
-    values = torch.cat(cpu_trainer().predict(module, DataLoader(moe_tokens, batch_size=4)))
-    assert values.shape == moe_tokens.shape
+    values = torch.cat(cpu_trainer().predict(module, DataLoader(hf_tokens, batch_size=4)))
+    assert values.shape == hf_tokens.shape
     head = module.chunks[0].output_layer
     with torch.no_grad():
-        hidden = hf_model(moe_models[arch]).model(input_ids=moe_tokens).last_hidden_state  # after the final norm
+        hidden = hf_model(moe_models[arch]).model(input_ids=hf_tokens).last_hidden_state  # after the final norm
         want = (hidden @ head.weight.float().T + head.bias.float()).squeeze(-1)
     torch.testing.assert_close(values, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_recorded_routing_is_what_transformers_chooses(arch: str, moe_models: dict, moe_tokens: torch.Tensor) -> None:
+def test_recorded_routing_is_what_transformers_chooses(arch: str, moe_models: dict, hf_tokens: torch.Tensor) -> None:
     """Routing replay records, per MoE layer and token, the experts the HF model routes to on the same weights."""
     overrides = {"moe_enable_routing_replay": True}
     module = MegatronLMModule.from_hf(moe_models[arch], seq_length=SEQ, config_overrides=overrides)
@@ -235,28 +233,28 @@ def test_recorded_routing_is_what_transformers_chooses(arch: str, moe_models: di
 
     class Record(L.Callback):
         def on_validation_end(self, trainer: L.Trainer, pl_module: MegatronLMModule) -> None:  # type: ignore[override]
-            recorded.append(pl_module.record_routing(moe_tokens))
+            recorded.append(pl_module.record_routing(hf_tokens))
 
-    cpu_trainer(callbacks=[Record()]).validate(module, DataLoader(moe_tokens, batch_size=4))
-    chosen = hf_routing(hf_model(moe_models[arch]), moe_tokens, module.config.moe_router_topk)
+    cpu_trainer(callbacks=[Record()]).validate(module, DataLoader(hf_tokens, batch_size=4))
+    chosen = hf_routing(hf_model(moe_models[arch]), hf_tokens, module.config.moe_router_topk)
     sparse = [i for i, moe in enumerate(module.config.moe_layers) if moe]
     assert len(chosen) == len(sparse) > 0
     for layer, want in zip(sparse, chosen, strict=True):
         assert torch.equal(recorded[0][:, layer].sort(dim=-1).values, want), layer
 
 
-def hf_routing(model: Any, moe_tokens: torch.Tensor, topk: int) -> list[torch.Tensor]:
+def hf_routing(model: Any, hf_tokens: torch.Tensor, topk: int) -> list[torch.Tensor]:
     """The experts transformers routes each token to, per MoE layer, sorted: [B, S, top-k]. Routers that return
     their choice (DeepSeek-V3's sigmoid + correction bias + groups) are read; softmax routers' top-k logits taken."""
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
     picked: list[torch.Tensor] = []
     hooks = [r.register_forward_hook(lambda _m, _i, out: picked.append(out[2])) for r in routers]
     with torch.no_grad():
-        router_logits = model(input_ids=moe_tokens, output_router_logits=not routers).router_logits
+        router_logits = model(input_ids=hf_tokens, output_router_logits=not routers).router_logits
     for hook in hooks:
         hook.remove()
     chosen = picked or [logits.topk(topk, dim=-1).indices for logits in router_logits]  # [B * S, top-k] per layer
-    return [c.sort(dim=-1).values.view(moe_tokens.shape[0], SEQ, topk) for c in chosen]
+    return [c.sort(dim=-1).values.view(hf_tokens.shape[0], SEQ, topk) for c in chosen]
 
 
 def test_expert_adapter_checkpoints_hold_the_adapters_and_resume_exactly(moe_models: dict, tmp_path: Path) -> None:
@@ -295,7 +293,7 @@ def test_expert_adapter_checkpoints_hold_the_adapters_and_resume_exactly(moe_mod
     assert resumed == {step: full[step] for step in (3, 4)}
 
 
-def test_expert_adapters_go_to_peft_and_back(moe_models: dict, moe_tokens: torch.Tensor, tmp_path: Path) -> None:
+def test_expert_adapters_go_to_peft_and_back(moe_models: dict, hf_tokens: torch.Tensor, tmp_path: Path) -> None:
     """Trained adapters on every linear of an MoE model with a shared expert written as a PEFT adapter (attention's as
     target_modules; each expert's on HF's fused experts and the shared expert's by their path as target_parameters,
     since PEFT reads an MoE model's gate_proj/up_proj/down_proj targets as its experts') give our logits in PEFT, and
@@ -311,7 +309,7 @@ def test_expert_adapters_go_to_peft_and_back(moe_models: dict, moe_tokens: torch
             pl_module.save_hf(tmp_path / "adapter", adapter=True)
 
     cpu_trainer(max_steps=2, callbacks=[Save()]).fit(module, DataLoader(samples, batch_size=4))
-    loader = DataLoader(moe_tokens, batch_size=4)
+    loader = DataLoader(hf_tokens, batch_size=4)
     ours = torch.cat(cpu_trainer().predict(module, loader))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     shared = [f"mlp.shared_expert.{part}.weight" for part in ("gate_proj", "up_proj", "down_proj")]
@@ -319,9 +317,9 @@ def test_expert_adapters_go_to_peft_and_back(moe_models: dict, moe_tokens: torch
     assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     base = hf_model(moe_models[arch])
     with torch.no_grad():
-        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=moe_tokens).logits
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=hf_tokens).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(ours, hf_forward(moe_models[arch], moe_tokens)[0], atol=1e-3)  # the adapters moved them
+    assert not torch.allclose(ours, hf_forward(moe_models[arch], hf_tokens)[0], atol=1e-3)  # the adapters moved them
     back = MegatronLMModule.from_hf(moe_models[arch], seq_length=SEQ, adapter=tmp_path / "adapter")
     assert back.lora.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     torch.testing.assert_close(torch.cat(cpu_trainer().predict(back, loader)), ours, rtol=1e-5, atol=1e-5)
