@@ -29,8 +29,9 @@
 #             Multi-Latent Attention), then mla_moe1b again under torch.profiler (its kernel table in $OUT), variant
 #             a (~6 min)
 #   moe_families  moe1b beside dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared; 8 layers on an
-#             H200, 5 on an H100: 16 ran out of an H100's memory on 2026-12-07) and gptoss1b (a GPT-OSS-like MoE:
-#             window-128/full layers, sinks, biases, clamped GLU, 32 experts top-4), variant a (~5 min)
+#             H200, 5 on an H100: 16 ran out of an H100's memory on 2026-12-07) and moe1b cut to the same layers,
+#             and gptoss1b (a GPT-OSS-like MoE: window-128/full layers, sinks, biases, clamped GLU, 32 experts
+#             top-4), variant a (~7 min: more than 330 s on an H100 on 2026-12-07)
 #   moe_ab    the MoE permutation's GPU test, then SHAPE (default moe1b; e.g. mla_moe1b) at BASE (a git revision,
 #             default HEAD~1, checked out beside the tree) against the checked-out commit, in turn, twice: one
 #             change's effect in one run (~6 min)
@@ -100,6 +101,7 @@ moe_families)
     # 16 layers of 64 experts (about 9B parameters) outgrow one GPU's optimizer state: 8 layers on an H200, 5 on an H100
     layers=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000) ? 8 : 5}')
     tp --shape dsv3_1b --num-layers "$layers" --variants a
+    tp --shape moe1b --num-layers "$layers" --variants a  # the same depth: the LM head's share of the step alike
     tp --shape gptoss1b --variants a
     ;;
 moe_ab)
