@@ -17,9 +17,10 @@ Parts (one JSON line per case and sequence length, then one ``summary`` line per
   the 1B shape's default, at 8,192 and 16,384 tokens;
 * c: learnable attention sinks (``flex_sinks``: ``softmax_type='learnable'``, FlexAttention and its log-sum-exp,
   the output rescaled by eager kernels) against ``flex_causal`` (the same kernel without sinks) and ``sdpa`` at
-  8,192 tokens, and the candidate ``flex_sinks_fused`` (the rescaling compiled into one function with the
-  FlexAttention call, so Inductor can fuse it; this file's own code, not yet the model's); issue 59's target: sinks
-  cost <= 5% over plain attention.
+  8,192 tokens, and two candidates, this file's own code (not the model's): ``flex_sinks_fused`` (the rescaling
+  compiled into one function with the FlexAttention call, so Inductor can fuse it) and ``flex_sinks_column`` (the
+  sink as one more key whose score is the head's sink logit, set by a ``score_mod``, and whose value is zeros: no
+  log-sum-exp and no rescaling); issue 59's target: sinks cost <= 5% over plain attention.
 
 Entry points: ``SDPAttention`` built from the layer spec as the model builds it (``specs.layer_spec``; MLA's with the
 head sizes and scale ``MLASelfAttention`` passes), called on Megatron's [S, B, heads, d] layout; RoPE is left out
@@ -57,7 +58,7 @@ from benchmarks.shapes import attended_pairs  # noqa: E402
 PARTS = {
     "a": ("sdpa", "mla_sdpa", "mla_padded", "mla_cudnn", "mla_flex"),
     "b": ("flex_window", "flex_causal", "sdpa"),
-    "c": ("flex_sinks", "flex_sinks_fused", "flex_causal", "sdpa"),
+    "c": ("flex_sinks", "flex_sinks_fused", "flex_sinks_column", "flex_causal", "sdpa"),
 }
 TARGETS = {
     "a": "mla_cost_per_flop_over_sdpa <= 1 (issue 58)",
@@ -157,8 +158,8 @@ def build(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Buil
             return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
         return Built(step, [], qk_dim, s.head_dim, groups, None, flex)
-    if case == "flex_sinks_fused":
-        return sinks_fused(s, device, dtype)
+    if case in ("flex_sinks_fused", "flex_sinks_column"):
+        return sinks_candidate(case, s, device, dtype)
     variant = {
         "sdpa": {},
         "flex_window": {"window_size": (s.window - 1, 0)},
@@ -170,40 +171,73 @@ def build(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Buil
     return Built(as_step(module), list(module.parameters()), s.head_dim, s.head_dim, s.groups, window, kernel)
 
 
-def sinks_fused(s: Sizes, device: torch.device, dtype: torch.dtype) -> Built:
-    """Learnable sinks as ``kernels.variants`` computes them (``out * sigmoid(lse - sink)``) with the rescaling and
-    the FlexAttention call compiled as one function, on a causal block mask built once. On CPU (no FlexAttention
-    backward there) the output and log-sum-exp come from a dense masked softmax instead, eager."""
+def sinks_candidate(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Built:
+    """``flex_sinks_fused`` or ``flex_sinks_column`` (module docstring) with a sink logit per head, compiled on GPU.
+    On CPU (no FlexAttention backward there) both run :func:`dense_sinks`, eager: their CPU rows time no candidate."""
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
     sink = torch.nn.Parameter(torch.zeros(s.heads, device=device, dtype=dtype))
-    scale = s.head_dim**-0.5
-    gpu = device.type == "cuda"
+    scale, gpu = s.head_dim**-0.5, device.type == "cuda"
 
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
-        if gpu:
-            out, aux = flex_attention(
-                q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                return_aux=AuxRequest(lse=True),
-            )  # fmt: skip
-            lse = aux.lse
-        else:
-            out, lse = dense_causal(q, k, v, scale)
-        factor = torch.sigmoid(lse - sink.float().view(1, -1, 1))
-        return (out.float() * factor.unsqueeze(-1)).to(out.dtype)
+    def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        out, aux = flex_attention(
+            q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+            return_aux=AuxRequest(lse=True),
+        )  # fmt: skip
+        return rescaled(out, aux.lse, sink)
 
-    run = torch.compile(attention) if gpu else attention
+    compiled = torch.compile(fused) if case == "flex_sinks_fused" else torch.compile(flex_attention)
     masks: dict[int, Any] = {}
 
     def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         seq, batch = q.shape[:2]
-        if gpu and seq not in masks:
-            causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
-            masks[seq] = create_block_mask(causal, None, None, seq, seq, device=device)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        return run(q, k, v, masks.get(seq)).permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        if not gpu:
+            out = dense_sinks(q, k, v, sink, scale)
+        elif case == "flex_sinks_fused":
+            if seq not in masks:
+                masks[seq] = create_block_mask(lambda b, h, i, j: j <= i, None, None, seq, seq, device=device)
+            out = compiled(q, k, v, masks[seq])
+        else:
+            if seq not in masks:
+                masks[seq] = sink_column_mask(seq, device)
+            out = sink_column_attention(q, k, v, sink, scale, compiled, masks[seq])
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
     return Built(step, [sink], s.head_dim, s.head_dim, s.groups, None, "flex" if gpu else "dense_reference")
+
+
+def rescaled(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Attention's output with a sink per head joined to its softmax: ``out * sigmoid(lse - sink)``."""
+    factor = torch.sigmoid(lse - sink.float().view(1, -1, 1))
+    return (out.float() * factor.unsqueeze(-1)).to(out.dtype)
+
+
+def sink_column_mask(seq: int, device: torch.device) -> Any:
+    """Causal over ``seq`` keys, and every query sees key ``seq`` (the sink's column)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, i, j: (j <= i) | (j == seq), None, None, seq, seq + 1, device=device)
+
+
+def sink_column_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, scale: float, flex: Any, mask: Any
+) -> torch.Tensor:
+    """Sinks as one more key ([B, n, S, d] inputs): a zero key and value appended, the key's score replaced by the
+    head's sink logit in a ``score_mod``; ``flex`` is FlexAttention (compiled or not), ``mask``
+    :func:`sink_column_mask`'s."""
+    seq = k.shape[2]
+    k, v = (torch.cat([t, t.new_zeros(*t.shape[:2], 1, t.shape[3])], dim=2) for t in (k, v))
+
+    def sink_score(score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
+        return torch.where(kv_idx == seq, sink[h].to(score.dtype), score)
+
+    return flex(q, k, v, score_mod=sink_score, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def dense_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Sink attention from the full score matrix (the CPU stand-in of both candidates)."""
+    return rescaled(*dense_causal(q, k, v, scale), sink)
 
 
 def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,7 +381,8 @@ def summary(part: str, seq: int, found: dict[str, dict[str, Any]]) -> dict[str, 
     else:
         row |= {"sinks_over_flex_causal": ratio(ms["flex_sinks"], ms["flex_causal"]),
                 "sinks_over_sdpa": ratio(ms["flex_sinks"], ms["sdpa"]),
-                "fused_sinks_over_flex_causal": ratio(ms["flex_sinks_fused"], ms["flex_causal"])}  # fmt: skip
+                "fused_sinks_over_flex_causal": ratio(ms["flex_sinks_fused"], ms["flex_causal"]),
+                "column_sinks_over_flex_causal": ratio(ms["flex_sinks_column"], ms["flex_causal"])}  # fmt: skip
     return row
 
 

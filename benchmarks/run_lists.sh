@@ -36,7 +36,7 @@
 #             default HEAD~1, checked out beside the tree) against the checked-out commit, in turn, twice: one
 #             change's effect in one run (~6 min)
 #   variants  the attention kernels alone (benchmarks/attention.py: MLA against GQA, a 1024-token window against
-#             full causal attention, sinks against none and the fused-rescaling candidate; PARTS=b,c leaves out part
+#             full causal attention, sinks against none and two candidates for them; PARTS=b,c leaves out part
 #             a's ten MLA/GQA cases: on an H100 on 2026-12-07 part a and part b at 8K alone took 200 s), then the 1B
 #             shape at 16K tokens all-full against Gemma 3's 5:1 windowed layers (window 1024), variant a (the two
 #             16K runs need ~5 min together: give them the call's remaining time; ~8 min)

@@ -254,30 +254,39 @@ def test_attention_benchmark_runs_every_case_in_its_tiny_cpu_mode() -> None:
     assert summaries["a", 64]["mla_cost_per_flop_over_sdpa"] > 0
     assert summaries["c", 64]["sinks_over_flex_causal"] > 0
     assert summaries["c", 64]["fused_sinks_over_flex_causal"] > 0
+    assert summaries["c", 64]["column_sinks_over_flex_causal"] > 0
 
 
-def test_the_fused_sinks_candidate_computes_the_models_sink_attention() -> None:
-    """attention.py's ``flex_sinks_fused`` (FlexAttention + the rescaling, eager on CPU) gives the model's sink
-    attention (``flex_sinks``: kernels.variants' reference path on CPU) for the same sink logits, grouped keys too."""
+def test_the_sinks_candidates_compute_the_models_sink_attention() -> None:
+    """attention.py's sinks candidates give the model's sink attention (``flex_sinks``: kernels.variants' reference
+    path on CPU) for the same sink logits, grouped keys too: the rescaled dense attention both run on CPU, and the
+    sink-column formulation through FlexAttention's eager forward (no backward on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     from benchmarks import attention
 
     s = attention.sizes(attention.parse(["--tiny", "--query-groups", "2"]))
     cpu = torch.device("cpu")
-    fused, model = (attention.build(case, s, cpu, torch.float32) for case in ("flex_sinks_fused", "flex_sinks"))
+    built = {case: attention.build(case, s, cpu, torch.float32) for case in ("flex_sinks_fused", "flex_sinks")}
     generator = torch.Generator().manual_seed(0)
     sinks = torch.randn(s.heads, generator=generator) * 3
-    for built in (fused, model):
-        (param,) = built.params
+    for b in built.values():
+        (param,) = b.params
         with torch.no_grad():
             param.copy_(sinks)
     seq, batch = 64, 2
     q = torch.randn(seq, batch, s.heads, s.head_dim, generator=generator)
     k, v = (torch.randn(seq, batch, s.groups, s.head_dim, generator=generator) for _ in range(2))
-    want = model.step(q, k, v)
+    want = built["flex_sinks"].step(q, k, v)
     assert want.shape == (seq, batch, s.heads * s.head_dim)
-    torch.testing.assert_close(fused.step(q, k, v), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(built["flex_sinks_fused"].step(q, k, v), want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        heads_first = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+        mask = attention.sink_column_mask(seq, cpu)
+        column = attention.sink_column_attention(*heads_first, sinks, s.head_dim**-0.5, flex_attention, mask)
+    torch.testing.assert_close(column.permute(2, 0, 1, 3).reshape(seq, batch, -1), want, rtol=1e-5, atol=1e-5)
     plain = attention.build("flex_causal", s, cpu, torch.float32).step(q, k, v)
-    assert (plain - want).abs().max() > 0.1  # the sinks move the output: the comparison can fail
+    assert (plain - want).abs().max() > 0.1  # the sinks move the output: the comparisons can fail
 
 
 def test_windowed_pairs_and_flops_count_the_keys_inside_each_window() -> None:
