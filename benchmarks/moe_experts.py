@@ -12,6 +12,8 @@ of the design notes ("MoE probe": 16,384 tokens x top-8, 32 experts of ffn 768, 
   linears themselves (``gemm="auto"``; ``grouped_mm_calls_per_step`` in its row is 6 when it ran);
 * ``grouped_main_grad``: grouped, the weight gradients accumulated in fp32 into a Megatron-style ``main_grad``
   (one fp32-output GEMM per expert), as training with ``gradient_accumulation_fusion`` runs them;
+* ``gptoss_main_grad``: as ``grouped_main_grad`` with GPT-OSS's expert fields (a bias on fc1 and fc2, the clamped
+  GLU ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``, ``g`` clamped at 7): what they cost beside SwiGLU;
 * ``sequential_mlp``: Megatron's ``SequentialMLP`` with its local linears (the experts of the local layer spec);
 * ``dense``: the same SwiGLU MLP as one expert over all routed rows (the same GEMM FLOPs, no grouping).
 
@@ -30,10 +32,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-VARIANTS = ("loop", "grouped", "grouped_main_grad", "sequential_mlp", "dense")
+VARIANTS = ("loop", "grouped", "grouped_main_grad", "gptoss_main_grad", "sequential_mlp", "dense")
 
 
-def moe_config(args: argparse.Namespace) -> Any:
+def moe_config(args: argparse.Namespace, gpt_oss: bool = False) -> Any:
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from lightning_megatron.gpt.transformer import LOCAL_BACKEND
@@ -44,6 +47,9 @@ def moe_config(args: argparse.Namespace) -> Any:
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, params_dtype=torch.bfloat16,
         bf16=True, moe_grouped_gemm=True,
     )  # fmt: skip
+    if gpt_oss:  # the fields ModelConfig sets for GPT-OSS's experts (benchmarks/shapes.py: gptoss1b)
+        fields |= dict(add_bias_linear=True, activation_func=quick_gelu, glu_linear_offset=1.0,
+                       activation_func_clamp_value=7.0)  # fmt: skip
     return TransformerConfig(**{**LOCAL_BACKEND, **fields})
 
 
@@ -71,7 +77,7 @@ def build_experts(variant: str, config: Any) -> torch.nn.Module:
     if variant == "sequential_mlp":
         local = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
         return SequentialMLP(config.num_moe_experts, config, local, pg_collection=groups)
-    fused = variant == "grouped_main_grad"
+    fused = variant.endswith("_main_grad")
     module = build_module(grouped_mlp_spec(fuse_wgrad=fused), config.num_moe_experts, config, pg_collection=groups)
     if variant == "loop":  # the others: "auto", grouped where the GPU has it (measure() counts the kernel calls)
         module.linear_fc1.gemm = module.linear_fc2.gemm = "loop"
@@ -124,7 +130,7 @@ def time_ms(
 def measure(variant: str, config: Any, batch: tuple, args: argparse.Namespace) -> dict[str, Any]:
     from lightning_megatron.kernels.experts import grouped_mm_available
 
-    if variant.startswith("grouped") and not grouped_mm_available():
+    if variant.startswith(("grouped", "gptoss")) and not grouped_mm_available():
         return {"skipped": "torch._grouped_mm needs a CUDA GPU of compute capability 9.0+"}
     if variant == "dense":
         step, params = dense_step(args)
@@ -162,7 +168,7 @@ def main() -> None:
     from lightning_megatron.parallel.state import one_process
 
     with one_process(29671):  # gloo: the experts alone communicate nothing
-        config = moe_config(args)
+        configs = {False: moe_config(args), True: moe_config(args, gpt_oss=True)}
         batch = routed_batch(args)
         counts = batch[1]
         common = {
@@ -175,6 +181,7 @@ def main() -> None:
             if variant not in VARIANTS:
                 print(json.dumps({"variant": variant, "error": f"unknown variant: one of {', '.join(VARIANTS)}"}))
                 continue
+            config = configs[variant.startswith("gptoss")]
             print(json.dumps({"variant": variant, **measure(variant, config, batch, args), **common}), flush=True)
             torch.cuda.empty_cache()
 
