@@ -213,20 +213,22 @@ def torch_threads(count: int) -> int:
     return previous
 
 
-def assert_continues_at_tp2_with_sp(model: dict, tmp_path: Path) -> None:
+def assert_continues_at_tp2_with_sp(model: dict, tmp_path: Path, also: tuple[dict, ...] = ()) -> None:
     """One process trains ``tiny_gpt(**model)`` 4 steps, checkpointing at step 2; TP=2 with sequence parallelism
-    resumes that checkpoint and must follow the one-process curve (steps 3 and 4) and validation at step 4."""
+    (and each two-process layout of ``also``, e.g. ``{"cp": 2}``, side by side) resumes that checkpoint and must
+    follow the one-process curve (steps 3 and 4) and validation at step 4."""
     val = {"limit_val_batches": 2, "val_check_interval": 4}
     saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}
     full = run_here({"model": model, "devices": 1, "max_steps": 4, **val, **saves}, tmp_path)
     resume = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
-    tp2 = run_worker({"model": model, "devices": 2, "tp": 2, "sp": True, "max_steps": 4, "resume": resume, **val},
-                     tmp_path)  # fmt: skip
-    assert set(tp2["train"]) == {"3", "4"}, tp2["train"]
+    layouts = [{"tp": 2, "sp": True}, *also]
+    runs = [{"model": model, "devices": 2, **layout, "max_steps": 4, "resume": resume, **val} for layout in layouts]
     assert full["train"]["3"] != full["train"]["4"]
-    for step in ("3", "4"):
-        assert tp2["train"][step] == pytest.approx(full["train"][step], rel=2e-4), step
-    assert tp2["val"]["4"] == pytest.approx(full["val"]["4"], rel=2e-4)
+    for layout, got in zip(layouts, run_workers(runs, tmp_path), strict=True):
+        assert set(got["train"]) == {"3", "4"}, (layout, got["train"])
+        for step in ("3", "4"):
+            assert got["train"][step] == pytest.approx(full["train"][step], rel=2e-4), (layout, step)
+        assert got["val"]["4"] == pytest.approx(full["val"]["4"], rel=2e-4), layout
 
 
 def run_workers(runs: list[dict], tmp_path: Path, timeout: float = 600) -> list[dict]:

@@ -116,6 +116,42 @@ def test_variant_equals_float64_reference(megatron_state: None, variant: str, pa
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5, msg=message)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_context_parallel_ranks_with_variants_make_up_full_attention(packed: bool) -> None:
+    """Under CP=3 each rank's queries (two load-balanced chunks of the row) attend the whole row's keys/values with a
+    window that crosses the chunks' edges, sinks and soft-capping: its rows of the output are full attention's, and
+    the gradients summed over the ranks (what the key/value gather's reduce-scatter and DDP's reduction over the CP
+    ranks add up) are full attention's, the sinks' included."""
+    from lightning_megatron.kernels.variants import Variant, attend_variant
+    from lightning_megatron.parallel.context import ContextParallel, token_index
+
+    seq, variant, scale = 24, Variant(window=5, softcap=1.5), 0.4
+    torch.manual_seed(0)
+    q = torch.randn(2, HEADS, seq, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, GROUPS, seq, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sink = SINKS.double().requires_grad_()
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4])
+    documents = (positions == 0).cumsum(0).expand(2, seq) if packed else None
+    whole = None if not packed else SequenceLayout(positions=positions[None], documents=documents, seq_length=seq)
+    want = attend_variant(q, k, v, whole, variant, sink, scale, 0.0, False)
+    grad = torch.randn_like(want)
+    wanted = torch.autograd.grad(want, [q, k, v, sink], grad)
+    summed = [torch.zeros_like(t) for t in (q, k, v, sink)]
+    for rank in range(3):
+        cp = ContextParallel(3, rank)
+        index = token_index(seq, cp, torch.device("cpu"))
+        layout = SequenceLayout(
+            positions=positions[index][None], documents=documents, query_index=index, seq_length=seq, cp=cp
+        )  # fmt: skip
+        got = attend_variant(q[:, :, index], k, v, layout, variant, sink, scale, 0.0, False)
+        torch.testing.assert_close(got, want[:, :, index])
+        for total, part in zip(summed, torch.autograd.grad(got, [q, k, v, sink], grad[:, :, index]), strict=True):
+            total += part
+    for name, a, b in zip(["q", "k", "v", "sink"], summed, wanted, strict=True):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"d{name}: {m}")
+    assert wanted[3].abs().min() > 1e-3  # every sink takes part: its gradient is checked
+
+
 @pytest.mark.parametrize(
     ("freq", "windowed"),
     [(None, (True,) * 4), (2, (True, False, True, False)), ((1, 1, 0, 1), (True, True, False, True))],
@@ -202,14 +238,11 @@ def test_bad_variant_configs_are_named(overrides: dict, match: str) -> None:
         tiny_gpt(**overrides)
 
 
-def test_variants_under_context_parallelism_are_refused_before_building() -> None:
+def test_variants_validate_at_any_context_parallel_size() -> None:
     from lightning_megatron.parallel.sizes import ParallelSizes
 
-    with pytest.raises(ValueError, match=r"window_size=\(3, 0\) with cp=2"):
-        tiny_gpt(window_size=(3, 0)).validate_parallel(ParallelSizes(cp=2))
-    with pytest.raises(ValueError, match="softmax_type='learnable' with cp=2"):
-        tiny_gpt(softmax_type="learnable").validate_parallel(ParallelSizes(cp=2))
-    tiny_gpt(softmax_scale=0.3).validate_parallel(ParallelSizes(cp=2))  # a scale is plain SDPA's: any CP
+    every = {"window_size": (3, 0), "softmax_type": "learnable", "attn_logit_softcapping": 5.0, "softmax_scale": 0.3}
+    tiny_gpt(**every).validate_parallel(ParallelSizes(cp=2, tp=2, sequence_parallel=True))
     assert tiny_gpt(window_size=[3, 0], window_attn_skip_freq=[1, 0, 1, 0]).window_size == (3, 0)  # YAML lists
 
 
@@ -250,6 +283,39 @@ def test_flex_variants_match_the_reference(variant: str, packed: bool) -> None:
         torch.testing.assert_close(g.float(), w.float(), rtol=5e-2, atol=5e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_flex_variants_at_a_context_parallel_rank_match_the_reference(packed: bool) -> None:
+    """CP rank 1 of 2 on GPU: its queries (chunks 1 and 2 of 4, 128 tokens each) against the whole row with a window
+    of 100 that crosses the chunks' edges, sinks and soft-capping, on FlexAttention's block mask: the explicit float32
+    reference path's output and gradients."""
+    from lightning_megatron.kernels.variants import Variant, allowed_mask, attend_variant, masked_attention
+    from lightning_megatron.parallel.context import ContextParallel, token_index
+
+    seq, device, variant = 512, torch.device("cuda"), Variant(window=100, softcap=1.5)
+    cp = ContextParallel(2, 1)
+    index = token_index(seq, cp, device)
+    positions = torch.cat([torch.arange(n) for n in (100, 37, 200, 75, 100)]).to(device)
+    documents = (positions == 0).cumsum(0, dtype=torch.int32).expand(2, seq) if packed else None
+    layout = SequenceLayout(
+        positions=positions[index][None], documents=documents, query_index=index, seq_length=seq, cp=cp
+    )  # fmt: skip
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, seq // 2, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 4, seq, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    sink = torch.linspace(-1, 2, 8, device=device, requires_grad=True)
+    got = attend_variant(q, k, v, layout, variant, sink, 0.125, 0.0, False)
+    assert ("variant_block_mask", variant.window) in layout.cache  # the flex path ran
+    allowed = allowed_mask(layout, seq // 2, seq, variant.window, device)
+    want = masked_attention(*(t.float() for t in (q, k, v)), allowed, 0.125, variant.softcap, sink, 0.0, False)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    inputs = [q, k, v, sink]
+    want_grads = torch.autograd.grad(want.square().sum(), inputs, retain_graph=True)
+    for g, w in zip(torch.autograd.grad(got.float().square().sum(), inputs), want_grads, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=5e-2, atol=5e-2)
+
+
 def test_local_kernels_with_variants_are_refused_on_cpu() -> None:
     """Megatron's local attention builds its window mask and sink parameter on the GPU: on CPU the plan refuses it,
     naming the kernels that work there."""
@@ -262,12 +328,13 @@ def test_local_kernels_with_variants_are_refused_on_cpu() -> None:
 
 
 @pytest.mark.multiprocess
-def test_variant_model_continues_at_tp2_with_sp(tmp_path: Path) -> None:
+def test_variant_model_continues_at_tp2_with_sp_and_at_cp2(tmp_path: Path) -> None:
     """One process trains 4 steps with every variant (window on alternate layers, learnable sinks, soft-capping, a
-    query scale), checkpointing at step 2; TP=2 with sequence parallelism resumes that checkpoint (the sinks split by
-    heads from the full saved vector) and follows the one-process curve and validation."""
+    query scale), checkpointing at step 2; TP=2 with sequence parallelism (the sinks split by heads from the full
+    saved vector) and CP=2 (rows of 32 in chunks of 8: the window of 4 crosses the chunks' edges) resume that
+    checkpoint side by side and follow the one-process curve and validation."""
     from tests.conftest import assert_continues_at_tp2_with_sp
 
     variants = {"window_size": (3, 0), "window_attn_skip_freq": 2, "softmax_type": "learnable",
                 "attn_logit_softcapping": 5.0, "softmax_scale": 0.2}  # fmt: skip
-    assert_continues_at_tp2_with_sp({**variants, "kernels": "torch"}, tmp_path)
+    assert_continues_at_tp2_with_sp({**variants, "kernels": "torch"}, tmp_path, also=({"cp": 2},))

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from lightning_megatron.validation import check_choice
 
-__all__ = ["VariantRequest", "check_variants", "check_variants_parallel", "has_variants", "variant_fields"]
+__all__ = ["VariantRequest", "check_variants", "has_variants", "variant_fields"]
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
@@ -87,18 +87,6 @@ def _check_window(config: VariantRequest) -> None:
 def _set_fields(config: VariantRequest) -> list[tuple[str, Any]]:
     defaults = {"window_size": None, "softmax_type": "vanilla", "softmax_scale": None, "attn_logit_softcapping": None}
     return [(name, getattr(config, name)) for name, default in defaults.items() if getattr(config, name) != default]
-
-
-def check_variants_parallel(config: VariantRequest, cp: int) -> None:
-    """Raise ``ValueError`` for a variant the parallel layout does not run (context parallelism: not yet)."""
-    if cp == 1:
-        return
-    for name, value in _set_fields(config):
-        if name != "softmax_scale":  # a scale is SDPA's own argument: exact at any CP
-            raise ValueError(
-                f"{name}={value!r} with cp={cp}: attention variants run without context parallelism for now; "
-                f"use cp=1 (packed rows and the other layouts work), or {name} at its default"
-            )
 
 
 def variant_fields(config: VariantRequest) -> dict[str, Any]:

@@ -382,7 +382,6 @@ class ModelConfig:
         self._check_stages(sizes.pp, sizes.vpp)
         check_moe_parallel(self, sizes.ep, sizes.tp, sizes.sequence_parallel)
         check_mla_parallel(self, sizes.tp, sizes.cp)
-        variants.check_variants_parallel(self, sizes.cp)
         check_sequence(self, sizes.tp, sizes.cp, sizes.sequence_parallel)
         check_graph_layout(self, sizes.pp, sizes.cp)
 
