@@ -122,13 +122,16 @@ MLA_DIRECT_NORM = {**MLA_YARN, "q_lora_rank": None}
     [({}, True), ({"qk_head_dim": 24}, False), ({"v_head_dim": 24}, False), ({"qk_pos_emb_head_dim": 12}, False),
      ({"qk_head_dim": 128, "v_head_dim": 128, "qk_pos_emb_head_dim": 64}, True)],
 )  # fmt: skip
-def test_fused_mla_rope_only_for_head_sizes_its_kernels_take(sizes: dict, fused: bool) -> None:
+def test_fused_mla_rope_only_for_head_sizes_its_kernels_take_and_without_cp(sizes: dict, fused: bool) -> None:
     """Megatron's fused MLA RoPE (GPU, YaRN) indexes heads with Triton ranges of powers of two; other head sizes keep
     the unfused path instead of failing at the first GPU forward."""
     config = tiny_gpt(**{**MLA_YARN, **sizes})
     assert config.to_transformer_config(kernels="torch", compile_fusions=True).apply_rope_fusion is fused
     plain = tiny_gpt(**{**MLA, **sizes})  # rope_type 'rope': the fused kernels take YaRN only
     assert not plain.to_transformer_config(kernels="torch", compile_fusions=True).apply_rope_fusion
+    # Under context parallelism the kernels would read the rank's tokens at their local places: unfused there.
+    cp2 = config.to_transformer_config(kernels="torch", compile_fusions=True, context_parallel_size=2)
+    assert not cp2.apply_rope_fusion
 
 
 def _interpreted_fused_rope_checks() -> None:
@@ -238,18 +241,13 @@ def test_bad_mla_configs_are_named(overrides: dict, match: str) -> None:
         tiny_gpt(**overrides)
 
 
-def test_mla_layouts_not_supported_are_refused_before_building() -> None:
+def test_mla_layouts_that_cannot_split_are_refused_before_building() -> None:
     from lightning_megatron.parallel.sizes import ParallelSizes
 
     config = tiny_gpt(**MLA, kv_lora_rank=30)  # + 8 = 38: not split by tp=4
     with pytest.raises(ValueError, match=r"kv_lora_rank \+ qk_pos_emb_head_dim=38 must be divisible by tp=4"):
         config.validate_parallel(ParallelSizes(tp=4))
-    with pytest.raises(ValueError, match="cp=2 with multi_latent_attention=True"):
-        tiny_gpt(**MLA).validate_parallel(ParallelSizes(cp=2))
-
-
-# A direct query projection with the key/value latent's norm (DeepSeek-V2-Lite / Moonlight), YaRN as above.
-MLA_DIRECT_NORM = {**MLA_YARN, "q_lora_rank": None}
+    tiny_gpt(**MLA).validate_parallel(ParallelSizes(cp=2, tp=2, sequence_parallel=True))  # context parallelism runs
 
 
 @pytest.mark.parametrize("overrides", [MLA, MLA_DIRECT_NORM, MLA_YARN], ids=["direct_q", "direct_q_norm", "q_lora"])
@@ -274,11 +272,12 @@ def test_tiny_mla_model_trains_at_one_process(overrides: dict) -> None:
 
 
 @pytest.mark.multiprocess
-def test_mla_model_continues_at_tp2(tmp_path: Path) -> None:
-    # One process trains 4 steps, checkpointing at step 2; TP=2 resumes that checkpoint and must follow the
-    # one-process curve and validation (the heads, the query and up-projections and the latent down-projection
-    # split; a query latent at TP=2 is in tests/test_hf_moe_layouts.py's DeepSeek-V3 layouts).
-    assert_continues_at_tp2_with_sp({**MLA_DIRECT_NORM, "kernels": "torch"}, tmp_path)
+def test_mla_model_continues_at_tp2_and_at_cp2(tmp_path: Path) -> None:
+    # One process trains 4 steps, checkpointing at step 2; TP=2 (the heads, the query and up-projections and the
+    # latent down-projection split; a query latent at TP=2 is in tests/test_hf_moe_layouts.py's DeepSeek-V3 layouts)
+    # and CP=2 (YaRN RoPE at each chunk's places in the row, keys of 16 + 8 and values of 16 dims gathered over the CP
+    # ranks) resume that checkpoint side by side and must follow the one-process curve and validation.
+    assert_continues_at_tp2_with_sp({**MLA_DIRECT_NORM, "kernels": "torch"}, tmp_path, also=({"cp": 2},))
 
 
 def test_an_mla_model_without_experts_has_no_hf_family() -> None:

@@ -6,7 +6,7 @@ initialisation and dropout, and compares ``param.type()`` against ``"torch.cuda.
 needs a GPU to be *correct*; it only needs to run. This module makes it run without touching Megatron's files:
 
 * a ``TorchFunctionMode`` rewrites every CUDA device argument to CPU, makes ``.cuda()`` and ``pin_memory()``
-  identities, and reports CUDA type names from ``Tensor.type()``;
+  identities (and a factory's ``pin_memory=True`` off), and reports CUDA type names from ``Tensor.type()``;
 * custom autograd Functions run their backward under the mode as well (the autograd engine does not carry
   torch function modes into backward, where Megatron allocates buffers and re-runs forward code for recompute);
 * a handful of ``torch.cuda`` functions are swapped for CPU stand-ins: ``current_device()`` returns the CPU
@@ -75,6 +75,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             args = (args[0], *(_as_cpu(a) if isinstance(a, (str, torch.device, int)) else a for a in args[1:]))
         if "device" in kwargs:
             kwargs["device"] = _as_cpu(kwargs["device"])
+        if kwargs.get("pin_memory"):  # a factory's pinned host buffer (e.g. get_pos_emb_on_this_cp_rank's indices)
+            kwargs["pin_memory"] = False
         return func(*args, **kwargs)
 
 

@@ -125,8 +125,8 @@ def check_mla(config: MLARequest) -> None:
             raise ValueError(f"{name}={value!r} with multi_latent_attention=True: {why}; leave {name} at its default")
 
 
-def check_mla_parallel(config: MLARequest, tp: int, cp: int) -> None:
-    """Raise ``ValueError`` for a parallel layout MLA cannot be split by (or that is not supported with it)."""
+def check_mla_parallel(config: MLARequest, tp: int) -> None:
+    """Raise ``ValueError`` for a tensor-parallel size MLA's down projections cannot be split by."""
     if not config.multi_latent_attention:
         return
     # The down projections are column-parallel linears whose outputs are gathered: each rank holds a slice.
@@ -136,11 +136,6 @@ def check_mla_parallel(config: MLARequest, tp: int, cp: int) -> None:
     for name, size in down.items():
         if size % tp:
             raise ValueError(f"{name}={size} must be divisible by tp={tp}; pick tp among {divisors(size)}")
-    if cp > 1:
-        raise ValueError(
-            f"cp={cp} with multi_latent_attention=True: context parallelism is not supported with MLA yet; "
-            "use cp=1 (packed rows and TP/PP/DP work)"
-        )
 
 
 def mla_fields(config: MLARequest) -> dict[str, Any]:
