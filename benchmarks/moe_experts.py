@@ -13,7 +13,9 @@ of the design notes ("MoE probe": 16,384 tokens x top-8, 32 experts of ffn 768, 
 * ``grouped_main_grad``: grouped, the weight gradients accumulated in fp32 into a Megatron-style ``main_grad``
   (one fp32-output GEMM per expert), as training with ``gradient_accumulation_fusion`` runs them;
 * ``gptoss_main_grad``: as ``grouped_main_grad`` with GPT-OSS's expert fields (a bias on fc1 and fc2, the clamped
-  GLU ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``, ``g`` clamped at 7): what they cost beside SwiGLU;
+  GLU ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``, ``g`` clamped at 7): what they cost beside SwiGLU. Both
+  activations run unfused here (the local backend's fields), while training on GPU fuses SwiGLU (Megatron's
+  compiled weighted SwiGLU) and not GPT-OSS's: the model's gap is larger than this one;
 * ``sequential_mlp``: Megatron's ``SequentialMLP`` with its local linears (the experts of the local layer spec);
 * ``dense``: the same SwiGLU MLP as one expert over all routed rows (the same GEMM FLOPs, no grouping).
 

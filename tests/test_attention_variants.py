@@ -152,6 +152,32 @@ def test_context_parallel_ranks_with_variants_make_up_full_attention(packed: boo
     assert wanted[3].abs().min() > 1e-3  # every sink takes part: its gradient is checked
 
 
+def test_plain_rows_under_cp_share_one_block_mask_per_length_and_place() -> None:
+    """FlexAttention's block mask for plain rows under CP is built once per length and CP place (not per
+    micro-batch): two micro-batches' layouts get the same mask, which allows exactly ``allowed_mask``'s pairs; a
+    layout whose query places are not token_index's own tensor gets a mask of its own."""
+    from lightning_megatron.kernels.variants import allowed_mask, variant_block_mask
+    from lightning_megatron.parallel.context import ContextParallel, token_index
+
+    seq, cpu = 48, torch.device("cpu")
+    masks = []
+    for rank in (1, 1, 0):
+        cp = ContextParallel(2, rank)
+        layout = SequenceLayout(query_index=token_index(seq, cp, cpu), seq_length=seq, cp=cp)  # as rank_tokens makes
+        masks.append((layout, variant_block_mask(layout, 5, 2, seq // 2, seq, cpu)))
+    assert masks[0][1] is masks[1][1]
+    assert masks[2][1] is not masks[0][1]
+    own = SequenceLayout(query_index=token_index(seq, ContextParallel(2, 1), cpu).clone(), seq_length=seq,
+                         cp=ContextParallel(2, 1))  # fmt: skip
+    masks.append((own, variant_block_mask(own, 5, 2, seq // 2, seq, cpu)))
+    assert masks[3][1] is not masks[0][1]
+    q_idx, kv_idx = torch.arange(seq // 2)[:, None], torch.arange(seq)[None]
+    for layout, mask in masks:
+        allowed = mask.mask_mod(torch.tensor(0), torch.tensor(0), q_idx, kv_idx)
+        assert torch.equal(allowed, allowed_mask(layout, seq // 2, seq, 5, cpu)[0, 0])
+        assert allowed.sum(1).max() == 6  # the query and the 5 keys before it: the window, not causal alone
+
+
 @pytest.mark.parametrize(
     ("freq", "windowed"),
     [(None, (True,) * 4), (2, (True, False, True, False)), ((1, 1, 0, 1), (True, True, False, True))],
@@ -243,6 +269,14 @@ def test_variants_validate_at_any_context_parallel_size() -> None:
 
     every = {"window_size": (3, 0), "softmax_type": "learnable", "attn_logit_softcapping": 5.0, "softmax_scale": 0.3}
     tiny_gpt(**every).validate_parallel(ParallelSizes(cp=2, tp=2, sequence_parallel=True))
+    tiny_gpt(**every, kernels="auto").validate_parallel(ParallelSizes(cp=2))  # 'auto': the torch kernels
+    # Transformer Engine would take them to its own CP attention: refused, naming the kernels that run them.
+    with pytest.raises(ValueError, match=r"window_size=\(3, 0\) with cp=2 and kernels='te'.*kernels='torch'"):
+        tiny_gpt(window_size=(3, 0), kernels="te").validate_parallel(ParallelSizes(cp=2))
+    with pytest.raises(ValueError, match="softmax_type='learnable' with cp=2 and kernels='te'"):
+        tiny_gpt(softmax_type="learnable", kernels="te").validate_parallel(ParallelSizes(cp=2))
+    tiny_gpt(softmax_scale=0.3, kernels="te").validate_parallel(ParallelSizes(cp=2))
+    tiny_gpt(window_size=(3, 0), kernels="te").validate_parallel(ParallelSizes(tp=2, sequence_parallel=True))
     assert tiny_gpt(window_size=[3, 0], window_attn_skip_freq=[1, 0, 1, 0]).window_size == (3, 0)  # YAML lists
 
 
@@ -287,16 +321,16 @@ def test_flex_variants_match_the_reference(variant: str, packed: bool) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_flex_variants_at_a_context_parallel_rank_match_the_reference(packed: bool) -> None:
-    """CP rank 1 of 2 on GPU: its queries (chunks 1 and 2 of 4, 128 tokens each) against the whole row with a window
-    of 100 that crosses the chunks' edges, sinks and soft-capping, on FlexAttention's block mask: the explicit float32
-    reference path's output and gradients."""
+    """CP rank 1 of 2 on GPU: its queries (chunks 1 and 2 of 4, 150 tokens each: FlexAttention's 128-token blocks
+    straddle the chunks' edges) against the whole row with a window of 100 that crosses those edges, sinks and
+    soft-capping, on FlexAttention's block mask: the explicit float32 reference path's output and gradients."""
     from lightning_megatron.kernels.variants import Variant, allowed_mask, attend_variant, masked_attention
     from lightning_megatron.parallel.context import ContextParallel, token_index
 
-    seq, device, variant = 512, torch.device("cuda"), Variant(window=100, softcap=1.5)
+    seq, device, variant = 600, torch.device("cuda"), Variant(window=100, softcap=1.5)
     cp = ContextParallel(2, 1)
     index = token_index(seq, cp, device)
-    positions = torch.cat([torch.arange(n) for n in (100, 37, 200, 75, 100)]).to(device)
+    positions = torch.cat([torch.arange(n) for n in (100, 37, 288, 75, 100)]).to(device)
     documents = (positions == 0).cumsum(0, dtype=torch.int32).expand(2, seq) if packed else None
     layout = SequenceLayout(
         positions=positions[index][None], documents=documents, query_index=index, seq_length=seq, cp=cp

@@ -258,9 +258,11 @@ def test_attention_benchmark_runs_every_case_in_its_tiny_cpu_mode() -> None:
 
 
 def test_the_sinks_candidates_compute_the_models_sink_attention() -> None:
-    """attention.py's sinks candidates give the model's sink attention (``flex_sinks``: kernels.variants' reference
-    path on CPU) for the same sink logits, grouped keys too: the rescaled dense attention both run on CPU, and the
-    sink-column formulation through FlexAttention's eager forward (no backward on CPU)."""
+    """attention.py's sinks candidates against the model's sink attention (``flex_sinks``: kernels.variants'
+    reference path on CPU) for the same sink logits, grouped keys too. What CPU can check: the rescaling formula
+    (``flex_sinks_fused``'s CPU stand-in, a dense attention rescaled the same way; its FlexAttention call and
+    compilation run on GPU only) and the sink-column formulation's forward through FlexAttention's eager path (no
+    FlexAttention backward on CPU: the column's gradient, through the ``score_mod``, is FlexAttention's on GPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from benchmarks import attention

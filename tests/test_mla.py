@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -111,6 +112,38 @@ def test_mla_core_attention_on_gpu_equals_the_float64_reference() -> None:
         torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
         for got, wanted in zip(torch.autograd.grad(out, inputs, grad_out), want_grads, strict=True):
             torch.testing.assert_close(got.double(), wanted, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mla_heads_at_a_context_parallel_rank_on_gpu_equal_the_float64_reference() -> None:
+    """CP rank 1 of 2 on GPU: its queries (chunks 1 and 2 of 4, 150 tokens each) against the whole row's 192 / 128
+    heads through the core attention's prefix-chunk SDPA calls (bottom-right-aligned causal masks), bf16: the float64
+    reference's rows and gradients."""
+    from lightning_megatron.kernels.documents import attend
+    from lightning_megatron.parallel.context import ContextParallel, token_index
+
+    seq, batch, heads, qk, v_dim, device = 600, 2, 8, 192, 128, torch.device("cuda")
+    cp = ContextParallel(2, 1)
+    index = token_index(seq, cp, device)
+    layout = SequenceLayout(positions=index[None], query_index=index, seq_length=seq, cp=cp)
+    torch.manual_seed(0)
+    shapes = [(batch, heads, seq // 2, qk), (batch, heads, seq, qk), (batch, heads, seq, v_dim)]
+    inputs = [torch.randn(s, device=device, dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, causal: bool) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=qk**-0.5)
+
+    got = attend(*inputs, layout, sdpa, 0.0, qk**-0.5)
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    scores = exact[0] @ exact[1].transpose(-1, -2) * qk**-0.5
+    scores = scores.masked_fill(index[:, None] < torch.arange(seq, device=device)[None], float("-inf"))
+    want = scores.softmax(-1) @ exact[2]
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    grad_out = torch.randn_like(got)
+    wanted = torch.autograd.grad(want, exact, grad_out.double())
+    for a, b in zip(torch.autograd.grad(got, inputs, grad_out), wanted, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2)
 
 
 # A direct query projection with the key/value latent's norm (DeepSeek-V2-Lite / Moonlight), YaRN as above.

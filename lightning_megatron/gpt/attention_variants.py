@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from lightning_megatron.validation import check_choice
 
-__all__ = ["VariantRequest", "check_variants", "has_variants", "variant_fields"]
+__all__ = ["VariantRequest", "check_variants", "check_variants_parallel", "has_variants", "variant_fields"]
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
@@ -87,6 +87,20 @@ def _check_window(config: VariantRequest) -> None:
 def _set_fields(config: VariantRequest) -> list[tuple[str, Any]]:
     defaults = {"window_size": None, "softmax_type": "vanilla", "softmax_scale": None, "attn_logit_softcapping": None}
     return [(name, getattr(config, name)) for name, default in defaults.items() if getattr(config, name) != default]
+
+
+def check_variants_parallel(config: VariantRequest, cp: int) -> None:
+    """Raise ``ValueError`` for variants Transformer Engine would run under context parallelism (``kernels='te'``:
+    not run here, and its CP attention does not take every window or softmax type); the torch kernels run them at
+    any CP."""
+    if cp == 1 or config.kernels != "te":
+        return
+    for name, value in _set_fields(config):
+        if name != "softmax_scale":  # a scale is any attention's own argument
+            raise ValueError(
+                f"{name}={value!r} with cp={cp} and kernels='te': attention variants under context parallelism run "
+                "on the torch kernels; use kernels='torch' or 'auto'"
+            )
 
 
 def variant_fields(config: VariantRequest) -> dict[str, Any]:

@@ -382,6 +382,7 @@ class ModelConfig:
         self._check_stages(sizes.pp, sizes.vpp)
         check_moe_parallel(self, sizes.ep, sizes.tp, sizes.sequence_parallel)
         check_mla_parallel(self, sizes.tp)
+        variants.check_variants_parallel(self, sizes.cp)
         check_sequence(self, sizes.tp, sizes.cp, sizes.sequence_parallel)
         check_graph_layout(self, sizes.pp, sizes.cp)
 
@@ -430,10 +431,7 @@ class ModelConfig:
         ``compile_fusions`` turns on Megatron's compiled fusions on GPU (``gpt.transformer.kernel_fields``).
         """
         model: dict[str, Any] = {name: getattr(self, name) for name in _SAME_NAME_FIELDS}
-        mla_yarn = self.multi_latent_attention and self.rope_type == "yarn"
-        mla_yarn = mla_yarn and fused_mla_rope_fits(self.qk_head_dim, self.v_head_dim, self.qk_pos_emb_head_dim)
-        # The fused kernels read a row's cos/sin at the token's local index; a CP rank holds two chunks of the row.
-        mla_yarn = mla_yarn and parallel.get("context_parallel_size", 1) == 1
+        mla_yarn = fused_mla_rope_fits(self, parallel.get("context_parallel_size", 1))
         rope, fusable = self.position_embedding_type == "rope", self.activation_fusable
         model.update(kernel_fields(kernels, compile_fusions, rope=rope, activation_fusable=fusable, mla_yarn=mla_yarn))
         if self.num_moe_experts is not None and self.add_bias_linear:

@@ -35,7 +35,7 @@ def kernel_fields(
 
     ``compile_fusions`` turns on Megatron's torch.compile'd activation and bias-dropout-add fusions with
     ``'torch'`` (on GPU; on CPU compiling costs more than it saves), and for Multi-Latent Attention with YaRN RoPE
-    and head sizes its kernels take (``mla_yarn``: :func:`fused_mla_rope_fits`) Megatron's fused MLA RoPE: Triton
+    where its kernels fit (``mla_yarn``: :func:`fused_mla_rope_fits`) Megatron's fused MLA RoPE: Triton
     kernels of megatron-core itself (no Transformer Engine) that rotate the query's and the shared key's RoPE slices
     and assemble the query, key and value heads in one pass each, in place of the elementwise, split and
     concatenation kernels of its unfused path.
@@ -58,8 +58,15 @@ def kernel_fields(
     return {}
 
 
-def fused_mla_rope_fits(qk_head_dim: int, v_head_dim: int, rope_dim: int) -> bool:
-    """Whether Megatron's fused MLA RoPE kernels take these head sizes: their Triton ranges need powers of two for
-    the query/key and value head sizes and half the RoPE slice, which must be a multiple of 4 (DeepSeek-V3's 128, 128
-    and 64 are)."""
-    return all(n > 0 and n & (n - 1) == 0 for n in (qk_head_dim, v_head_dim, rope_dim // 2)) and rope_dim % 4 == 0
+def fused_mla_rope_fits(config: Any, cp: int) -> bool:
+    """Whether Megatron's fused MLA RoPE kernels run ``config``'s attention (a ``ModelConfig``) at context-parallel
+    size ``cp``: Multi-Latent Attention with YaRN RoPE; head sizes their Triton ranges take (powers of two for the
+    query/key and value head sizes and half the RoPE slice, which must be a multiple of 4: DeepSeek-V3's 128, 128 and
+    64 are); and ``cp == 1``. Under CP, Megatron-Core 0.19 caches the cos/sin table of a rank's chunks for the
+    longest length seen and the kernels read it at each token's local place, so a shorter batch afterwards
+    (validation, a token budget) would be rotated with another length's positions; the unfused path computes the
+    table per length."""
+    if not config.multi_latent_attention or config.rope_type != "yarn" or cp != 1:
+        return False
+    sizes = (config.qk_head_dim, config.v_head_dim, config.qk_pos_emb_head_dim // 2)
+    return all(n > 0 and n & (n - 1) == 0 for n in sizes) and config.qk_pos_emb_head_dim % 4 == 0

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_megatron.kernels.documents import SequenceLayout, compiled_flex
+from lightning_megatron.parallel.context import ContextParallel, token_index
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _flex_variant(
 ) -> Tensor:
     from torch.nn.attention.flex_attention import AuxRequest
 
-    block_mask = _variant_block_mask(layout, variant.window, q.shape[0], q.shape[2], k.shape[2], q.device)
+    block_mask = variant_block_mask(layout, variant.window, q.shape[0], q.shape[2], k.shape[2], q.device)
     score_mod = None if variant.softcap is None else _softcap_mod(variant.softcap)
     kwargs: dict[str, Any] = dict(score_mod=score_mod, block_mask=block_mask, scale=scale)
     kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
@@ -145,17 +146,31 @@ def _softcap_mod(cap: float) -> Any:
     return softcap
 
 
-def _variant_block_mask(
+def variant_block_mask(
     layout: SequenceLayout | None, window: int | None, batch: int, queries: int, keys: int, device: torch.device
 ) -> Any:
     """FlexAttention's block mask of causal AND window AND same document: built once per micro-batch (packed rows,
-    in the layout's cache) or per shape (plain rows)."""
+    in the layout's cache) or once per shape (plain rows; under context parallelism per length and CP place)."""
     if layout is None:
         return _plain_block_mask(window, queries, keys, device)
+    cp, index = layout.cp, layout.query_index
+    # Plain rows under CP: their queries' places are token_index's (one cached tensor per length and place).
+    plain_cp = layout.documents is None and cp.size > 1 and index is not None
+    if plain_cp and index is token_index(layout.seq_length, cp, index.device):
+        return _cp_rows_block_mask(window, layout.seq_length, cp.size, cp.rank, index.device, device)
     key = ("variant_block_mask", window)
     if key not in layout.cache:
         layout.cache[key] = _build_block_mask(layout, window, batch, queries, keys, device)
     return layout.cache[key]
+
+
+@functools.lru_cache(maxsize=16)
+def _cp_rows_block_mask(
+    window: int | None, seq_length: int, size: int, rank: int, index_device: torch.device, device: torch.device
+) -> Any:
+    index = token_index(seq_length, ContextParallel(size, rank), index_device)
+    rows = SequenceLayout(query_index=index, seq_length=seq_length, cp=ContextParallel(size, rank))
+    return _build_block_mask(rows, window, 1, index.shape[0], seq_length, device)
 
 
 @functools.lru_cache(maxsize=16)
