@@ -213,11 +213,14 @@ def torch_threads(count: int) -> int:
     return previous
 
 
-def assert_continues_at_tp2_with_sp(model: dict, tmp_path: Path, also: tuple[dict, ...] = ()) -> None:
+def assert_continues_at_tp2_with_sp(
+    model: dict, tmp_path: Path, also: tuple[dict, ...] = (), data: dict | None = None
+) -> None:
     """One process trains ``tiny_gpt(**model)`` 4 steps, checkpointing at step 2; TP=2 with sequence parallelism
     (and each two-process layout of ``also``, e.g. ``{"cp": 2}``, side by side) resumes that checkpoint and must
-    follow the one-process curve (steps 3 and 4) and validation at step 4."""
-    val = {"limit_val_batches": 2, "val_check_interval": 4}
+    follow the one-process curve (steps 3 and 4) and validation at step 4. ``data``: layout_worker's data options
+    for every run, e.g. ``{"packed": True}``."""
+    val = {"limit_val_batches": 2, "val_check_interval": 4, **(data or {})}
     saves = {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_every": 2}
     full = run_here({"model": model, "devices": 1, "max_steps": 4, **val, **saves}, tmp_path)
     resume = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")

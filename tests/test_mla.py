@@ -313,6 +313,14 @@ def test_mla_model_continues_at_tp2_and_at_cp2(tmp_path: Path) -> None:
     assert_continues_at_tp2_with_sp({**MLA_DIRECT_NORM, "kernels": "torch"}, tmp_path, also=({"cp": 2},))
 
 
+@pytest.mark.multiprocess
+def test_mla_model_on_packed_rows_continues_at_cp2(tmp_path: Path) -> None:
+    # As above on packed rows (documents of 3-20 tokens in rows of 32), with a query latent: the document mask with
+    # each CP rank's queries at their places in the row.
+    model = {**MLA_YARN, "kernels": "torch"}
+    assert_continues_at_tp2_with_sp(model, tmp_path, also=({"cp": 2},), data={"packed": True})
+
+
 def test_an_mla_model_without_experts_has_no_hf_family() -> None:
     from lightning_megatron.gpt.hf.mapping import family
 
