@@ -24,8 +24,8 @@
 #             CUDA graphs against bf16 with CUDA graphs (~7 min)
 #   ema_update  the EMA update alone (eager, compiled, offloaded) and the GPU weight-averaging tests (~2 min)
 #   mla       the GPU tests of the attention variants (FlexAttention windows, sinks, soft-capping against the
-#             reference) and of MLA (its core attention against float64, the fused RoPE against the unfused
-#             path), then moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's
+#             reference, also at a CP rank) and of MLA (its core attention against float64, also at a CP rank, the
+#             fused RoPE against the unfused path), then moe1b beside mla_moe1b (the same MoE with DeepSeek-V3's
 #             Multi-Latent Attention), then mla_moe1b again under torch.profiler (its kernel table in $OUT), variant
 #             a (~6 min)
 #   moe_families  moe1b beside dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared; 8 layers on an
