@@ -30,8 +30,7 @@
 #             a (~6 min)
 #   moe_families  moe1b beside dsv3_1b (a DeepSeek-V3-like stack: MLA, 64 experts top-6 + 2 shared; 8 layers on an
 #             H200, 5 on an H100: 16 ran out of an H100's memory on 2026-12-07) and moe1b cut to the same layers,
-#             and gptoss1b (a GPT-OSS-like MoE: window-128/full layers, sinks, biases, clamped GLU, 32 experts
-#             top-4), variant a (~7 min: more than 330 s on an H100 on 2026-12-07)
+#             variant a (~5 min; the GPT-OSS-like gptoss1b: section gptoss)
 #   moe_ab    the MoE permutation's GPU test, then SHAPE (default moe1b; e.g. mla_moe1b) at BASE (a git revision,
 #             default HEAD~1, checked out beside the tree) against the checked-out commit, in turn, twice: one
 #             change's effect in one run (~6 min)
@@ -40,8 +39,9 @@
 #             a's ten MLA/GQA cases: on an H100 on 2026-12-07 part a and part b at 8K alone took 200 s), then the 1B
 #             shape at 16K tokens all-full against Gemma 3's 5:1 windowed layers (window 1024), variant a (the two
 #             16K runs need ~5 min together: give them the call's remaining time; ~8 min)
-#   gptoss    moe1b beside gptoss1b, then gptoss1b under torch.profiler (its kernel table in $OUT): where the
-#             GPT-OSS-like MoE's step goes (0.51x moe1b's tokens/s on 2026-12-07 on an H100), variant a (~5 min)
+#   gptoss    moe1b beside gptoss1b (a GPT-OSS-like MoE: window-128/full layers, sinks, biases, clamped GLU, 32
+#             experts top-4), then gptoss1b under torch.profiler (its kernel table in $OUT): where its step goes
+#             (0.51x moe1b's tokens/s on 2026-12-07 on an H100), variant a (~5 min)
 # Two GPUs (nvidia-h200-x2):
 #   moe_ep2   the ~1B-active MoE at EP=2 and at DP=2 (the experts replicated), variant a (~3 min)
 #   scaling2  1B, variants a and b: one GPU, DP=2, TP=2+SP, PP=2+VPP=2 (8 runs, ~7 min)
@@ -102,7 +102,6 @@ moe_families)
     layers=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000) ? 8 : 5}')
     tp --shape dsv3_1b --num-layers "$layers" --variants a
     tp --shape moe1b --num-layers "$layers" --variants a  # the same depth: the LM head's share of the step alike
-    tp --shape gptoss1b --variants a
     ;;
 moe_ab)
     timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_permute.py >"$out/$section.log" 2>&1
