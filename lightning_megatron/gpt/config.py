@@ -16,7 +16,14 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from lightning_megatron.gpt import attention_variants as variants
-from lightning_megatron.gpt.config_checks import check_cuda_graphs, check_graph_layout, check_recompute, check_sequence
+from lightning_megatron.gpt.config_checks import (
+    check_cuda_graphs,
+    check_graph_layout,
+    check_recompute,
+    check_sequence,
+    check_stages,
+    check_tensor_split,
+)
 from lightning_megatron.gpt.gemma import check_gemma
 from lightning_megatron.gpt.mla import check_mla, check_mla_parallel, mla_fields
 from lightning_megatron.gpt.moe.config import build_with_expert_biases, check_moe, check_moe_parallel, moe_layer_pattern
@@ -24,7 +31,7 @@ from lightning_megatron.gpt.plan import Kernels, Resolved
 from lightning_megatron.gpt.transformer import LOCAL_BACKEND, fused_mla_rope_fits, kernel_fields
 from lightning_megatron.gpt.yarn import check_yarn, yarn_attributes
 from lightning_megatron.parallel.sizes import ParallelSizes
-from lightning_megatron.validation import check_choice, check_positive_int, divisors, next_multiple
+from lightning_megatron.validation import check_choice, check_positive_int, divisors
 
 __all__ = ["ModelConfig", "tiny_gpt"]
 
@@ -378,49 +385,13 @@ class ModelConfig:
 
     def validate_parallel(self, sizes: ParallelSizes) -> None:
         """Check that this model can be split by ``sizes`` (which checked themselves); raise ValueError otherwise."""
-        self._check_tensor_split(sizes.tp)
-        self._check_stages(sizes.pp, sizes.vpp)
+        check_tensor_split(self, sizes.tp)
+        check_stages(self, sizes.pp, sizes.vpp)
         check_moe_parallel(self, sizes.ep, sizes.tp, sizes.sequence_parallel)
         check_mla_parallel(self, sizes.tp)
         variants.check_variants_parallel(self, sizes.cp)
         check_sequence(self, sizes.tp, sizes.cp, sizes.sequence_parallel)
         check_graph_layout(self, sizes.pp, sizes.cp)
-
-    def _check_tensor_split(self, tp: int) -> None:
-        heads, groups = self.num_attention_heads, self.effective_num_query_groups
-        if heads % tp != 0:
-            raise ValueError(
-                f"num_attention_heads={heads} must be divisible by tp={tp}; pick tp among {divisors(heads)}"
-            )
-        # Megatron also accepts tp a multiple of num_query_groups (KV heads replicated through an
-        # all-gather); we require whole KV heads per rank so checkpoint conversion stays a plain split.
-        if groups % tp != 0:
-            raise ValueError(
-                f"num_query_groups={groups} (effective) must be divisible by tp={tp}; pick tp among {divisors(groups)}"
-            )
-        if self.vocab_size % tp != 0:
-            raise ValueError(
-                f"vocab_size={self.vocab_size} must be divisible by tp={tp} (vocab-parallel embedding splits "
-                f"rows evenly); pad vocab_size to {next_multiple(self.vocab_size, tp)}"
-            )
-
-    def _check_stages(self, pp: int, vpp: int | None) -> None:
-        stages = pp * (vpp or 1)
-        if self.num_layers % stages != 0:
-            lower = self.num_layers // stages * stages
-            would_work = [n for n in (lower, lower + stages) if n > 0]
-            raise ValueError(
-                f"num_layers={self.num_layers} must be divisible by pp*vpp={pp}*{vpp or 1}={stages} (every "
-                f"model chunk gets the same number of layers); num_layers among {would_work} would work, "
-                f"or pick pp*vpp among {divisors(self.num_layers)}"
-            )
-        per_chunk = self.num_layers // stages
-        n = self.recompute_num_layers
-        if n is not None and n > per_chunk:
-            raise ValueError(
-                f"recompute_num_layers={n} exceeds the {per_chunk} layers per model chunk with "
-                f"pp={pp}, vpp={vpp}; pick recompute_num_layers among 1..{per_chunk}"
-            )
 
     def to_transformer_config(
         self, kernels: Resolved = "local", compile_fusions: bool = False, **parallel: Any

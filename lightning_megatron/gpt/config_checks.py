@@ -1,13 +1,13 @@
 """Checks of :class:`~lightning_megatron.gpt.config.ModelConfig` fields that are not specific to one feature family
-(recomputation, CUDA graphs), kept apart so that the config stays a description. Each error names the field, its
-value and what would work."""
+(recomputation, CUDA graphs, the tensor-parallel split, pipeline stages, sequence lengths), kept apart so that the
+config stays a description. Each error names the field, its value and what would work."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from lightning_megatron.validation import check_choice, next_multiple
+from lightning_megatron.validation import check_choice, divisors, next_multiple
 
 
 def check_recompute(config: Any) -> None:
@@ -87,4 +87,42 @@ def check_sequence(config: Any, tp: int, cp: int, sequence_parallel: bool) -> No
         raise ValueError(
             f"cp={cp} with moe_enable_routing_replay=True: recorded routing covers whole rows, and each CP rank "
             "routes only its chunks of them; use cp=1 with routing replay"
+        )
+
+
+def check_tensor_split(config: Any, tp: int) -> None:
+    """Whole attention heads, key/value heads and vocabulary rows per tensor-parallel rank."""
+    heads, groups = config.num_attention_heads, config.effective_num_query_groups
+    if heads % tp != 0:
+        raise ValueError(f"num_attention_heads={heads} must be divisible by tp={tp}; pick tp among {divisors(heads)}")
+    # Megatron also accepts tp a multiple of num_query_groups (KV heads replicated through an
+    # all-gather); we require whole KV heads per rank so checkpoint conversion stays a plain split.
+    if groups % tp != 0:
+        raise ValueError(
+            f"num_query_groups={groups} (effective) must be divisible by tp={tp}; pick tp among {divisors(groups)}"
+        )
+    if config.vocab_size % tp != 0:
+        raise ValueError(
+            f"vocab_size={config.vocab_size} must be divisible by tp={tp} (vocab-parallel embedding splits "
+            f"rows evenly); pad vocab_size to {next_multiple(config.vocab_size, tp)}"
+        )
+
+
+def check_stages(config: Any, pp: int, vpp: int | None) -> None:
+    """The same number of layers in every pipeline model chunk, and activation recompute within one."""
+    stages = pp * (vpp or 1)
+    if config.num_layers % stages != 0:
+        lower = config.num_layers // stages * stages
+        would_work = [n for n in (lower, lower + stages) if n > 0]
+        raise ValueError(
+            f"num_layers={config.num_layers} must be divisible by pp*vpp={pp}*{vpp or 1}={stages} (every "
+            f"model chunk gets the same number of layers); num_layers among {would_work} would work, "
+            f"or pick pp*vpp among {divisors(config.num_layers)}"
+        )
+    per_chunk = config.num_layers // stages
+    n = config.recompute_num_layers
+    if n is not None and n > per_chunk:
+        raise ValueError(
+            f"recompute_num_layers={n} exceeds the {per_chunk} layers per model chunk with "
+            f"pp={pp}, vpp={vpp}; pick recompute_num_layers among 1..{per_chunk}"
         )
