@@ -375,12 +375,14 @@ def test_variant_model_continues_at_tp2_with_sp_and_at_cp2(tmp_path: Path) -> No
 
 
 @pytest.mark.multiprocess
-def test_variant_model_on_packed_rows_continues_at_cp2(tmp_path: Path) -> None:
+def test_variant_model_on_packed_rows_continues_at_tp2_sp_cp2(tmp_path: Path) -> None:
     """As above on packed rows (documents of 3-20 tokens in rows of 32: the window, the sinks and the document mask
-    together, each CP rank's queries at their places in the row), resumed at TP=2 with SP and at CP=2."""
+    together, each CP rank's queries at their places in the row), resumed at TP=2 with SP and at TP=2 + SP x CP=2
+    (four processes: the sinks split by heads, the rows by CP)."""
     from tests.conftest import assert_continues_at_tp2_with_sp
 
     variants = {"window_size": (3, 0), "window_attn_skip_freq": 2, "softmax_type": "learnable",
                 "attn_logit_softcapping": 5.0}  # fmt: skip
     model = {**variants, "kernels": "torch"}
-    assert_continues_at_tp2_with_sp(model, tmp_path, also=({"cp": 2},), data={"packed": True})
+    tp_cp = {"devices": 4, "tp": 2, "sp": True, "cp": 2}
+    assert_continues_at_tp2_with_sp(model, tmp_path, also=(tp_cp,), data={"packed": True})

@@ -314,11 +314,13 @@ def test_mla_model_continues_at_tp2_and_at_cp2(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_mla_model_on_packed_rows_continues_at_cp2(tmp_path: Path) -> None:
-    # As above on packed rows (documents of 3-20 tokens in rows of 32), with a query latent: the document mask with
-    # each CP rank's queries at their places in the row.
+def test_mla_model_on_packed_rows_continues_at_tp2_sp_cp2(tmp_path: Path) -> None:
+    # As above on packed rows (documents of 3-20 tokens in rows of 32), with a query latent, at TP=2 with sequence
+    # parallelism and at TP=2 + SP x CP=2 (four processes): the document mask with each CP rank's queries at their
+    # places in the row, the latent's RoPE key gathered over the TP ranks' sequence shards of each CP chunk.
     model = {**MLA_YARN, "kernels": "torch"}
-    assert_continues_at_tp2_with_sp(model, tmp_path, also=({"cp": 2},), data={"packed": True})
+    tp_cp = {"devices": 4, "tp": 2, "sp": True, "cp": 2}
+    assert_continues_at_tp2_with_sp(model, tmp_path, also=(tp_cp,), data={"packed": True})
 
 
 def test_an_mla_model_without_experts_has_no_hf_family() -> None:
