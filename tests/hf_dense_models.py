@@ -149,8 +149,10 @@ JOBS = {
     "qwen3_pp2": {"arch": "qwen3", "pp": 2},
     "gemma3_tp2": {"arch": "gemma3", "tp": 2, "packed": True},  # windows inside documents, split over TP
     "gemma3_pp2": {"arch": "gemma3", "pp": 2},  # tied embeddings, a sliding and a full layer per stage
+    "gemma3_cp2": {"arch": "gemma3", "cp": 2, "packed": True},  # windows across the CP chunks' edges, in documents
     "gemma2_tp2": {"arch": "gemma2", "tp": 2},  # the final soft-cap on each rank's vocabulary shard
     "gemma2_pp2": {"arch": "gemma2", "pp": 2},  # ... on the last stage only
+    "gemma2_cp2": {"arch": "gemma2", "cp": 2},  # soft-capped scores and windows across the CP chunks' edges
     "llama_tp2_trained": {"arch": "llama", "tp": 2, "train_steps": 2},
     # LoRA on the frozen HF weights: the same adapters (seeded) and curve at every layout
     "llama_tp2_sp_lora_trained": {"arch": "llama", "tp": 2, "sp": True, "train_steps": 3, "lora": LORA},

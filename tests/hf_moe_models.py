@@ -174,6 +174,9 @@ LAYOUTS = {
     "glm4_moe_ep2": {"arch": "glm4_moe", "ep": 2}, "glm4_moe_tp2": {"arch": "glm4_moe", "tp": 2},
     "glm4_moe_pp2": {"arch": "glm4_moe", "pp": 2}, "gpt_oss_ep2": {"arch": "gpt_oss", "ep": 2},
     "gpt_oss_tp2": {"arch": "gpt_oss", "tp": 2}, "gpt_oss_pp2": {"arch": "gpt_oss", "pp": 2},
+    # Context parallelism: rows of 16 in chunks of 4, the window of 4 and the sinks across the chunks' edges (GPT-OSS);
+    # MLA's YaRN RoPE at each chunk's places, its 192/128-style heads gathered (DeepSeek-V3)
+    "gpt_oss_cp2": {"arch": "gpt_oss", "cp": 2}, "deepseek_v3_cp2": {"arch": "deepseek_v3", "cp": 2},
     # Full training with the experts (and their biases) split over expert tensor parallelism, checkpointed at step 2
     "gpt_oss_tp2_sp_trained": {"arch": "gpt_oss", "tp": 2, "sp": True, "train_steps": 3, "grad_norms": True,
                                "ckpt": True},

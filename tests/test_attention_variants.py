@@ -212,6 +212,24 @@ def test_packed_rows_with_variants_equal_their_documents_alone(megatron_state: N
     torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-5)
 
 
+def test_packed_rows_with_gpt_models_own_yarn_rope_equal_their_documents_alone(megatron_state: None) -> None:
+    # GPT-OSS's layout: YaRN RoPE applied by Megatron's attention from GPTModel's own table (sized for the full rows
+    # the layout names), sinks and windows; each document of a packed row sees what it sees alone.
+    torch.manual_seed(0)
+    yarn = {"position_embedding_type": "yarn", "rotary_scaling_factor": 4.0, "original_max_position_embeddings": 8}
+    config = tiny_gpt(window_size=(3, 0), window_attn_skip_freq=2, softmax_type="learnable", **yarn)
+    model = torch_gpt(config).eval()
+    lengths = (5, 7, 4)
+    tokens = torch.randint(0, 256, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    documents = (positions == 0).cumsum(1, dtype=torch.int32)
+    layout = SequenceLayout(positions=positions, documents=documents, seq_length=tokens.shape[1])
+    with torch.no_grad():
+        packed = model(tokens, positions, None, packed_seq_params=layout)
+        alone = [model(part, torch.arange(part.shape[1])[None], None) for part in tokens.split(lengths, dim=1)]
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-5)
+
+
 def test_tiny_model_with_variants_trains_at_one_process() -> None:
     import lightning as L
     from torch.utils.data import DataLoader

@@ -23,7 +23,7 @@ def test_layouts_match_transformers(name: str, moe_layouts: dict, moe_models: di
     from their expert-parallel ranks, shards from their tensor-parallel ones) is the HF checkpoint; for an MXFP4
     source, transformers runs on the dequantized weights, which the float export equals exactly."""
     job = LAYOUTS[name]
-    arch, data_parallel = job["arch"], 2 // (job.get("tp", 1) * job.get("pp", 1))
+    arch, data_parallel = job["arch"], 2 // (job.get("tp", 1) * job.get("pp", 1) * job.get("cp", 1))
     reference = moe_layouts[name]["reference"]
     weights = load_file(reference / "model.safetensors")
     if job.get("mxfp4"):  # the MXFP4 values differ from the float source's: the comparison tells them apart

@@ -44,6 +44,10 @@ class SequenceLayout(PackedSeqParams):
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"  # Megatron's attention then leaves the layout to the core attention
+        # GPTModel sizes its own rotary table (YaRN models: GPT-OSS) by these whenever packed_seq_params is given:
+        # the full rows' length, of which each CP rank's rotary module keeps its chunks' positions.
+        self.max_seqlen_q = self.max_seqlen_q or self.seq_length
+        self.max_seqlen_kv = self.max_seqlen_kv or self.seq_length
         super().__post_init__()
 
 
