@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lightning_megatron import MegatronLMModule, pack_sequences
-from tests.hf_moe_models import cpu_trainer, hf_model, save_randomised
+from tests.hf_moe_models import cpu_trainer, packed_documents, save_randomised
 from tests.hf_moe_models import hf_forward as moe_hf_forward
 
 SEQ = 16
@@ -81,36 +81,6 @@ def hf_forward(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
     """transformers' logits and loss on ``tokens`` (float32, eager attention)."""
     logits, loss, _ = moe_hf_forward(path, tokens)
     return logits, loss
-
-
-# Documents packed first-fit into 4 rows of SEQ tokens: [9, 7], [12, 4], [5, 10, one pad token], [3, 13].
-PACKED_LENGTHS = (9, 7, 12, 4, 5, 10, 3, 13)
-
-
-def packed_documents() -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(5)
-    return [torch.randint(0, 128, (n,), generator=generator) for n in PACKED_LENGTHS]
-
-
-def hf_per_document(path: Path) -> tuple[float, torch.Tensor]:
-    """``transformers`` on each document alone: the token-weighted loss, and the log-probs laid out like the packed
-    rows' ``logprobs`` (position t: log p(token t+1); 0 at each document's last token and on padding)."""
-    model = hf_model(path)
-    rows = pack_sequences(packed_documents(), SEQ)
-    want = torch.zeros(len(rows), SEQ)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for r, row in enumerate(rows):
-            starts = (row["position_ids"] == 0).nonzero().flatten().tolist() + [SEQ]
-            for start, stop in zip(starts[:-1], starts[1:], strict=True):
-                doc = row["input_ids"][start:stop]
-                if row["labels"][start + 1 : stop].eq(-100).all():
-                    continue  # the padding document
-                logprobs = model(input_ids=doc[None]).logits[0].log_softmax(-1)
-                picked = logprobs[:-1].gather(-1, doc[1:, None]).squeeze(-1)  # [n-1]
-                want[r, start : stop - 1] = picked
-                total, count = total - float(picked.sum()), count + len(doc) - 1
-    return total / count, want
 
 
 def hf_state_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -18,7 +18,7 @@ import torch
 import transformers
 from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronLMModule, MegatronStrategy
+from lightning_megatron import MegatronLMModule, MegatronStrategy, pack_sequences
 from tests.hf_gpt_oss_models import make_mxfp4
 
 SEQ = 16
@@ -87,6 +87,36 @@ def save_randomised(config: Any, path: Path, sigmoid_router: bool = False) -> Pa
 def hf_model(path: Path) -> Any:
     """The transformers model at ``path`` in float32 with eager attention."""
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+
+
+# Documents packed first-fit into 4 rows of SEQ tokens: [9, 7], [12, 4], [5, 10, one pad token], [3, 13].
+PACKED_LENGTHS = (9, 7, 12, 4, 5, 10, 3, 13)
+
+
+def packed_documents() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 128, (n,), generator=generator) for n in PACKED_LENGTHS]
+
+
+def hf_per_document(path: Path) -> tuple[float, torch.Tensor]:
+    """``transformers`` on each document alone: the token-weighted loss, and the log-probs laid out like the packed
+    rows' ``logprobs`` (position t: log p(token t+1); 0 at each document's last token and on padding)."""
+    model = hf_model(path)
+    rows = pack_sequences(packed_documents(), SEQ)
+    want = torch.zeros(len(rows), SEQ)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r, row in enumerate(rows):
+            starts = (row["position_ids"] == 0).nonzero().flatten().tolist() + [SEQ]
+            for start, stop in zip(starts[:-1], starts[1:], strict=True):
+                doc = row["input_ids"][start:stop]
+                if row["labels"][start + 1 : stop].eq(-100).all():
+                    continue  # the padding document
+                logprobs = model(input_ids=doc[None]).logits[0].log_softmax(-1)
+                picked = logprobs[:-1].gather(-1, doc[1:, None]).squeeze(-1)  # [n-1]
+                want[r, start : stop - 1] = picked
+                total, count = total - float(picked.sum()), count + len(doc) - 1
+    return total / count, want
 
 
 def hf_forward(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:
@@ -174,9 +204,9 @@ LAYOUTS = {
     "glm4_moe_ep2": {"arch": "glm4_moe", "ep": 2}, "glm4_moe_tp2": {"arch": "glm4_moe", "tp": 2},
     "glm4_moe_pp2": {"arch": "glm4_moe", "pp": 2}, "gpt_oss_ep2": {"arch": "gpt_oss", "ep": 2},
     "gpt_oss_tp2": {"arch": "gpt_oss", "tp": 2}, "gpt_oss_pp2": {"arch": "gpt_oss", "pp": 2},
-    # Context parallelism: rows of 16 in chunks of 4, the window of 4 and the sinks across the chunks' edges (GPT-OSS);
-    # MLA's YaRN RoPE at each chunk's places, its 192/128-style heads gathered (DeepSeek-V3)
-    "gpt_oss_cp2": {"arch": "gpt_oss", "cp": 2}, "deepseek_v3_cp2": {"arch": "deepseek_v3", "cp": 2},
+    # Context parallelism: rows of 16 in chunks of 4, the window of 4 and the sinks across the chunks' edges (GPT-OSS,
+    # also on packed rows: GPTModel's YaRN table); MLA's YaRN RoPE at each chunk's places, its heads gathered
+    "gpt_oss_cp2": {"arch": "gpt_oss", "cp": 2, "packed": True}, "deepseek_v3_cp2": {"arch": "deepseek_v3", "cp": 2},
     # Full training with the experts (and their biases) split over expert tensor parallelism, checkpointed at step 2
     "gpt_oss_tp2_sp_trained": {"arch": "gpt_oss", "tp": 2, "sp": True, "train_steps": 3, "grad_norms": True,
                                "ckpt": True},
@@ -212,7 +242,7 @@ def layout_runs(models: dict[str, Path], tokens: torch.Tensor, tmp: Path) -> lis
     ``tmp``. Each job names its HF checkpoint (``model``) and the float checkpoint its export and transformers'
     results are compared with (``reference``: the model, or an MXFP4 model's dequantized weights)."""
     torch.save(tokens, tmp / "tokens.pt")
-    torch.save([], tmp / "packed.pt")
+    torch.save(pack_sequences(packed_documents(), SEQ), tmp / "packed.pt")  # for the jobs with "packed"
     jobs = []
     for name, job in LAYOUTS.items():
         model = reference = models[job["arch"]]

@@ -142,7 +142,7 @@ def run_job(devices: int, job: dict, tokens: torch.Tensor, packed: list) -> tupl
         module.prediction = "logprobs"
         result["logprobs"] = torch.cat([p["logprobs"] for p in _trainer(devices, job).predict(module, loader)]).tolist()
         module.prediction = "logits"
-    if job.get("packed"):  # packed rows of documents (tests/hf_dense_models.py: PACKED_LENGTHS)
+    if job.get("packed"):  # packed rows of documents (tests/hf_moe_models.py: PACKED_LENGTHS)
         rows = DataLoader(packed, batch_size=len(packed))
         result["packed_val_loss"] = _trainer(devices, job).validate(module, rows)[0]["val_loss"]
         module.prediction = "logprobs"

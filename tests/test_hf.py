@@ -27,11 +27,9 @@ from tests.hf_dense_models import (
     SEQ,
     ExportAndSave,
     hf_forward,
-    hf_per_document,
     hf_state_shapes,
-    packed_documents,
 )
-from tests.hf_moe_models import cpu_trainer
+from tests.hf_moe_models import cpu_trainer, hf_per_document, packed_documents
 
 
 @pytest.fixture(scope="module")

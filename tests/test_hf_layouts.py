@@ -19,7 +19,6 @@ from tests.conftest import child_env, run_forked
 from tests.hf_dense_models import (
     JOBS,
     hf_forward,
-    hf_per_document,
     hf_state_shapes,
     layout_results,
     layout_runs,
@@ -27,6 +26,7 @@ from tests.hf_dense_models import (
     make_peft_adapter,
     total_elements,
 )
+from tests.hf_moe_models import hf_per_document
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.hf_moe_models import ADAMW, LAYOUTS, SEQ, hf_adamw_steps, hf_forward, hf_model
+from tests.hf_moe_models import ADAMW, LAYOUTS, SEQ, hf_adamw_steps, hf_forward, hf_model, hf_per_document
 
 
 @pytest.mark.multiprocess
@@ -40,6 +40,17 @@ def test_layouts_match_transformers(name: str, moe_layouts: dict, moe_models: di
         tied = {"lm_head.weight"} if arch == "qwen2_moe" else set()
         assert {n: s for n, s in result["export_shapes"].items() if n not in tied} == shapes
         assert result["export_max_diff"] == 0.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", [name for name, job in LAYOUTS.items() if job.get("packed")])
+def test_packed_rows_match_each_document_alone(name: str, moe_layouts: dict, moe_models: dict) -> None:
+    """Packed rows (documents of 3-13 tokens) at the job's layout: the validation loss and log-probs of transformers
+    run on each document alone, on every rank."""
+    want_loss, want_logprobs = hf_per_document(moe_models[LAYOUTS[name]["arch"]])
+    for rank, result in enumerate(moe_layouts[name]["ranks"]):
+        assert result["packed_val_loss"] == pytest.approx(want_loss, rel=1e-5), rank
+        torch.testing.assert_close(torch.tensor(result["packed_logprobs"]), want_logprobs, rtol=1e-4, atol=1e-5)
 
 
 def _trained_as_one_process(layout: dict, one: dict, one_logits: torch.Tensor, data_parallel: int) -> None:
