@@ -18,7 +18,7 @@ from lightning_megatron.gpt.attention_variants import window_layers
 from lightning_megatron.kernels.attention import SDPAttention
 from lightning_megatron.kernels.documents import SequenceLayout
 from tests.conftest import one_process_megatron, one_process_trainer
-from tests.torch_gpt_models import torch_gpt
+from tests.torch_gpt_models import assert_packed_row_is_its_documents, torch_gpt
 
 SEQ, BATCH, HEADS, GROUPS, DIM = 16, 2, 4, 2, 16  # tiny_gpt's heads of 16, grouped-query attention
 SINKS = torch.tensor([-1.0, 0.0, 1.0, 2.5])  # large enough to take a visible share of the softmax
@@ -195,39 +195,19 @@ def test_window_layers_follow_megatrons_pattern(megatron_state: None, freq: Any,
     assert all(p.shape == (HEADS,) and p.tensor_model_parallel for p in sinks.values())
 
 
-def test_packed_rows_with_variants_equal_their_documents_alone(megatron_state: None) -> None:
-    # A window shorter than the documents, sinks and soft-capping: each document of a packed row sees what it sees
-    # alone (RoPE at positions within each document).
-    torch.manual_seed(0)
-    config = tiny_gpt(window_size=(3, 0), window_attn_skip_freq=2, softmax_type="learnable", attn_logit_softcapping=5.0)
-    model = torch_gpt(config).eval()
-    lengths = (5, 7, 4)
-    tokens = torch.randint(0, 256, (1, sum(lengths)))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    documents = (positions == 0).cumsum(1, dtype=torch.int32)
-    layout = SequenceLayout(positions=positions, documents=documents, seq_length=tokens.shape[1])
-    with torch.no_grad():
-        packed = model(tokens, positions, None, packed_seq_params=layout)
-        alone = [model(part, torch.arange(part.shape[1])[None], None) for part in tokens.split(lengths, dim=1)]
-    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-5)
+# GPT-OSS's layout (YaRN RoPE applied by Megatron's attention from GPTModel's own table, sized for the full rows the
+# layout names) and our RoPE inside the core attention, each with windows and sinks.
+YARN = {"position_embedding_type": "yarn", "rotary_scaling_factor": 4.0, "original_max_position_embeddings": 8}
 
 
-def test_packed_rows_with_gpt_models_own_yarn_rope_equal_their_documents_alone(megatron_state: None) -> None:
-    # GPT-OSS's layout: YaRN RoPE applied by Megatron's attention from GPTModel's own table (sized for the full rows
-    # the layout names), sinks and windows; each document of a packed row sees what it sees alone.
+@pytest.mark.parametrize(
+    "rope", [{"attn_logit_softcapping": 5.0}, YARN], ids=["rope_in_attention_softcap", "gpt_models_own_yarn"]
+)
+def test_packed_rows_with_variants_equal_their_documents_alone(megatron_state: None, rope: dict) -> None:
+    # A window shorter than the documents, sinks: each document of a packed row sees what it sees alone.
     torch.manual_seed(0)
-    yarn = {"position_embedding_type": "yarn", "rotary_scaling_factor": 4.0, "original_max_position_embeddings": 8}
-    config = tiny_gpt(window_size=(3, 0), window_attn_skip_freq=2, softmax_type="learnable", **yarn)
-    model = torch_gpt(config).eval()
-    lengths = (5, 7, 4)
-    tokens = torch.randint(0, 256, (1, sum(lengths)))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    documents = (positions == 0).cumsum(1, dtype=torch.int32)
-    layout = SequenceLayout(positions=positions, documents=documents, seq_length=tokens.shape[1])
-    with torch.no_grad():
-        packed = model(tokens, positions, None, packed_seq_params=layout)
-        alone = [model(part, torch.arange(part.shape[1])[None], None) for part in tokens.split(lengths, dim=1)]
-    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-5)
+    config = tiny_gpt(window_size=(3, 0), window_attn_skip_freq=2, softmax_type="learnable", **rope)
+    assert_packed_row_is_its_documents(torch_gpt(config).eval())
 
 
 def test_tiny_model_with_variants_trains_at_one_process() -> None:

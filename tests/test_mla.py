@@ -20,7 +20,7 @@ from tests.conftest import (
     one_process_trainer,
     run_in_triton_interpreter,
 )
-from tests.torch_gpt_models import torch_gpt
+from tests.torch_gpt_models import assert_packed_row_is_its_documents, torch_gpt
 
 QK, ROPE, V = 16, 8, 16  # tiny_gpt's MLA head sizes: query/key 16 + 8, value 16
 MLA = {"multi_latent_attention": True}
@@ -242,16 +242,7 @@ def test_packed_mla_rows_equal_their_documents_alone(megatron_state: None, overr
     # Megatron's MLA rotates at positions within the row; attention inside each document makes that the documents'
     # own positions (RoPE scores depend on differences only): a packed row's logits are each document's alone.
     torch.manual_seed(0)
-    model = torch_gpt(tiny_gpt(**overrides)).eval()
-    lengths = (5, 7, 4)
-    tokens = torch.randint(0, 256, (1, sum(lengths)))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    documents = (positions == 0).cumsum(1, dtype=torch.int32)
-    layout = SequenceLayout(positions=positions, documents=documents, seq_length=tokens.shape[1])
-    with torch.no_grad():
-        packed = model(tokens, positions, None, packed_seq_params=layout)
-        alone = [model(part, torch.arange(part.shape[1])[None], None) for part in tokens.split(lengths, dim=1)]
-    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-5)
+    assert_packed_row_is_its_documents(torch_gpt(tiny_gpt(**overrides)).eval())
 
 
 @pytest.mark.parametrize(
