@@ -174,7 +174,9 @@ def build(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Buil
 def sinks_candidate(case: str, s: Sizes, device: torch.device, dtype: torch.dtype) -> Built:
     """``flex_sinks_fused`` or ``flex_sinks_column`` (module docstring) with a sink logit per head, compiled on GPU.
     On CPU (no FlexAttention backward there) both run :func:`dense_sinks`, eager: their CPU rows time no candidate."""
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    from lightning_megatron.kernels.variants import variant_block_mask
 
     sink = torch.nn.Parameter(torch.zeros(s.heads, device=device, dtype=dtype))
     scale, gpu = s.head_dim**-0.5, device.type == "cuda"
@@ -187,21 +189,16 @@ def sinks_candidate(case: str, s: Sizes, device: torch.device, dtype: torch.dtyp
         return rescaled(out, aux.lse, sink)
 
     compiled = torch.compile(fused) if case == "flex_sinks_fused" else torch.compile(flex_attention)
-    masks: dict[int, Any] = {}
 
     def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         seq, batch = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if not gpu:
             out = dense_sinks(q, k, v, sink, scale)
-        elif case == "flex_sinks_fused":
-            if seq not in masks:
-                masks[seq] = create_block_mask(lambda b, h, i, j: j <= i, None, None, seq, seq, device=device)
-            out = compiled(q, k, v, masks[seq])
+        elif case == "flex_sinks_fused":  # the model's own causal block mask (cached per shape)
+            out = compiled(q, k, v, variant_block_mask(None, None, 1, seq, seq, device))
         else:
-            if seq not in masks:
-                masks[seq] = sink_column_mask(seq, device)
-            out = sink_column_attention(q, k, v, sink, scale, compiled, masks[seq])
+            out = sink_column_attention(q, k, v, sink, scale, compiled, sink_column_mask(seq, device))
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
     return Built(step, [sink], s.head_dim, s.head_dim, s.groups, None, "flex" if gpu else "dense_reference")
@@ -213,6 +210,7 @@ def rescaled(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.
     return (out.float() * factor.unsqueeze(-1)).to(out.dtype)
 
 
+@functools.cache
 def sink_column_mask(seq: int, device: torch.device) -> Any:
     """Causal over ``seq`` keys, and every query sees key ``seq`` (the sink's column)."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -246,8 +244,9 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     repeat = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(repeat, dim=1).float() for t in (k, v))
     scores = q.float() @ k.transpose(-2, -1) * scale
-    seq = q.shape[2]
-    scores = scores.masked_fill(~torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    from lightning_megatron.kernels.variants import allowed_mask
+
+    scores = scores.masked_fill(~allowed_mask(None, q.shape[2], k.shape[2], None, q.device), float("-inf"))
     return (scores.softmax(-1) @ v).to(q.dtype), scores.logsumexp(-1)
 
 
