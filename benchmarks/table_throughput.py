@@ -70,8 +70,8 @@ def throughput_tables(table: Throughput) -> list[str]:
         "without `flops_params` counted 6 x all parameters, the input table included). `peak GiB`: the GPU memory "
         "the step allocated at its peak (`torch.cuda.max_memory_allocated`), of one GPU.",
         "Each row is the newest of its configuration, so rows of one table come from different calls and often "
-        "different machines: the same MoE shape has run 1.6x apart on H100s the same day (1.2x on one machine ten "
-        "minutes apart), the dense shapes a few percent apart. Compare rows of one call (the same date and commit, "
+        "different machines: the same MoE shape has run 1.6x apart on two H100s (1.2x in two calls on one), "
+        "the dense shapes a few percent apart. Compare rows of one call (the same date and commit, "
         "or the MoE-against-dense table).",
     ]
     if table.from_params:
